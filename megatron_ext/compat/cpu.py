@@ -1,0 +1,346 @@
+"""CPU backend for Megatron-Core: lets `megatron.training.pretrain` run on CPU-only machines with gloo.
+
+Megatron-Core assumes CUDA in many places. This module is the one place where the plugin bends
+those assumptions, and it is only ever installed when ``torch.cuda.is_available()`` is false:
+:func:`install` is a no-op on a machine with a GPU (tested in ``tests/test_compat.py``).
+
+Every patch is listed in :data:`PATCHES` with the reason it is needed. The approach:
+
+* A :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` arguments (factory
+  functions, ``Tensor.to``, ``Tensor.cuda``) to the CPU, which covers the hundreds of
+  ``device="cuda"`` / ``torch.cuda.current_device()`` literals across megatron.
+* The ``torch.cuda`` runtime API that Megatron calls (device count/selection, synchronize,
+  streams, events, memory statistics, device properties, the RNG) is replaced by CPU
+  equivalents. The "CUDA" RNG maps onto the CPU default generator, so Megatron's
+  model-parallel RNG tracker (``tensor_parallel.random``) forks the generator that CPU dropout
+  actually uses.
+* A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``,
+  ``compile_helpers`` is skipped when the wheel's prebuilt helper imports (the wheel ships no
+  Makefile), and the MoE dispatcher's split sizes become host lists for gloo's all-to-all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import types
+from dataclasses import dataclass
+from typing import Callable, List
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str
+    reason: str
+
+
+PATCHES: List[Patch] = [
+    Patch("TorchFunctionMode: device='cuda' -> cpu",
+          "megatron allocates with device='cuda' / torch.cuda.current_device() literals everywhere "
+          "(buffers, masks, RNG, loss reductions, DDP grad buffers)."),
+    Patch("Tensor.cuda", "megatron moves batches and scalars with .cuda(); on CPU it is the identity."),
+    Patch("Tensor.type",
+          "optimizer and clip_grads assert param.type() == 'torch.cuda.FloatTensor'; a CPU tensor "
+          "reports its CUDA type name when called without arguments."),
+    Patch("Tensor.is_cuda / record_stream / pin_memory",
+          "megatron branches on .is_cuda for host copies; record_stream has no CPU meaning; "
+          "pin_memory needs a CUDA runtime."),
+    Patch("torch.cuda.device_count/current_device/set_device/synchronize/is_initialized",
+          "_initialize_distributed sets the device and seeds the model-parallel RNG only when "
+          "device_count() > 0; one virtual device keeps those paths alive."),
+    Patch("torch.cuda.Stream/Event/current_stream/stream/default_stream/set_stream",
+          "timers, DDP overlap and the optimizer use streams and events; on CPU all work is "
+          "synchronous, so they are no-ops."),
+    Patch("torch.cuda memory statistics and get_device_properties/get_device_name/get_device_capability",
+          "validate_args and the training log query device properties and memory."),
+    Patch("torch.cuda RNG API (get/set_rng_state, manual_seed[_all], default_generators)",
+          "Megatron's CudaRNGStatesTracker forks the CUDA generator around dropout and TP-sharded "
+          "initialization; mapped onto the CPU default generator."),
+    Patch("megatron.core.tensor_parallel.random._set_cuda_rng_state / _get_cuda_rng_state",
+          "they reach torch.cuda.default_generators through _lazy_call, which does not exist on CPU."),
+    Patch("megatron.training.initialize.initialize_megatron(allow_no_cuda=True)",
+          "pretrain() calls it without the flag and it asserts CUDA."),
+    Patch("megatron.core.datasets.utils.compile_helpers",
+          "the wheel ships the compiled helpers but no Makefile; skip compiling when they import."),
+    Patch("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+          "gloo all_to_all_single needs split sizes as host lists; the GPU path only moves "
+          "tensors with is_cuda, which is false here."),
+    Patch("logging filter on megatron.core.tensor_parallel.random",
+          "with one CPU generator, dropout inside an RNG fork changes the 'CPU' state and "
+          "Megatron warns on every fork."),
+]
+
+_INSTALLED = False
+
+
+def is_installed() -> bool:
+    return _INSTALLED
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, int):
+        # torch treats a bare int device as a CUDA ordinal in factory functions.
+        return True
+    return False
+
+
+class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch function call."""
+
+    _TO_NAMES = ("to",)
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs)
+            kwargs["device"] = "cpu"
+        name = getattr(func, "__name__", "")
+        if name == "to" and args:
+            new_args = list(args)
+            for i in range(1, len(new_args)):
+                if _is_cuda_device(new_args[i]):
+                    new_args[i] = "cpu"
+            args = tuple(new_args)
+        elif name == "cuda":
+            return args[0]
+        elif name in ("pin_memory",) and args:
+            return args[0]
+        elif name == "record_stream":
+            return None
+        return func(*args, **kwargs)
+
+
+class _FakeStream:
+    """A CUDA stream stand-in: everything on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+        self.cuda_stream = 0
+
+    def synchronize(self):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _FakeEvent()
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
+        import time
+
+        self._time = time
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = self._time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return 1000.0 * ((end._t or 0.0) - (self._t or 0.0))
+
+
+class _DeviceProperties:
+    name = "cpu"
+    major = 0
+    minor = 0
+    total_memory = 0
+    multi_processor_count = os.cpu_count() or 1
+    uuid = "cpu"
+
+
+class _FakeGenerator:
+    """`torch.cuda.default_generators[i]` stand-in backed by the CPU default generator."""
+
+    def get_state(self):
+        return torch.get_rng_state()
+
+    def set_state(self, state):
+        torch.set_rng_state(state)
+
+    def manual_seed(self, seed):
+        torch.default_generator.manual_seed(int(seed))
+        return self
+
+    def initial_seed(self):
+        return torch.initial_seed()
+
+    def seed(self):
+        return torch.seed()
+
+
+class _RngForkWarningFilter(logging.Filter):
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_saved: list = []
+
+
+def _set(obj, name: str, value) -> None:
+    _saved.append((obj, name, getattr(obj, name, None)))
+    setattr(obj, name, value)
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    _set(cuda, "device_count", lambda: 1)
+    _set(cuda, "current_device", lambda: 0)
+    _set(cuda, "set_device", lambda device: None)
+    _set(cuda, "synchronize", lambda device=None: None)
+    _set(cuda, "is_initialized", lambda: True)
+    _set(cuda, "init", lambda: None)
+    _set(cuda, "empty_cache", lambda: None)
+    _set(cuda, "ipc_collect", lambda: None)
+    _set(cuda, "Stream", _FakeStream)
+    _set(cuda, "Event", _FakeEvent)
+    _default_stream = _FakeStream()
+    _set(cuda, "current_stream", lambda device=None: _default_stream)
+    _set(cuda, "default_stream", lambda device=None: _default_stream)
+    _set(cuda, "set_stream", lambda stream: None)
+    _set(cuda, "stream", lambda stream=None: contextlib.nullcontext(stream))
+    _set(cuda, "device", lambda device=None: contextlib.nullcontext())
+    _set(cuda, "get_device_properties", lambda device=None: _DeviceProperties())
+    _set(cuda, "get_device_name", lambda device=None: "cpu")
+    _set(cuda, "get_device_capability", lambda device=None: (0, 0))
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        _set(cuda, stat, lambda device=None: 0)
+    _set(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    _set(cuda, "reset_max_memory_allocated", lambda device=None: None)
+    _set(cuda, "memory_stats", lambda device=None: {})
+    _set(cuda, "mem_get_info", lambda device=None: (0, 0))
+    # RNG: the CPU default generator plays the CUDA generator.
+    get_state = lambda device="cuda": torch.get_rng_state()  # noqa: E731
+    set_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # noqa: E731
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.
+    seed_fn = lambda seed: torch.default_generator.manual_seed(int(seed)) and None  # noqa: E731
+    for mod in (cuda, cuda.random):
+        _set(mod, "get_rng_state", get_state)
+        _set(mod, "set_rng_state", set_state)
+        _set(mod, "manual_seed", seed_fn)
+        _set(mod, "manual_seed_all", seed_fn)
+        _set(mod, "get_rng_state_all", lambda: [torch.get_rng_state()])
+        _set(mod, "set_rng_state_all", lambda states: torch.set_rng_state(states[0]))
+    _set(cuda, "default_generators", (_FakeGenerator(),))
+
+
+def _patch_tensor() -> None:
+    original_type = torch.Tensor.type
+
+    @functools.wraps(original_type)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original_type(self)
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    _set(torch.Tensor, "type", type_)
+
+
+def _patch_megatron() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    _set(mrandom, "_set_cuda_rng_state",
+         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    _set(mrandom, "_get_cuda_rng_state",
+         lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    logging.getLogger(mrandom.__name__).addFilter(_RngForkWarningFilter())
+
+    import megatron.core.datasets.utils as dutils
+
+    original_compile = dutils.compile_helpers
+
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            original_compile()
+
+    _set(dutils, "compile_helpers", compile_helpers)
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    _set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    try:
+        import megatron.core.transformer.moe.token_dispatcher as td
+
+        _set(td, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    except ImportError:
+        pass
+
+    try:
+        import megatron.training.initialize as minit
+        import megatron.training.training as mtraining
+    except ImportError:  # megatron.training is optional for library use
+        return
+    original_init = minit.initialize_megatron
+
+    @functools.wraps(original_init)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_init(*args, **kwargs)
+
+    _set(minit, "initialize_megatron", initialize_megatron)
+    _set(mtraining, "initialize_megatron", initialize_megatron)
+
+
+_mode: _CudaToCpuMode | None = None
+
+
+def install() -> bool:
+    """Install the CPU backend if (and only if) CUDA is unavailable. Returns whether it is active."""
+    global _INSTALLED, _mode
+    if _INSTALLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_torch_cuda()
+    _patch_tensor()
+    _patch_megatron()
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+    _INSTALLED = True
+    logger.info("megatron_ext CPU backend installed (%d patches)", len(PATCHES))
+    return True

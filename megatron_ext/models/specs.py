@@ -1,0 +1,153 @@
+"""Layer specs: the per-layer MLP choice happens here, when the spec list is built.
+
+Builds on ``megatron.core.models.gpt.gpt_layer_specs``: the dense layer spec is upstream's (local or
+Transformer Engine); a STEM layer is the same spec with ``TokenContextTransformerLayer`` as the
+module and ``StemMLP`` as the MLP, built from the same fc1/fc2 builders. The list is sliced for
+this pipeline stage exactly as upstream's ``get_gpt_decoder_block_spec`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import List, Optional, Sequence
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megatron_ext.models.layer import TokenContextTransformerLayer
+from megatron_ext.models.norm import SequenceParallelTorchNorm
+from megatron_ext.stem.config import StemConfig
+from megatron_ext.stem.mlp import StemMLP
+
+try:
+    from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401
+
+    HAVE_TE = True
+except ImportError:  # pragma: no cover - depends on the installation
+    HAVE_TE = False
+
+
+def te_available() -> bool:
+    """Transformer Engine is importable (its extension module needs CUDA to load)."""
+    if not HAVE_TE:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _swap_norm(spec, new):
+    """Replace Megatron's torch-norm wrapper (which refuses sequence parallelism) by ``new``."""
+    return new if spec is WrappedTorchNorm else spec
+
+
+def dense_layer_spec(use_te: bool, qk_layernorm: bool = False) -> ModuleSpec:
+    """Upstream's dense GPT layer spec; the local one with sequence-parallel-capable torch norms."""
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    sub = spec.submodules
+    attn = sub.self_attention
+    attn_sub = dataclasses.replace(
+        attn.submodules,
+        q_layernorm=_swap_norm(attn.submodules.q_layernorm, SequenceParallelTorchNorm),
+        k_layernorm=_swap_norm(attn.submodules.k_layernorm, SequenceParallelTorchNorm),
+    )
+    new_sub = dataclasses.replace(
+        sub,
+        input_layernorm=_swap_norm(sub.input_layernorm, SequenceParallelTorchNorm),
+        pre_mlp_layernorm=_swap_norm(sub.pre_mlp_layernorm, SequenceParallelTorchNorm),
+        self_attention=ModuleSpec(module=attn.module, params=dict(attn.params),
+                                  submodules=attn_sub),
+    )
+    return ModuleSpec(module=spec.module, params=dict(spec.params), submodules=new_sub)
+
+
+def final_norm_impl(use_te: bool):
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+
+    return _swap_norm(LNImpl, SequenceParallelTorchNorm)
+
+
+def _mlp_submodules(layer_spec: ModuleSpec) -> MLPSubmodules:
+    mlp = layer_spec.submodules.mlp
+    submodules = getattr(mlp, "keywords", {}).get("submodules") if isinstance(
+        mlp, functools.partial) else getattr(mlp, "submodules", None)
+    if not isinstance(submodules, MLPSubmodules):
+        raise TypeError(f"cannot derive fc1/fc2 builders from the dense MLP spec {mlp!r}")
+    return submodules
+
+
+def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> ModuleSpec:
+    """The dense layer spec with the MLP swapped for a STEM MLP built from the same linears."""
+    mlp_sub = _mlp_submodules(dense)
+    submodules = dataclasses.replace(
+        copy.deepcopy(dense.submodules),
+        mlp=functools.partial(
+            StemMLP.as_mlp_submodule,
+            submodules=MLPSubmodules(linear_fc1=mlp_sub.linear_fc1,
+                                     linear_fc2=mlp_sub.linear_fc2),
+            stem=stem,
+            vocab_size=vocab_size,
+        ),
+    )
+    return ModuleSpec(module=TokenContextTransformerLayer, params=dict(dense.params),
+                      submodules=submodules)
+
+
+def decoder_layer_specs(config: TransformerConfig, stem: Optional[StemConfig], vocab_size: int,
+                        use_te: bool) -> List[ModuleSpec]:
+    """One spec per global layer: STEM where ``stem`` selects it, dense elsewhere."""
+    dense = dense_layer_spec(use_te, qk_layernorm=config.qk_layernorm)
+    stem_ids = set(stem.stem_layers(config.num_layers)) if stem is not None else set()
+    return [stem_layer_spec(dense, stem, vocab_size) if i in stem_ids else copy.deepcopy(dense)
+            for i in range(config.num_layers)]
+
+
+def slice_for_stage(config: TransformerConfig, layer_specs: Sequence[ModuleSpec],
+                    vp_stage: Optional[int] = None,
+                    pp_rank: Optional[int] = None) -> List[ModuleSpec]:
+    """The layers of this pipeline (and virtual pipeline) stage, as upstream slices them."""
+    if config.pipeline_model_parallel_layout is not None:
+        layout = config.pipeline_model_parallel_layout
+        assert isinstance(layout, PipelineParallelLayerLayout)
+        return [layer_specs[i] for i in layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)]
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return list(layer_specs[offset:offset + n])
+
+
+def decoder_block_spec(config: TransformerConfig, stem: Optional[StemConfig], vocab_size: int,
+                       use_te: bool, vp_stage: Optional[int] = None,
+                       pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    layer_specs = decoder_layer_specs(config, stem, vocab_size, use_te)
+    return TransformerBlockSubmodules(
+        layer_specs=slice_for_stage(config, layer_specs, vp_stage, pp_rank),
+        layer_norm=final_norm_impl(use_te),
+    )
+
+
+def stage_has_token_layers(block_spec: TransformerBlockSubmodules) -> bool:
+    return any(spec.module is TokenContextTransformerLayer for spec in block_spec.layer_specs)

@@ -1,0 +1,100 @@
+"""STEM options (one dataclass; CLI flags map 1:1 onto its fields) and the layer-selection rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+RATIOS = ("1/3", "1/2", "full")
+VARIANTS = ("up", "gate", "dagger")
+INITS = ("normal", "fan-in", "ones", "zeros")
+
+
+@dataclass
+class StemConfig:
+    """Options of the STEM family.
+
+    ratio:   which layers become STEM layers when ``layers`` is not given (Sec. 4.4.1 of the paper):
+             ``1/3`` -> layers i with (i+1) % 3 == 0, ``1/2`` -> (i+1) % 2 == 0, ``full`` -> all
+             but layer 0. Layer numbers here are 0-based.
+    layers:  an explicit list of 0-based layer indices; wins over ``ratio``. Layer 0 is refused.
+    variant: ``up`` (Eq. 4: the table replaces W_up), ``gate`` (the ablation of Sec. 4.4.2: the
+             table replaces W_gate, y = W_d(act(U[t]) * W_up x)), ``dagger`` (Eq. 5: W_up is kept and
+             U[t] is added to its output).
+    init:    table initialisation. ``normal``: N(0, init_method_std^2), Megatron's rule for
+             embeddings. ``fan-in`` (default): N(0, (init_method_std * sqrt(hidden))^2), the spread
+             of W_up x at initialisation for unit-RMS x, so a STEM layer starts with the output scale
+             of the dense layer it replaces. ``ones``: U[t] = 1, the layer starts as act(W_g x).
+             ``zeros``: the default for mid-training insertion with ``dagger`` (starts equal to the
+             dense layer); refused for ``up``/``gate``, where it would zero the gradient of W_g.
+    """
+
+    ratio: str = "1/3"
+    layers: Optional[List[int]] = None
+    variant: str = "up"
+    init: str = "fan-in"
+
+    def __post_init__(self) -> None:
+        if self.ratio not in RATIOS:
+            raise ValueError(f"--stem-ratio={self.ratio!r}: allowed values are {', '.join(RATIOS)}")
+        if self.variant not in VARIANTS:
+            raise ValueError(
+                f"--stem-variant={self.variant!r}: allowed values are {', '.join(VARIANTS)}")
+        if self.init not in INITS:
+            raise ValueError(f"--stem-init={self.init!r}: allowed values are {', '.join(INITS)}")
+        if self.init == "zeros" and self.variant != "dagger":
+            raise ValueError(
+                f"--stem-init=zeros with --stem-variant={self.variant}: a zero table makes the "
+                "STEM layer output zero and its gate untrainable; zeros is only allowed for dagger")
+        if self.layers is not None:
+            layers = list(self.layers)
+            if not layers:
+                raise ValueError("--stem-layers: the list is empty; omit the flag to use --stem-ratio")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"--stem-layers={format_layers(layers)}: layers are repeated")
+            if 0 in layers:
+                raise ValueError(
+                    f"--stem-layers={format_layers(layers)}: layer 0 is never a STEM layer "
+                    "(it processes the raw token embeddings; Sec. 4.1 of the paper)")
+            if any(i < 0 for i in layers):
+                raise ValueError(f"--stem-layers={format_layers(layers)}: layer indices are >= 1")
+            self.layers = sorted(layers)
+
+    def stem_layers(self, num_layers: int) -> List[int]:
+        """0-based indices of the STEM layers of a ``num_layers``-layer model."""
+        return select_stem_layers(num_layers, self.ratio, self.layers)
+
+
+def parse_layers(text: str) -> List[int]:
+    """Parse ``"2,5,8"`` into ``[2, 5, 8]`` with a message that names the flag."""
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise ValueError(
+            f"--stem-layers={text!r}: expected a comma-separated list of layer indices, e.g. 2,5,8"
+        ) from None
+
+
+def format_layers(layers: Sequence[int]) -> str:
+    return ",".join(str(i) for i in layers)
+
+
+def select_stem_layers(num_layers: int, ratio: str = "1/3",
+                       layers: Optional[Sequence[int]] = None) -> List[int]:
+    """The paper's layer-selection rule (0-based layer indices); an explicit list wins."""
+    if num_layers < 1:
+        raise ValueError(f"--num-layers={num_layers}: a model needs at least one layer")
+    if layers is not None:
+        bad = [i for i in layers if i < 1 or i >= num_layers]
+        if bad:
+            raise ValueError(
+                f"--stem-layers={format_layers(layers)}: {format_layers(bad)} out of range; STEM "
+                f"layers must be in 1..{num_layers - 1} for --num-layers={num_layers}")
+        return sorted(layers)
+    if ratio == "1/3":
+        return [i for i in range(1, num_layers) if (i + 1) % 3 == 0]
+    if ratio == "1/2":
+        return [i for i in range(1, num_layers) if (i + 1) % 2 == 0]
+    if ratio == "full":
+        return list(range(1, num_layers))
+    raise ValueError(f"--stem-ratio={ratio!r}: allowed values are {', '.join(RATIOS)}")

@@ -1,0 +1,214 @@
+"""The STEM MLP: a SwiGLU MLP whose up-projection is a token-indexed table (Eq. 4 of the STEM paper).
+
+Extends the layout of ``megatron.core.transformer.mlp.MLP``: ``linear_fc1`` is column-parallel,
+``linear_fc2`` row-parallel, both built from the same submodule builders as the dense MLP (local or
+Transformer Engine), so a STEM layer differs from a dense one only in its fc1 width and its table.
+
+Variants (``StemConfig.variant``)::
+
+    up      y = W_d( act(W_g x)  *  U[t] )            linear_fc1 = W_g  (H -> F)
+    gate    y = W_d( act(U[t])   *  W_u x )           linear_fc1 = W_u  (H -> F)
+    dagger  y = W_d( act(W_g x)  * (W_u x + U[t]) )   linear_fc1 = [W_g; W_u] as in Megatron's MLP
+
+The table ``U`` is ``[vocab, F]``. Under tensor parallelism its columns are split exactly like the
+output of ``linear_fc1`` (each rank holds ``F / tp`` contiguous columns), so the lookup needs no
+communication. The token ids ``t`` are the full (not sequence-parallel-split) ids of this rank's
+context-parallel chunk, laid out ``[s, b]`` like the hidden states: ``linear_fc1`` all-gathers the
+sequence under sequence parallelism, so its output covers the whole local sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import MLPSubmodules, apply_swiglu_sharded_factory
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+
+from megatron_ext.stem.config import StemConfig
+
+
+def table_init_method(init: str, config: TransformerConfig):
+    """The initialiser of a STEM table (see ``StemConfig.init``)."""
+    if init == "normal":
+        std = config.init_method_std
+        return lambda t: torch.nn.init.normal_(t, mean=0.0, std=std)
+    if init == "fan-in":
+        std = config.init_method_std * math.sqrt(config.hidden_size)
+        return lambda t: torch.nn.init.normal_(t, mean=0.0, std=std)
+    if init == "ones":
+        return torch.nn.init.ones_
+    if init == "zeros":
+        return torch.nn.init.zeros_
+    raise ValueError(f"--stem-init={init!r}: unknown initialisation")
+
+
+class StemMLP(MegatronModule):
+    """STEM feed-forward block. ``forward(h)`` returns ``(out, bias)`` like Megatron's MLP.
+
+    The token ids are bound for the duration of one layer call by the owning
+    :class:`megatron_ext.models.layer.TokenContextTransformerLayer` (``bind_token_ids``), which
+    reads them from the transformer block's ``context`` argument.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        stem: StemConfig,
+        vocab_size: int,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        name: Optional[str] = None,
+    ):
+        super().__init__(config=config)
+        if not config.gated_linear_unit:
+            raise ValueError(
+                "STEM needs a gated activation (it replaces one input of the gated product): "
+                "pass --swiglu (SwiGLU, the paper's setting)")
+        if config.add_bias_linear:
+            raise ValueError("STEM layers have no biases (Table 1 ignores them): pass "
+                             "--disable-bias-linear")
+        self.stem = stem
+        self.variant = stem.variant
+        self.vocab_size = vocab_size
+        self.tp_group = tp_group
+        self.tp_size = tp_group.size() if tp_group is not None else 1
+        self.tp_rank = tp_group.rank() if tp_group is not None else 0
+        ffn = config.ffn_hidden_size
+        if ffn % self.tp_size != 0:
+            raise ValueError(f"--ffn-hidden-size={ffn} must be divisible by "
+                             f"--tensor-model-parallel-size={self.tp_size}")
+        self.ffn_per_partition = ffn // self.tp_size
+        fc1_width = 2 * ffn if self.variant == "dagger" else ffn
+
+        self.linear_fc1 = submodules.linear_fc1(
+            config.hidden_size,
+            fc1_width,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc1",
+            tp_group=tp_group,
+            stride=2 if self.variant == "dagger" else 1,
+            name=(name + ".linear_fc1") if name is not None else None,
+        )
+        self.activation_func = config.activation_func
+        self.linear_fc2 = submodules.linear_fc2(
+            ffn,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc2",
+            tp_group=tp_group,
+            name=(name + ".linear_fc2") if name is not None else None,
+        )
+
+        init_method = table_init_method(stem.init, config)
+        if config.use_cpu_initialization:
+            self.table = torch.nn.Parameter(
+                torch.empty(vocab_size, self.ffn_per_partition, dtype=config.params_dtype))
+            if config.perform_initialization:
+                # The full [vocab, F] table is drawn on every rank and sliced, so the values do not
+                # depend on the TP size (same as Megatron's linear layers).
+                _initialize_affine_weight_cpu(
+                    self.table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
+                    params_dtype=config.params_dtype, rank=self.tp_rank, world_size=self.tp_size)
+            else:
+                set_tensor_model_parallel_attributes(self.table, True, 1, 1)
+        else:
+            self.table = torch.nn.Parameter(
+                torch.empty(vocab_size, self.ffn_per_partition, dtype=config.params_dtype,
+                            device=torch.cuda.current_device()))
+            if config.perform_initialization:
+                _initialize_affine_weight_gpu(self.table, init_method, partition_dim=1)
+            else:
+                set_tensor_model_parallel_attributes(self.table, True, 1, 1)
+        self._token_ids: Optional[torch.Tensor] = None
+
+    @classmethod
+    def as_mlp_submodule(cls, submodules: MLPSubmodules, stem: StemConfig, vocab_size: int,
+                         config: TransformerConfig, pg_collection, is_mtp_layer: bool = False,
+                         name: Optional[str] = None) -> "StemMLP":
+        """Builder matching megatron-core 0.18+'s ``submodules.mlp(config=, pg_collection=, ...)``."""
+        if is_mtp_layer:
+            raise ValueError("STEM layers cannot be multi-token-prediction layers")
+        return cls(config=config, submodules=submodules, stem=stem, vocab_size=vocab_size,
+                   tp_group=pg_collection.tp, name=name)
+
+    @contextlib.contextmanager
+    def bind_token_ids(self, token_ids: Optional[torch.Tensor]):
+        """Make ``token_ids`` ([s, b]) visible to the forward calls made inside the block."""
+        previous = self._token_ids
+        self._token_ids = token_ids
+        try:
+            yield
+        finally:
+            self._token_ids = previous
+
+    def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``U[t]`` for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
+        return F.embedding(token_ids, self.table)
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs):
+        token_ids = self._token_ids
+        if token_ids is None:
+            raise RuntimeError(
+                "StemMLP called without token ids: STEM layers must be built with "
+                "megatron_ext's layer specs and model (the ids travel in the block's `context`)")
+        fc1_out, _ = self.linear_fc1(hidden_states)
+        rows = self.lookup(token_ids)
+        if rows.shape[:2] != fc1_out.shape[:2]:
+            raise RuntimeError(
+                f"STEM token ids have shape {tuple(token_ids.shape)} but the MLP input covers "
+                f"{tuple(fc1_out.shape[:2])} [sequence, batch] positions")
+        if self.variant == "up":
+            intermediate = self.activation_func(fc1_out) * rows
+        elif self.variant == "gate":
+            intermediate = self.activation_func(rows) * fc1_out
+        else:  # dagger, Eq. 5
+            gate, up = torch.chunk(fc1_out, 2, dim=-1)
+            intermediate = self.activation_func(gate) * (up + rows)
+        return self.linear_fc2(intermediate)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> ShardedStateDict:
+        """fc1/fc2 as in Megatron's MLP; the table sharded along its columns (axis 1) over TP."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
+        sharded = {}
+        for name, module in self._modules.items():
+            sub_sd = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets,
+                                                metadata)
+            if self.variant == "dagger" and name == "linear_fc1":
+                key = f"{prefix}{name}.weight"
+                sub_sd[key] = apply_swiglu_sharded_factory(
+                    sub_sd[key], sharded_offsets, singleton_local_shards,
+                    tp_group=self.tp_group, dp_group=metadata["dp_cp_group"])
+            sharded.update(sub_sd)
+        sharded.update(make_sharded_tensors_for_checkpoint(
+            {"table": self.table}, prefix, {"table": 1}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
+        return sharded

@@ -1,0 +1,65 @@
+"""Our command-line flags, added to Megatron's parser through ``extra_args_provider``.
+
+Every Megatron flag keeps working; ours map 1:1 onto the family option dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_ext.stem.config import INITS, RATIOS, VARIANTS, StemConfig, parse_layers
+
+FAMILIES = ("gpt", "stem", "structmoe", "sigma")
+IMPLEMENTED_FAMILIES = ("gpt", "stem")
+
+
+def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron-ext")
+    group.add_argument("--model-family", choices=FAMILIES, default="gpt",
+                       help="gpt: dense SwiGLU baseline; stem: token-indexed up-projection tables")
+    group.add_argument("--ext-data-manifest", default=None,
+                       help="manifest.json written by megatron_ext.training.data_prep; checked "
+                            "against the tokenizer at start-up")
+    group.add_argument("--ext-metrics-file", default=None,
+                       help="rank 0 appends one JSON line per iteration (loss, tokens, time)")
+
+    stem = parser.add_argument_group("megatron-ext STEM")
+    stem.add_argument("--stem-ratio", choices=RATIOS, default="1/3",
+                      help="STEM layers: 1/3 -> (i+1)%%3==0, 1/2 -> (i+1)%%2==0, full -> all but 0")
+    stem.add_argument("--stem-layers", type=str, default=None,
+                      help="explicit 0-based STEM layers, e.g. 2,5,8 (wins over --stem-ratio)")
+    stem.add_argument("--stem-variant", choices=VARIANTS, default="up",
+                      help="up: U[t] replaces W_up (paper); gate: U[t] replaces W_gate (ablation); "
+                           "dagger: W_up kept and U[t] added (STEM-dagger)")
+    stem.add_argument("--stem-init", choices=INITS, default="fan-in",
+                      help="table initialisation; default fan-in = N(0, (init_method_std * "
+                           "sqrt(hidden))^2), the spread of W_up x at initialisation")
+    return parser
+
+
+def stem_config_from_args(args) -> Optional[StemConfig]:
+    if args.model_family != "stem":
+        return None
+    layers = parse_layers(args.stem_layers) if args.stem_layers else None
+    return StemConfig(ratio=args.stem_ratio, layers=layers, variant=args.stem_variant,
+                      init=args.stem_init)
+
+
+def validate_extension_args(args) -> None:
+    """Checks that need Megatron's parsed args; raise ValueError naming the flag."""
+    if args.model_family not in IMPLEMENTED_FAMILIES:
+        raise ValueError(f"--model-family={args.model_family}: not available yet in this version "
+                         f"(available: {', '.join(IMPLEMENTED_FAMILIES)})")
+    stem = stem_config_from_args(args)
+    if stem is not None:
+        stem.stem_layers(args.num_layers)  # raises for out-of-range layers
+        if not args.swiglu:
+            raise ValueError("--model-family=stem needs a gated activation: pass --swiglu "
+                             "(STEM replaces one input of the SwiGLU product)")
+        if args.add_bias_linear:
+            raise ValueError("--model-family=stem: pass --disable-bias-linear (STEM layers "
+                             "have no biases)")
+        if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
+            raise ValueError("--recompute-modules mlp is not supported with STEM layers; use "
+                             "--recompute-granularity full")

@@ -1,0 +1,67 @@
+"""Batch function: every pipeline stage that holds token-indexed layers receives the tokens.
+
+Megatron's GPT batch function (``megatron.core.utils.get_batch_on_this_tp_rank``) gives tokens only
+to the first pipeline stage and labels only to the last. A stage in the middle that holds a STEM
+layer needs the ids too, so this function broadcasts the batch from TP rank 0 to the TP group on
+every stage that asks for it, then slices it for context parallelism with upstream's
+``get_batch_on_this_cp_rank``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from megatron.core import parallel_state as mpu
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
+           "position_ids": torch.int64, "attention_mask": torch.bool}
+
+
+def stage_needs_batch(vp_stage: Optional[int], token_layers_here: bool) -> bool:
+    ignore_virtual = vp_stage is None
+    first = mpu.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+    return first or last or token_layers_here
+
+
+def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
+                    with_attention_mask: bool) -> Dict[str, torch.Tensor]:
+    """TP rank 0 reads the next sample batch; the other TP ranks receive it."""
+    keys = KEYS + (("attention_mask",) if with_attention_mask else ())
+    group = mpu.get_tensor_model_parallel_group()
+    src = mpu.get_tensor_model_parallel_src_rank()
+    device = torch.cuda.current_device()
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        if data_iterator is None:
+            raise RuntimeError("TP rank 0 of a stage that needs data has no data iterator")
+        data = next(data_iterator)
+        batch = {k: data[k].to(device=device, dtype=_DTYPES[k], non_blocking=True) for k in keys}
+    else:
+        shapes = {k: (micro_batch_size, seq_length) for k in KEYS}
+        shapes["attention_mask"] = (micro_batch_size, 1, seq_length, seq_length)
+        batch = {k: torch.empty(shapes[k], dtype=_DTYPES[k], device=device) for k in keys}
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        for k in keys:
+            torch.distributed.broadcast(batch[k], src, group=group)
+    if not with_attention_mask:
+        batch["attention_mask"] = None
+    return batch
+
+
+def get_batch(data_iterator, args, vp_stage: Optional[int] = None,
+              token_layers_here: bool = False):
+    """Returns ``tokens, labels, loss_mask, attention_mask, position_ids`` for this rank."""
+    if not stage_needs_batch(vp_stage, token_layers_here):
+        return None, None, None, None, None
+    batch = broadcast_batch(data_iterator, args.micro_batch_size, args.seq_length,
+                            args.create_attention_mask_in_dataloader)
+    batch["cu_seqlens"] = None
+    if mpu.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=mpu.get_context_parallel_group())
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
+            batch["position_ids"])

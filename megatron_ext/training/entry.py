@@ -1,0 +1,44 @@
+"""Entry point: ``torchrun ... launch/pretrain.py [Megatron flags] [megatron-ext flags]``."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _default_transformer_impl(argv):
+    """Megatron defaults to Transformer Engine; fall back to the local backend without it."""
+    if any(a == "--transformer-impl" or a.startswith("--transformer-impl=") for a in argv):
+        return argv
+    from megatron_ext.models.specs import te_available
+
+    if te_available():
+        return argv
+    return argv + ["--transformer-impl", "local"]
+
+
+def main(argv=None) -> None:
+    from megatron_ext.compat import cpu
+
+    cpu.install()
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    sys.argv = [sys.argv[0]] + _default_transformer_impl(sys.argv[1:])
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_ext.training.arguments import add_extension_args, validate_extension_args
+    from megatron_ext.training.datasets import train_valid_test_datasets_provider
+    from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.model_provider import model_provider
+
+    args = parse_and_validate_args(extra_args_provider=add_extension_args)
+    try:
+        validate_extension_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
+    cfg = pretrain_cfg_container_from_args(args)
+    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=model_provider)

@@ -1,0 +1,35 @@
+"""Forward step and loss for ``megatron.training.pretrain`` (same contract as upstream's GPT)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron.core.utils import get_attr_wrapped_model
+from megatron.training import get_args, get_timers
+
+from megatron_ext.training.batch import get_batch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses, the token count, and the report Megatron averages across DP."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    args = get_args()
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, args, vp_stage, token_layers_here)
+    timers("batch-generator").stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output_tensor, partial(loss_func, loss_mask)

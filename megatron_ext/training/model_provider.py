@@ -1,0 +1,54 @@
+"""Model provider for ``megatron.training.pretrain``: builds the per-layer spec list and the model."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.gpt import GPTModel
+from megatron.training import get_args, print_rank_0
+from megatron.training.argument_utils import core_transformer_config_from_args
+
+from megatron_ext.models.gpt import TokenIdsGPTModel
+from megatron_ext.models.specs import decoder_block_spec, stage_has_token_layers, te_available
+from megatron_ext.training.arguments import stem_config_from_args
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True,
+                   vp_stage: Optional[int] = None, config=None, pg_collection=None):
+    args = get_args()
+    use_te = args.transformer_impl == "transformer_engine"
+    if use_te and not te_available():
+        raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not "
+                         "installed (or has no GPU); use --transformer-impl local")
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    stem = stem_config_from_args(args)
+    if stem is not None:
+        # Layers differ (only STEM layers hold a table): save each layer under its own key.
+        config.hetereogenous_dist_checkpoint = True
+    block_spec = decoder_block_spec(config, stem, args.padded_vocab_size, use_te,
+                                    vp_stage=vp_stage)
+    needs_ids = stage_has_token_layers(block_spec)
+    kwargs = dict(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+    model = TokenIdsGPTModel(**kwargs) if needs_ids else GPTModel(**kwargs)
+    model.needs_token_ids = needs_ids
+    if stem is not None:
+        print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
+                     f"variant={stem.variant} init={stem.init}")
+    return model
