@@ -17,6 +17,11 @@ def _default_transformer_impl(argv):
 
 
 def main(argv=None) -> None:
+    import os
+
+    # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
+    # scripts export it. A value set by the user wins.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron_ext.compat import cpu
 
     cpu.install()

@@ -1,0 +1,81 @@
+"""The CPU backend: active without CUDA, never installed when CUDA is present."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_ext.compat import cpu
+
+
+def run_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_every_patch_has_a_reason():
+    assert len(cpu.PATCHES) >= 10
+    assert all(p.target and len(p.reason) > 20 for p in cpu.PATCHES)
+
+
+def test_inert_when_cuda_is_available():
+    # A fresh interpreter where CUDA reports available: install() must change nothing.
+    stdout = run_python("""
+        import torch
+        torch.cuda.is_available = lambda: True
+        before = (torch.cuda.device_count, torch.cuda.current_device, torch.Tensor.type,
+                  torch.cuda.get_rng_state, torch.cuda.Stream)
+        import megatron.core.tensor_parallel.random as r
+        set_state = r._set_cuda_rng_state
+        from megatron_ext.compat import cpu
+        assert cpu.install() is False
+        assert not cpu.is_installed()
+        after = (torch.cuda.device_count, torch.cuda.current_device, torch.Tensor.type,
+                 torch.cuda.get_rng_state, torch.cuda.Stream)
+        assert before == after
+        assert r._set_cuda_rng_state is set_state
+        assert torch._C._is_torch_function_mode_enabled() is False or \
+            torch.overrides._get_current_function_mode() is None
+        print("INERT")
+    """)
+    assert "INERT" in stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_not_installed_on_a_gpu_machine():
+    assert cpu.install() is False
+    assert not cpu.is_installed()
+    assert torch.zeros(1, device="cuda").is_cuda
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is for CPU-only machines")
+def test_active_without_cuda():
+    stdout = run_python("""
+        import torch
+        from megatron_ext.compat import cpu
+        assert cpu.install() is True and cpu.is_installed()
+        t = torch.zeros(3, device="cuda")
+        assert t.device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).to("cuda:0").device.type == "cpu"
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+        assert torch.cuda.device_count() == 1
+        # The 'CUDA' RNG is the CPU generator: forking it changes what CPU dropout draws.
+        from megatron.core import tensor_parallel
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.add("model-parallel-rng", 123)
+        torch.manual_seed(1); a = torch.rand(4)
+        torch.manual_seed(1)
+        with tracker.fork():
+            b = torch.rand(4)
+        c = torch.rand(4)
+        assert not torch.equal(a, b) and torch.equal(a, c)
+        print("ACTIVE")
+    """)
+    assert "ACTIVE" in stdout
