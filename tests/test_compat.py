@@ -64,6 +64,10 @@ def test_active_without_cuda():
         assert t.device.type == "cpu"
         assert torch.ones(2).cuda().device.type == "cpu"
         assert torch.ones(2).to("cuda:0").device.type == "cpu"
+        assert torch.ones(2).to(torch.device("cuda"), None, False).device.type == "cpu"
+        assert torch.ones(2).to(torch.float64, False).dtype == torch.float64  # bool is no device
+        m = torch.nn.Linear(2, 2).to(torch.device("cuda"))
+        assert m.weight.device.type == "cpu"
         assert torch.ones(2).type() == "torch.cuda.FloatTensor"
         assert torch.cuda.device_count() == 1
         # The 'CUDA' RNG is the CPU generator: forking it changes what CPU dropout draws.

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests_helpers import build_tiny_stem_mlp
+
 H, FF, V, S, B = 32, 48, 50, 7, 3
 
 
@@ -26,23 +28,7 @@ def reference(variant, x, ids, w1, table, w2):
 
 
 def build_stem_mlp(variant, init="fan-in", **config_overrides):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_ext.stem.config import StemConfig
-    from megatron_ext.stem.mlp import StemMLP
-
-    cfg = dict(num_layers=2, hidden_size=H, ffn_hidden_size=FF, num_attention_heads=4,
-               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-               use_cpu_initialization=True, init_method_std=0.02)
-    cfg.update(config_overrides)
-    config = TransformerConfig(**cfg)
-    return StemMLP.as_mlp_submodule(
-        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-        stem=StemConfig(variant=variant, init=init), vocab_size=V, config=config,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    return build_tiny_stem_mlp(variant, hidden=H, ffn=FF, vocab=V, init=init, **config_overrides)
 
 
 @pytest.mark.parametrize("variant", ["up", "gate", "dagger"])

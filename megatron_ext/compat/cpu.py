@@ -90,8 +90,8 @@ def _is_cuda_device(device) -> bool:
         return device.type == "cuda"
     if isinstance(device, str):
         return device.startswith("cuda")
-    if isinstance(device, int):
-        # torch treats a bare int device as a CUDA ordinal in factory functions.
+    if isinstance(device, int) and not isinstance(device, bool):
+        # torch treats a bare int device as a CUDA ordinal.
         return True
     return False
 
@@ -99,20 +99,16 @@ def _is_cuda_device(device) -> bool:
 class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch function call."""
 
-    _TO_NAMES = ("to",)
-
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs)
             kwargs["device"] = "cpu"
         name = getattr(func, "__name__", "")
-        if name == "to" and args:
-            new_args = list(args)
-            for i in range(1, len(new_args)):
-                if _is_cuda_device(new_args[i]):
-                    new_args[i] = "cpu"
-            args = tuple(new_args)
+        if name == "to" and len(args) > 1 and _is_cuda_device(args[1]):
+            # Tensor.to(device, ...) / Module-style .to(device, dtype, non_blocking): only the
+            # first argument after the tensor can be a device.
+            args = (args[0], "cpu") + tuple(args[2:])
         elif name == "cuda":
             return args[0]
         elif name in ("pin_memory",) and args:

@@ -24,7 +24,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.tensor_parallel.layers import (
@@ -42,6 +41,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_ext.stem.config import StemConfig
+from megatron_ext.stem.lookup import lookup_rows
 
 
 def table_init_method(init: str, config: TransformerConfig):
@@ -170,7 +170,7 @@ class StemMLP(MegatronModule):
 
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``U[t]`` for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
-        return F.embedding(token_ids, self.table)
+        return lookup_rows(self.table, token_ids)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         token_ids = self._token_ids

@@ -1,0 +1,26 @@
+"""Small builders shared by tests (plain functions, not fixtures)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+
+def build_tiny_stem_mlp(variant: str = "up", hidden: int = 16, ffn: int = 24, vocab: int = 30,
+                        init: str = "fan-in", **config_overrides):
+    """A ``StemMLP`` with Megatron-Core's local linear layers (needs the parallel state)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.stem.config import StemConfig
+    from megatron_ext.stem.mlp import StemMLP
+
+    cfg = dict(num_layers=2, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
+               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+               use_cpu_initialization=True, init_method_std=0.02)
+    cfg.update(config_overrides)
+    return StemMLP.as_mlp_submodule(
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        stem=StemConfig(variant=variant, init=init), vocab_size=vocab,
+        config=TransformerConfig(**cfg), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
