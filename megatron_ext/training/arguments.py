@@ -6,6 +6,7 @@ Every Megatron flag keeps working; ours map 1:1 onto the family option dataclass
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional
 
 from megatron_ext.stem.config import INITS, RATIOS, VARIANTS, StemConfig, parse_layers
@@ -20,9 +21,8 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="gpt: dense SwiGLU baseline; stem: token-indexed up-projection tables")
     group.add_argument("--ext-data-manifest", default=None,
                        help="manifest.json written by megatron_ext.training.data_prep; checked "
-                            "against the tokenizer at start-up")
-    group.add_argument("--ext-metrics-file", default=None,
-                       help="rank 0 appends one JSON line per iteration (loss, tokens, time)")
+                            "against the tokenizer at start-up (found automatically next to a "
+                            "--data-path prefix)")
 
     stem = parser.add_argument_group("megatron-ext STEM")
     stem.add_argument("--stem-ratio", choices=RATIOS, default="1/3",
@@ -46,8 +46,33 @@ def stem_config_from_args(args) -> Optional[StemConfig]:
                       init=args.stem_init)
 
 
-def validate_extension_args(args) -> None:
+def data_manifest_path(args) -> Optional[str]:
+    """The explicit --ext-data-manifest, or a data_prep manifest beside a single --data-path."""
+    if args.ext_data_manifest:
+        return args.ext_data_manifest
+    paths = [p for p in (args.data_path or []) if not _is_number(p)]
+    if len(paths) == 1:
+        candidate = os.path.join(os.path.dirname(os.path.abspath(paths[0])), "manifest.json")
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     """Checks that need Megatron's parsed args; raise ValueError naming the flag."""
+    manifest = data_manifest_path(args)
+    if manifest is not None and tokenizer_vocab_size is not None:
+        from megatron_ext.training.data_prep import verify_manifest
+
+        verify_manifest(manifest, tokenizer_vocab_size)
     if args.model_family not in IMPLEMENTED_FAMILIES:
         raise ValueError(f"--model-family={args.model_family}: not available yet in this version "
                          f"(available: {', '.join(IMPLEMENTED_FAMILIES)})")

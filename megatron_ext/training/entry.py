@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     sys.argv = [sys.argv[0]] + _default_transformer_impl(sys.argv[1:])
 
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.training import get_tokenizer, pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
 
     args = parse_and_validate_args(extra_args_provider=add_extension_args)
     try:
-        validate_extension_args(args)
+        validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     cfg = pretrain_cfg_container_from_args(args)

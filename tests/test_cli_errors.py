@@ -1,0 +1,72 @@
+"""Bad flags are refused with a message that names the flag, not a traceback from Megatron."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from multirank import PRETRAIN, ROOT, TINY_GPT
+
+
+def parse(extra):
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.training.arguments import add_extension_args
+
+    argv = sys.argv
+    sys.argv = ["pretrain.py", *TINY_GPT, *extra]
+    try:
+        return parse_args(extra_args_provider=add_extension_args)
+    finally:
+        sys.argv = argv
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--model-family", "stem", "--stem-layers", "0,2"], "layer 0 is never"),
+    (["--model-family", "stem", "--stem-layers", "2,4"], "4 out of range; STEM layers must be in 1..3"),
+    (["--model-family", "stem", "--stem-layers", "2,a"], "comma-separated"),
+    (["--model-family", "structmoe"], "not available yet"),
+])
+def test_bad_extension_flags(extra, match):
+    from megatron_ext.training.arguments import validate_extension_args
+
+    with pytest.raises(ValueError, match=match):
+        validate_extension_args(parse(extra))
+
+
+def test_stem_needs_gated_activation():
+    from megatron_ext.training.arguments import validate_extension_args
+
+    args = parse(["--model-family", "stem"])
+    args.swiglu = False
+    with pytest.raises(ValueError, match="--swiglu"):
+        validate_extension_args(args)
+
+
+def test_manifest_vocab_mismatch_is_refused(tmp_path):
+    from megatron_ext.training.arguments import data_manifest_path, validate_extension_args
+
+    manifest = {"tokenizer_vocab_size": 4096, "data_prefix_relative": "corpus_text_document",
+                "tokenizer_dir_relative": "tokenizer"}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    args = parse(["--model-family", "stem"])
+    args.data_path = [str(tmp_path / "corpus_text_document")]
+    assert data_manifest_path(args) == str(tmp_path / "manifest.json")
+    validate_extension_args(args, tokenizer_vocab_size=4096)
+    with pytest.raises(ValueError, match="vocab size mismatch.*4096.*8000"):
+        validate_extension_args(args, tokenizer_vocab_size=8000)
+
+
+def test_entry_point_reports_bad_flags_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, PRETRAIN, *TINY_GPT, "--train-iters", "1", "--model-family", "stem",
+         "--stem-layers", "0,2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
+    assert proc.returncode != 0
+    assert "megatron-ext: --stem-layers=0,2: layer 0 is never a STEM layer" in proc.stderr
+    assert "Traceback" not in proc.stderr
