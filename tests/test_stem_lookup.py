@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.stem.lookup import lookup_rows
+from megatron_ext_kernels.stem_lookup import lookup_rows
 
 V, FF = 40, 6
 

@@ -41,7 +41,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_ext.stem.config import StemConfig
-from megatron_ext.stem.lookup import lookup_rows
+from megatron_ext_kernels.stem_lookup import lookup_rows
 
 
 def table_init_method(init: str, config: TransformerConfig):
