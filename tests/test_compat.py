@@ -66,6 +66,8 @@ def test_active_without_cuda():
         assert torch.ones(2).to("cuda:0").device.type == "cpu"
         assert torch.ones(2).to(torch.device("cuda"), None, False).device.type == "cpu"
         assert torch.ones(2).to(torch.float64, False).dtype == torch.float64  # bool is no device
+        assert torch.empty(4, pin_memory=True).device.type == "cpu"
+        assert torch.ones(2).pin_memory().device.type == "cpu"
         m = torch.nn.Linear(2, 2).to(torch.device("cuda"))
         assert m.weight.device.type == "cpu"
         assert torch.ones(2).type() == "torch.cuda.FloatTensor"

@@ -25,9 +25,8 @@ import contextlib
 import functools
 import logging
 import os
-import types
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import List
 
 import torch
 
@@ -48,9 +47,9 @@ PATCHES: List[Patch] = [
     Patch("Tensor.type",
           "optimizer and clip_grads assert param.type() == 'torch.cuda.FloatTensor'; a CPU tensor "
           "reports its CUDA type name when called without arguments."),
-    Patch("Tensor.is_cuda / record_stream / pin_memory",
-          "megatron branches on .is_cuda for host copies; record_stream has no CPU meaning; "
-          "pin_memory needs a CUDA runtime."),
+    Patch("Tensor.record_stream / Tensor.pin_memory / pin_memory=True",
+          "record_stream has no CPU meaning; pinning host memory needs a CUDA runtime, so "
+          "pin_memory() is the identity and factory calls get pin_memory=False."),
     Patch("torch.cuda.device_count/current_device/set_device/synchronize/is_initialized",
           "_initialize_distributed sets the device and seeds the model-parallel RNG only when "
           "device_count() > 0; one virtual device keeps those paths alive."),
@@ -101,9 +100,12 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        if ("device" in kwargs and _is_cuda_device(kwargs["device"])) or kwargs.get("pin_memory"):
             kwargs = dict(kwargs)
-            kwargs["device"] = "cpu"
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
         name = getattr(func, "__name__", "")
         if name == "to" and len(args) > 1 and _is_cuda_device(args[1]):
             # Tensor.to(device, ...) / Module-style .to(device, dtype, non_blocking): only the
@@ -111,7 +113,7 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
             args = (args[0], "cpu") + tuple(args[2:])
         elif name == "cuda":
             return args[0]
-        elif name in ("pin_memory",) and args:
+        elif name == "pin_memory" and args:
             return args[0]
         elif name == "record_stream":
             return None
