@@ -1,13 +1,13 @@
 """Offline default corpus: a byte-level BPE tokenizer and a Megatron indexed dataset built from text
 that ships with every Python (``pydoc_data.topics`` and the standard library's sources).
 
-``python -m megatron_ext.training.data_prep --out DIR [--vocab-size 8192] [--max-mb 8] [--seed 1234]``
+``python -m megatron_ext.training.data_prep --out DIR [--vocab-size 8192] [--max-mb 8] [--seed N]``
 writes::
 
-    DIR/tokenizer/tokenizer.json           Hugging Face tokenizer directory, loadable with
-    DIR/tokenizer/tokenizer_config.json    --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR/tokenizer
-    DIR/corpus_text_document.{bin,idx}     --data-path DIR/corpus_text_document
-    DIR/manifest.json                      what was built, checked by :func:`verify_manifest`
+    DIR/tokenizer/tokenizer.json         a Hugging Face tokenizer directory: --tokenizer-type
+    DIR/tokenizer/tokenizer_config.json  HuggingFaceTokenizer --tokenizer-model DIR/tokenizer
+    DIR/corpus_text_document.{bin,idx}   --data-path DIR/corpus_text_document
+    DIR/manifest.json                    what was built, checked by :func:`verify_manifest`
 
 One document per pydoc topic and per source file; each document is its token ids followed by the
 EOD token ``<|endoftext|>``, as Megatron's ``tools/preprocess_data.py --append-eod`` writes them.
@@ -40,10 +40,11 @@ TOKENIZER_DIR = "tokenizer"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 # Directories of the standard library that are not ordinary library source: test suites (large,
-# repetitive fixtures), installed third-party packages, caches, and pydoc_data (its topics are
-# taken directly, as text, not as the Python literal that holds them).
+# repetitive fixtures), installed third-party packages, caches, pydoc_data (its topics are taken
+# directly, as text, not as the Python literal that holds them) and encodings (mostly generated
+# 256-entry codec tables: near-zero loss text that would dominate a small validation split).
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
-                       "__pycache__", "pydoc_data"})
+                       "__pycache__", "pydoc_data", "encodings"})
 # DATA_NAME itself is the directory where Megatron caches its GPTDataset indices by default.
 _MANAGED_NAMES = frozenset({MANIFEST, TOKENIZER_DIR, DATA_NAME, DATA_NAME + ".bin",
                             DATA_NAME + ".idx"})
@@ -76,6 +77,7 @@ class DataPrepConfig:
             "max_mb": float(self.max_mb),
             "seed": self.seed,
             "python": platform.python_version(),
+            "skip_dirs": sorted(SKIP_DIRS),
         }
 
 
@@ -94,7 +96,7 @@ def stdlib_dir() -> str:
 
 
 def pydoc_documents() -> List[Document]:
-    """One document per ``pydoc_data.topics`` entry (the language reference and more, in English)."""
+    """One document per ``pydoc_data.topics`` entry (language reference and more, in English)."""
     from pydoc_data.topics import topics
 
     return [Document(f"pydoc:{key}", topics[key]) for key in sorted(topics) if topics[key].strip()]
@@ -408,7 +410,7 @@ def prepare(config: DataPrepConfig, progress: bool = True) -> dict:
     return load_manifest(manifest_path(out))
 
 
-def megatron_data_args(manifest: dict, split: str = "98,2,0") -> List[str]:
+def megatron_data_args(manifest: dict, split: str = "95,5,0") -> List[str]:
     """The Megatron flags that train on a built corpus."""
     return ["--data-path", manifest["data_prefix"], "--split", split,
             "--tokenizer-type", "HuggingFaceTokenizer",

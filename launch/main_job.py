@@ -1,0 +1,403 @@
+"""The main job: dense SwiGLU baseline vs STEM-1/3 on the offline corpus, side by side.
+
+    .venv/bin/python launch/main_job.py [--out runs/main] [--iters N] [--nproc 2]
+
+1. builds (or reuses) the offline corpus with ``megatron_ext.training.data_prep``;
+2. trains the dense baseline (``--model-family gpt``) and STEM-1/3 (``--model-family stem
+   --stem-ratio 1/3``) with ``torchrun launch/pretrain.py``: same data, seed and hyperparameters,
+   no checkpoints, each with its own log file and tensorboard directory;
+3. reads Megatron's tensorboard scalars (``lm loss``, ``iteration-time``, ``lm loss validation``)
+   and prints a summary table with the analytic counts of ``megatron_ext.training.flops``; writes
+   ``summary.json`` and ``loss_curves.png`` into ``--out``.
+
+The preset (model shape and schedule) keeps the whole job under ten minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# The preset (launch/presets/main_job.json): a small Llama-style model (SwiGLU, RMSNorm, RoPE,
+# untied embeddings, as the paper's MobileLLM/Llama-3.2 setups) and its schedule, sized so that
+# two CPU ranks train it at a few thousand tokens/s.
+PRESET_PATH = os.path.join(ROOT, "launch", "presets", "main_job.json")
+with open(PRESET_PATH) as _f:
+    _PRESET = json.load(_f)
+MODEL: Dict[str, int] = _PRESET["model"]
+TRAIN: Dict[str, float] = _PRESET["train"]
+RUNS = (
+    ("dense", ["--model-family", "gpt"]),
+    ("stem-1/3", ["--model-family", "stem", "--stem-ratio", "1/3"]),
+)
+ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.eE+-]+)")
+
+
+class JobError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[main_job] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+
+
+def megatron_flags(iters: int, seed: int, data_args: Sequence[str], tensorboard_dir: str,
+                   cache_dir: str) -> List[str]:
+    m, t = MODEL, TRAIN
+    eval_interval = max(1, math.ceil(iters / t["evaluations"]))
+    return [
+        "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
+        "--ffn-hidden-size", str(m["ffn_hidden_size"]),
+        "--num-attention-heads", str(m["num_attention_heads"]),
+        "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
+        "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--micro-batch-size", str(t["micro_batch_size"]),
+        "--global-batch-size", str(t["global_batch_size"]),
+        "--train-iters", str(iters),
+        "--lr", str(t["lr"]), "--min-lr", str(t["min_lr"]), "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(max(1, int(iters * t["warmup_fraction"]))),
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", str(t["adam_beta2"]),
+        "--seed", str(seed),
+        *data_args, "--data-cache-path", cache_dir,
+        "--eval-iters", str(t["eval_iters"]), "--eval-interval", str(eval_interval),
+        "--log-interval", "1",
+        "--tensorboard-dir", tensorboard_dir, "--tensorboard-log-interval", "1",
+        "--log-timers-to-tensorboard",
+        "--distributed-backend", distributed_backend(), "--use-cpu-initialization",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-swiglu-fusion", "--no-rope-fusion",
+    ]
+
+
+def distributed_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class Progress:
+    """A tqdm bar on a terminal; one line per tenth of the run otherwise (logs, CI)."""
+
+    def __init__(self, name: str, total: int):
+        self.name, self.total, self.n, self.bar = name, total, 0, None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"{name:>9}", unit="it", dynamic_ncols=True)
+        self.every = max(1, total // 10)
+
+    def update(self, iteration: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(iteration - self.bar.n)
+            self.bar.set_postfix(loss=f"{loss:.3f}")
+        elif iteration % self.every == 0 or iteration == self.total:
+            log(f"{self.name}: iteration {iteration}/{self.total}, lm loss {loss:.3f}")
+        self.n = iteration
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_training(name: str, cmd: List[str], log_path: str, iters: int) -> float:
+    """Run one torchrun job, streaming its output to ``log_path`` and showing progress."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    start = time.perf_counter()
+    progress = Progress(name, iters)
+    with open(log_path, "w") as logf:
+        logf.write("$ " + " ".join(cmd) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        try:
+            for line in proc.stdout:
+                logf.write(line)
+                match = ITERATION_RE.search(line)
+                if match:
+                    progress.update(int(match.group(1)), float(match.group(3)))
+            rc = proc.wait()
+        except BaseException:
+            proc.terminate()
+            proc.wait()
+            raise
+        finally:
+            progress.close()
+    wall = time.perf_counter() - start
+    if rc != 0:
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-25:])
+        raise JobError(f"run {name!r} failed with exit code {rc} after {wall:.0f}s; last lines "
+                       f"of {log_path}:\n{tail}")
+    if progress.n == 0:
+        raise JobError(f"run {name!r} finished but logged no training iteration; see {log_path}")
+    return wall
+
+
+def parameters_from_log(log_path: str) -> Optional[int]:
+    """Megatron's own count ('number of parameters on ... rank (0, ...): N')."""
+    with open(log_path) as f:
+        for line in f:
+            match = re.search(r"number of parameters on .*?: (\d+)", line)
+            if match:
+                return int(match.group(1))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# summary
+
+
+def run_metrics(name: str, scalars: Dict[str, List[Tuple[int, float]]], iters: int,
+                tokens_per_iter: int) -> Dict[str, object]:
+    loss = scalars.get("lm loss", [])
+    if len(loss) < iters:
+        raise JobError(f"run {name!r}: tensorboard holds {len(loss)} of {iters} training losses")
+    valid = scalars.get("lm loss validation", [])
+    if not valid:
+        raise JobError(f"run {name!r}: no validation loss in tensorboard")
+    # Megatron evaluates once more at the end of training, after the periodic evaluation that
+    # falls on the last iteration when the interval divides it: average what it logged there.
+    last_step = max(step for step, _ in valid)
+    final_valid = [v for step, v in valid if step == last_step]
+    times = [v for step, v in scalars.get("iteration-time", [])
+             if step > TRAIN["timing_skip_iters"]]
+    if not times:
+        raise JobError(f"run {name!r}: no iteration-time in tensorboard")
+    k = TRAIN["last_iters_for_loss"]
+    mean_time = sum(times) / len(times)
+    return {
+        "train_loss_first": loss[0][1],
+        "train_loss_final": sum(v for _, v in loss[-k:]) / len(loss[-k:]),
+        "valid_loss_final": sum(final_valid) / len(final_valid),
+        "valid_loss_curve": valid,
+        "train_loss_curve": loss,
+        "seconds_per_iter": mean_time,
+        "tokens_per_s": tokens_per_iter / mean_time,
+    }
+
+
+def human(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.4g}"
+
+
+def print_table(results: Dict[str, dict]) -> str:
+    names = list(results)
+    rows = [
+        ("training loss, first iteration", lambda r: f"{r['train_loss_first']:.3f}"),
+        (f"training loss, mean of last {TRAIN['last_iters_for_loss']}",
+         lambda r: f"{r['train_loss_final']:.3f}"),
+        ("validation loss, end", lambda r: f"{r['valid_loss_final']:.3f}"),
+        ("tokens/s (all ranks, w/o first iters)", lambda r: f"{r['tokens_per_s']:.0f}"),
+        ("total parameters", lambda r: human(r["total_params"])),
+        ("  of which STEM tables", lambda r: human(r["stem_table_params"])),
+        ("active parameters / token", lambda r: human(r["active_params_per_token"])),
+        ("training FLOPs / token", lambda r: human(r["train_flops_per_token"])),
+        ("total training FLOPs", lambda r: human(r["total_train_flops"])),
+        ("FLOP ratio vs dense", lambda r: f"{r['flop_ratio']:.4f}"),
+        ("proxy ROI vs dense (exp(-val loss)/FLOPs)", lambda r: f"{r['proxy_roi']:.4f}x"),
+        ("wall time of the run (s)", lambda r: f"{r['wall_s']:.0f}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    cols = [max(12, len(n)) for n in names]
+    lines = [" " * width + " | " + " | ".join(f"{n:>{w}}" for n, w in zip(names, cols)),
+             "-" * (width + sum(c + 3 for c in cols))]
+    for label, fmt in rows:
+        lines.append(f"{label:<{width}} | " + " | ".join(
+            f"{fmt(results[n]):>{w}}" for n, w in zip(names, cols)))
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def plot(results: Dict[str, dict], tokens_per_iter: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_it, ax_fl) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in results.items():
+        steps = [s for s, _ in r["train_loss_curve"]]
+        values = [v for _, v in r["train_loss_curve"]]
+        flops = [s * tokens_per_iter * r["train_flops_per_token"] for s in steps]
+        line, = ax_it.plot(steps, values, label=f"{name} (train)", lw=1.2)
+        ax_fl.plot(flops, values, label=f"{name} (train)", lw=1.2, color=line.get_color())
+        vs = [s for s, _ in r["valid_loss_curve"]]
+        vv = [v for _, v in r["valid_loss_curve"]]
+        ax_it.plot(vs, vv, "o", color=line.get_color(), label=f"{name} (validation)")
+        ax_fl.plot([s * tokens_per_iter * r["train_flops_per_token"] for s in vs], vv, "o",
+                   color=line.get_color(), label=f"{name} (validation)")
+    ax_it.set_xlabel("iteration")
+    ax_fl.set_xlabel("training FLOPs (analytic)")
+    for ax in (ax_it, ax_fl):
+        ax.set_ylabel("lm loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_it.set_title("loss vs iterations (same tokens)")
+    ax_fl.set_title("loss vs training FLOPs (paper Fig. 3b)")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "main"),
+                   help="output directory (logs, tensorboard, summary.json, loss_curves.png)")
+    p.add_argument("--iters", type=int, default=200, help="training iterations per run")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per run (data parallel)")
+    p.add_argument("--data-dir", default=None,
+                   help="corpus directory (default: OUT/data); reused when up to date")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--max-mb", type=float, default=8.0)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    if args.iters < TRAIN["timing_skip_iters"] + 2:
+        p.error(f"--iters={args.iters}: at least {TRAIN['timing_skip_iters'] + 2} are needed")
+    if args.nproc < 1 or TRAIN["global_batch_size"] % (TRAIN["micro_batch_size"] * args.nproc):
+        p.error(f"--nproc={args.nproc}: the global batch {TRAIN['global_batch_size']} must be a "
+                f"multiple of micro batch {TRAIN['micro_batch_size']} x nproc")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    job_start = time.perf_counter()
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="[main_job] %(message)s")
+    for noisy in ("tensorboard", "matplotlib", "absl"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from megatron_ext.stem.config import select_stem_layers
+    from megatron_ext.training import data_prep, flops
+    from megatron_ext.training.metrics import read_tensorboard_scalars
+
+    # 1. data
+    t0 = time.perf_counter()
+    manifest = data_prep.prepare(data_prep.DataPrepConfig(
+        out=args.data_dir or os.path.join(out, "data"), vocab_size=args.vocab_size,
+        max_mb=args.max_mb, seed=args.seed))
+    data_s = time.perf_counter() - t0
+    log(f"data ready in {data_s:.0f}s: {manifest['num_tokens']:,} tokens, vocab "
+        f"{manifest['tokenizer_vocab_size']}, {manifest['data_prefix']}")
+    data_args = data_prep.megatron_data_args(manifest) + [
+        "--ext-data-manifest", os.path.join(os.path.dirname(manifest["data_prefix"]),
+                                            data_prep.MANIFEST)]
+
+    # 2. analytic shapes (Megatron pads the vocabulary to a multiple of 128)
+    vocab = flops.padded_vocab_size(manifest["tokenizer_vocab_size"])
+    tokens_per_iter = TRAIN["global_batch_size"] * MODEL["seq_length"]
+    base_shape = flops.ModelShape(
+        num_layers=MODEL["num_layers"], hidden_size=MODEL["hidden_size"],
+        ffn_hidden_size=MODEL["ffn_hidden_size"],
+        num_attention_heads=MODEL["num_attention_heads"], vocab_size=vocab,
+        seq_length=MODEL["seq_length"])
+    shapes = {"dense": base_shape,
+              "stem-1/3": dataclasses.replace(base_shape, stem_layers=tuple(
+                  select_stem_layers(MODEL["num_layers"], "1/3")))}
+
+    # 3. the two runs, one after the other
+    results: Dict[str, dict] = {}
+    for name, family_args in RUNS:
+        run_dir = os.path.join(out, name.replace("/", "_"))
+        tb_dir = os.path.join(run_dir, "tensorboard")
+        shutil.rmtree(tb_dir, ignore_errors=True)  # old event files would mix into the curves
+        os.makedirs(run_dir, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", os.path.join(ROOT, "launch", "pretrain.py"),
+               *megatron_flags(args.iters, args.seed, data_args, tb_dir,
+                               os.path.join(out, "cache")),
+               *family_args]
+        log_path = os.path.join(run_dir, "train.log")
+        log(f"training {name} for {args.iters} iterations ({tokens_per_iter} tokens each), "
+            f"log: {log_path}")
+        wall = run_training(name, cmd, log_path, args.iters)
+        metrics = run_metrics(name, read_tensorboard_scalars(tb_dir), args.iters, tokens_per_iter)
+        analytic = flops.summary(shapes[name])
+        megatron_params = parameters_from_log(log_path)
+        if megatron_params is not None and megatron_params != analytic["total_params"]:
+            log(f"WARNING: {name}: Megatron reports {megatron_params:,} parameters, the analytic "
+                f"count is {analytic['total_params']:,}")
+        results[name] = {**metrics, **analytic, "wall_s": wall,
+                         "megatron_reported_params": megatron_params,
+                         "total_train_flops": analytic["train_flops_per_token"] * tokens_per_iter
+                         * args.iters}
+        log(f"{name}: done in {wall:.0f}s, final training loss "
+            f"{metrics['train_loss_final']:.3f}, validation loss {metrics['valid_loss_final']:.3f}")
+
+    # 4. ratios against the dense baseline
+    base = results["dense"]
+    for name, r in results.items():
+        r["flop_ratio"] = flops.flop_ratio(shapes[name], shapes["dense"])
+        r["proxy_roi"] = flops.proxy_relative_roi(r["valid_loss_final"], r["total_train_flops"],
+                                                  base["valid_loss_final"],
+                                                  base["total_train_flops"])
+
+    print()
+    table = print_table(results)
+    print("proxy ROI = (exp(-validation loss) / total training FLOPs) relative to dense. It stands "
+          "in for the paper's\naccuracy-based ROI (Table 3), which needs downstream benchmarks; "
+          "read it as indicative only.")
+    plot(results, tokens_per_iter, os.path.join(out, "loss_curves.png"))
+    job_s = time.perf_counter() - job_start
+    write_json(os.path.join(out, "summary.json"), {
+        "model": MODEL, "train": TRAIN, "iters": args.iters, "nproc": args.nproc,
+        "seed": args.seed, "tokens_per_iter": tokens_per_iter, "padded_vocab_size": vocab,
+        "data": {k: manifest[k] for k in ("data_prefix", "tokenizer_dir", "tokenizer_vocab_size",
+                                          "eod_id", "num_documents", "num_tokens",
+                                          "corpus_bytes")},
+        "flop_counting": "analytic, megatron_ext.training.flops: 6 x matmul weights per token + "
+                         "12 x seq x heads x head_dim per layer (full score matrix); lookups "
+                         "and element-wise ops not counted",
+        "proxy_roi_definition": "(exp(-valid loss) / total training FLOPs) / same for dense; a "
+                                "proxy, not the paper's accuracy-based ROI",
+        "runs": results, "table": table, "data_prep_s": data_s, "job_wall_s": job_s,
+    })
+    log(f"wrote {os.path.join(out, 'summary.json')} and {os.path.join(out, 'loss_curves.png')}")
+    log(f"main job finished in {job_s:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except JobError as exc:
+        print(f"[main_job] FAILED: {exc}", file=sys.stderr)
+        sys.exit(1)
