@@ -11,8 +11,8 @@ from typing import Optional
 
 from megatron_ext.stem.config import INITS, RATIOS, VARIANTS, StemConfig, parse_layers
 
-FAMILIES = ("gpt", "stem", "structmoe", "sigma")
-IMPLEMENTED_FAMILIES = ("gpt", "stem")
+FAMILIES = ("gpt", "stem", "structmoe", "sigma")  # the flag's choices; models/registry.py says
+# which are built in this version
 
 
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,9 +73,11 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
         from megatron_ext.training.data_prep import verify_manifest
 
         verify_manifest(manifest, tokenizer_vocab_size)
-    if args.model_family not in IMPLEMENTED_FAMILIES:
+    from megatron_ext.models.registry import registered_families
+
+    if args.model_family not in registered_families():
         raise ValueError(f"--model-family={args.model_family}: not available yet in this version "
-                         f"(available: {', '.join(IMPLEMENTED_FAMILIES)})")
+                         f"(available: {', '.join(registered_families())})")
     stem = stem_config_from_args(args)
     if stem is not None:
         stem.stem_layers(args.num_layers)  # raises for out-of-range layers

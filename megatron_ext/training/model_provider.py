@@ -9,7 +9,8 @@ from megatron.training import get_args, print_rank_0
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 from megatron_ext.models.gpt import TokenIdsGPTModel
-from megatron_ext.models.specs import decoder_block_spec, stage_has_token_layers, te_available
+from megatron_ext.models.registry import get_family
+from megatron_ext.models.specs import stage_has_token_layers, te_available
 from megatron_ext.training.arguments import stem_config_from_args
 
 
@@ -22,12 +23,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
                          "installed (or has no GPU); use --transformer-impl local")
     if config is None:
         config = core_transformer_config_from_args(args)
-    stem = stem_config_from_args(args)
-    if stem is not None:
-        # Layers differ (only STEM layers hold a table): save each layer under its own key.
+    family = get_family(args.model_family)
+    if family.heterogeneous_layers:
+        # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.
         config.hetereogenous_dist_checkpoint = True
-    block_spec = decoder_block_spec(config, stem, args.padded_vocab_size, use_te,
-                                    vp_stage=vp_stage)
+    block_spec = family.block_spec(args, config, use_te, vp_stage=vp_stage)
     needs_ids = stage_has_token_layers(block_spec)
     kwargs = dict(
         config=config,
@@ -48,6 +48,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     )
     model = TokenIdsGPTModel(**kwargs) if needs_ids else GPTModel(**kwargs)
     model.needs_token_ids = needs_ids
+    stem = stem_config_from_args(args)
     if stem is not None:
         print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
                      f"variant={stem.variant} init={stem.init}")
