@@ -13,6 +13,7 @@ ITERS = ["--train-iters", "6"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2_RECOMPUTE = ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+DOPT = ["--use-distributed-optimizer"]
 FIRST5 = [1, 2, 3, 4, 5]
 AFTER_RESUME = [4, 5, 6]
 
@@ -20,7 +21,8 @@ AFTER_RESUME = [4, 5, 6]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stem_parallel")
-    ck_init, ck_ref, ck_tp2 = (str(tmp / n) for n in ("ck_init", "ck_ref", "ck_tp2"))
+    ck_init, ck_ref, ck_tp2, ck_dopt = (str(tmp / n) for n in
+                                        ("ck_init", "ck_ref", "ck_tp2", "ck_dopt"))
     start = ["--load", ck_init, "--finetune"]
     require_ok(torchrun("init", str(tmp), STEM + ["--train-iters", "1", "--lr-warmup-iters", "0",
                                                    "--save", ck_init, "--save-interval", "1"]))
@@ -36,6 +38,11 @@ def runs(tmp_path_factory):
     r["resume"] = torchrun("resume", str(tmp), STEM + ITERS + ["--load", ck_ref, "--ckpt-step", "3"])
     r["resume_tp2_as_tp1"] = torchrun("resume_tp2_as_tp1", str(tmp),
                                       STEM + ITERS + ["--load", ck_tp2, "--ckpt-step", "3"])
+    # Distributed optimizer with torch's Adam (no Apex/TE): needs megatron_ext.compat.upstream_fixes.
+    r["dopt"] = torchrun("dopt", str(tmp), STEM + ITERS + start + DOPT +
+                         ["--save", ck_dopt, "--save-interval", "3"])
+    r["dopt_resume"] = torchrun("dopt_resume", str(tmp), STEM + ITERS + DOPT +
+                                ["--load", ck_dopt, "--ckpt-step", "3"])
     return r
 
 
@@ -67,3 +74,10 @@ def test_tp2_checkpoint_resumes_with_tp1(runs):
     assert sorted(resumed.losses) == AFTER_RESUME
     assert_close_curves(resumed, tp2, AFTER_RESUME)
     assert_close_curves(resumed, require_ok(runs["ref"]), AFTER_RESUME)
+
+
+def test_distributed_optimizer_matches_and_resumes_exactly(runs):
+    dopt, resumed = require_ok(runs["dopt"]), require_ok(runs["dopt_resume"])
+    assert_close_curves(dopt, require_ok(runs["ref"]), [1, 2, 3, 4, 5, 6])
+    assert sorted(resumed.losses) == AFTER_RESUME
+    assert resumed.curve(AFTER_RESUME) == dopt.curve(AFTER_RESUME)

@@ -22,9 +22,10 @@ def main(argv=None) -> None:
     # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
     # scripts export it. A value set by the user wins.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from megatron_ext.compat import cpu
+    from megatron_ext.compat import cpu, upstream_fixes
 
     cpu.install()
+    upstream_fixes.install()
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
     sys.argv = [sys.argv[0]] + _default_transformer_impl(sys.argv[1:])

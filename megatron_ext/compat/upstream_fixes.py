@@ -1,0 +1,104 @@
+"""Fixes for megatron-core 0.19.x bugs that the plugin's supported setups hit.
+
+Each fix is installed by ``install()`` (called by the training entry point), checks the condition
+under which the bug exists, and is covered by a test that fails without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_INSTALLED = set()
+
+
+def _fix_distrib_optimizer_torch_adam_resume() -> bool:
+    """Resume of ``--use-distributed-optimizer`` with torch's Adam (no Apex/TE), two bugs.
+
+    1. ``DistributedOptimizer.state_dict`` reads the Adam step from the per-parameter states
+       (``assert len(steps) == 1``). Before the first step, e.g. while the checkpoint loader
+       builds the state dict to load into, torch's Adam has no state, so loading fails. We report
+       step 0 there (the loaded value replaces it) and leave the states as they were.
+    2. ``DistributedOptimizer.load_state_dict`` gives every parameter's state the *same* ``step``
+       tensor, then ``_set_main_param_and_optimizer_states`` copies the parameter-state part of
+       the checkpoint into every state tensor, ``step`` included, which overwrites the step read
+       from the param groups (it came back as 0, so Adam's bias correction restarted). torch's
+       Adam also increments each state's step in place, so a shared tensor would advance once per
+       parameter per iteration. After loading, each state gets its own tensor holding the step
+       of the loaded param groups.
+    3. With fp32 parameters the "main" parameter shard is a view of the model parameter, which
+       requires grad; ``_set_main_param_and_optimizer_states`` copies the loaded values into it
+       with autograd on and fails. The copy runs under ``torch.no_grad()``.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return False
+    cls = distrib_optimizer.DistributedOptimizer
+    original_state_dict = cls.state_dict
+    original_load = cls.load_state_dict
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self):
+        inner = self.optimizer
+        if any("step" in st for st in inner.state.values()):
+            return original_state_dict(self)
+        added = []
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p]["step"] = torch.tensor(0.0)
+                added.append(p)
+        try:
+            return original_state_dict(self)
+        finally:
+            for p in added:
+                del inner.state[p]["step"]
+                if not inner.state[p]:
+                    del inner.state[p]
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        steps = {g["step"] for g in state_dict["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) != 1:
+            raise RuntimeError(f"distributed optimizer checkpoint holds Adam steps {steps}; "
+                               "expected one value")
+        step = float(steps.pop())
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(step, dtype=torch.float32)
+        return result
+
+    original_set = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def set_main_param_and_optimizer_states(self, *args, **kwargs):
+        with torch.no_grad():
+            return original_set(self, *args, **kwargs)
+
+    cls.state_dict = state_dict
+    cls.load_state_dict = load_state_dict
+    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    return True
+
+
+FIXES = {
+    "distrib_optimizer_torch_adam_resume": _fix_distrib_optimizer_torch_adam_resume,
+}
+
+
+def install() -> list:
+    """Install every applicable fix once; returns the names installed now."""
+    installed = []
+    for name, fix in FIXES.items():
+        if name in _INSTALLED:
+            continue
+        if fix():
+            _INSTALLED.add(name)
+            installed.append(name)
+            logger.info("megatron_ext: installed upstream fix %s", name)
+    return installed
