@@ -127,25 +127,19 @@ class StemMLP(MegatronModule):
         )
 
         init_method = table_init_method(stem.init, config)
-        if config.use_cpu_initialization:
-            self.table = torch.nn.Parameter(
-                torch.empty(vocab_size, self.ffn_per_partition, dtype=config.params_dtype))
-            if config.perform_initialization:
-                # The full [vocab, F] table is drawn on every rank and sliced, so the values do not
-                # depend on the TP size (same as Megatron's linear layers).
-                _initialize_affine_weight_cpu(
-                    self.table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
-                    params_dtype=config.params_dtype, rank=self.tp_rank, world_size=self.tp_size)
-            else:
-                set_tensor_model_parallel_attributes(self.table, True, 1, 1)
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.table = torch.nn.Parameter(torch.empty(
+            vocab_size, self.ffn_per_partition, dtype=config.params_dtype, device=device))
+        if not config.perform_initialization:
+            set_tensor_model_parallel_attributes(self.table, True, 1, 1)
+        elif config.use_cpu_initialization:
+            # The full [vocab, F] table is drawn on every rank and sliced, so the values do not
+            # depend on the TP size (same as Megatron's linear layers).
+            _initialize_affine_weight_cpu(
+                self.table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
+                params_dtype=config.params_dtype, rank=self.tp_rank, world_size=self.tp_size)
         else:
-            self.table = torch.nn.Parameter(
-                torch.empty(vocab_size, self.ffn_per_partition, dtype=config.params_dtype,
-                            device=torch.cuda.current_device()))
-            if config.perform_initialization:
-                _initialize_affine_weight_gpu(self.table, init_method, partition_dim=1)
-            else:
-                set_tensor_model_parallel_attributes(self.table, True, 1, 1)
+            _initialize_affine_weight_gpu(self.table, init_method, partition_dim=1)
         self._token_ids: Optional[torch.Tensor] = None
 
     @classmethod
