@@ -1,4 +1,4 @@
-"""STEM under TP, SP, PP with full recompute, and checkpoint resume: the layout must not change
+"""STEM under TP, SP, PP (with full recompute, and interleaved), and checkpoint resume: the layout must not change
 the numbers. Every run starts from the same checkpoint (``--finetune``), so initialisation is
 identical whatever the layout. fp32, CPU, gloo, 2 ranks."""
 
@@ -13,6 +13,7 @@ ITERS = ["--train-iters", "6"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2_RECOMPUTE = ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+PP2_VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 DOPT = ["--use-distributed-optimizer"]
 FIRST5 = [1, 2, 3, 4, 5]
 AFTER_RESUME = [4, 5, 6]
@@ -35,6 +36,8 @@ def runs(tmp_path_factory):
     r["tp2_sp"] = torchrun("tp2_sp", str(tmp), STEM + ITERS + start + TP2 +
                            ["--sequence-parallel"])
     r["pp2_recompute"] = torchrun("pp2_recompute", str(tmp), STEM + ITERS + start + PP2_RECOMPUTE)
+    # Interleaved 1F1B: chunks hold layers {0, 2} (dense) and {1, 3} (STEM) of the two stages.
+    r["pp2_vpp"] = torchrun("pp2_vpp", str(tmp), STEM + ITERS + start + PP2_VPP)
     r["resume"] = torchrun("resume", str(tmp), STEM + ITERS + ["--load", ck_ref, "--ckpt-step", "3"])
     r["resume_tp2_as_tp1"] = torchrun("resume_tp2_as_tp1", str(tmp),
                                       STEM + ITERS + ["--load", ck_tp2, "--ckpt-step", "3"])
@@ -58,7 +61,7 @@ def test_reference_trains(runs):
     assert ref.losses[6] < ref.losses[1]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2_recompute"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2_recompute", "pp2_vpp"])
 def test_layout_does_not_change_losses(runs, layout):
     assert_close_curves(require_ok(runs[layout]), require_ok(runs["ref"]), FIRST5)
 
