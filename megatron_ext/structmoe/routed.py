@@ -37,43 +37,72 @@ def route(x: torch.Tensor, w_router: torch.Tensor, topk: int) -> Routing:
     return Routing(probs=probs, indices=indices, weights=weights)
 
 
-def routed_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     routing: Routing) -> torch.Tensor:
-    """Algorithm 1: token grouping per expert, ``(X_l A_l) B_l``, weighted scatter-add."""
+# Each backend has two stages. ``codes`` runs on the replicated input (router and A are replicated
+# across TP); ``expand`` multiplies by this rank's shard of B. Between them the StructMoE MLP puts
+# Megatron's ``copy_to_tensor_model_parallel_region``, so the backward all-reduce makes the
+# gradients of the codes (and so of A, the router and x) complete on every TP rank.
+
+
+def reference_codes(x: torch.Tensor, a: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Algorithm 1, first multiply: ``s_l(x) x A_l`` per (token, slot), tokens grouped by expert."""
     n, k = routing.indices.shape
-    out = x.new_zeros(n, b.shape[-1])
-    flat_tokens = torch.arange(n, device=x.device).repeat_interleave(k)
     flat_experts = routing.indices.reshape(-1)
-    flat_weights = routing.weights.reshape(-1)
+    flat_weights = routing.weights.reshape(-1, 1).to(x.dtype)
+    flat_tokens = torch.arange(n, device=x.device).repeat_interleave(k)
+    codes = x.new_zeros(n * k, a.shape[-1])
     for expert in range(a.shape[0]):
-        mask = flat_experts == expert
-        if not bool(mask.any()):
+        slots = (flat_experts == expert).nonzero().squeeze(-1)
+        if slots.numel() == 0:
             continue
-        tokens = flat_tokens[mask]
-        contrib = (x[tokens] @ a[expert]) @ b[expert]
-        out = out.index_add(0, tokens, contrib * flat_weights[mask].to(x.dtype).unsqueeze(-1))
+        codes = codes.index_copy(0, slots, x[flat_tokens[slots]] @ a[expert])
+    return codes * flat_weights  # [N k, r]
+
+
+def reference_expand(codes: torch.Tensor, b: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Algorithm 1, second multiply: ``(.) B_l`` per expert group, scatter-added to tokens."""
+    n, k = routing.indices.shape
+    flat_experts = routing.indices.reshape(-1)
+    flat_tokens = torch.arange(n, device=codes.device).repeat_interleave(k)
+    out = codes.new_zeros(n, b.shape[-1])
+    for expert in range(b.shape[0]):
+        slots = (flat_experts == expert).nonzero().squeeze(-1)
+        if slots.numel() == 0:
+            continue
+        out = out.index_add(0, flat_tokens[slots], codes[slots] @ b[expert])
     return out
 
 
-def routed_dense_masked(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                        routing: Routing) -> torch.Tensor:
-    """One GEMM against all experts' ``A``, mask to the selected ones, one GEMM against ``B``."""
+def dense_masked_codes(x: torch.Tensor, a: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """One GEMM against all experts' ``A``; all but the selected experts' columns zeroed."""
     n_experts, hidden, rank = a.shape
     u = x @ a.permute(1, 0, 2).reshape(hidden, n_experts * rank)          # [N, L r]
     gate = torch.zeros(x.shape[0], n_experts, dtype=routing.weights.dtype, device=x.device)
     gate = gate.scatter(1, routing.indices, routing.weights)                # [N, L]
-    u = (u.view(-1, n_experts, rank) * gate.to(u.dtype).unsqueeze(-1)).reshape(-1, n_experts * rank)
-    return u @ b.reshape(n_experts * rank, b.shape[-1])                    # [N, D]
+    return (u.view(-1, n_experts, rank) * gate.to(u.dtype).unsqueeze(-1)).reshape(
+        -1, n_experts * rank)
 
 
-BACKENDS = {"reference": routed_reference, "dense-masked": routed_dense_masked}
+def dense_masked_expand(codes: torch.Tensor, b: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """One GEMM against the stacked ``B``."""
+    return codes @ b.reshape(-1, b.shape[-1])                               # [N, D]
+
+
+BACKENDS = {
+    "reference": (reference_codes, reference_expand),
+    "dense-masked": (dense_masked_codes, dense_masked_expand),
+}
+
+
+def backend_stages(backend: str):
+    try:
+        return BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"--structmoe-backend={backend!r}: available here: "
+                         f"{', '.join(BACKENDS)}") from None
 
 
 def routed(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, routing: Routing,
            backend: str = "dense-masked") -> torch.Tensor:
-    try:
-        fn = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"--structmoe-backend={backend!r}: available here: "
-                         f"{', '.join(BACKENDS)}") from None
-    return fn(x, a, b, routing)
+    """``sum_{l in topk(x)} s_l(x) x A_l B_l`` on one rank."""
+    codes_fn, expand_fn = backend_stages(backend)
+    return expand_fn(codes_fn(x, a, routing), b, routing)

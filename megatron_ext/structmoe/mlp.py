@@ -1,0 +1,153 @@
+"""The StructMoE MLP (Eqs. 5-6 of the StructMoE paper) as a Megatron-Core MLP submodule.
+
+Layout (extends ``megatron.core.transformer.mlp.MLP``)::
+
+    linear_fc1  W1'  H -> D'   (SwiGLU: [W_gate'; W_up'] -> 2 D')   column-parallel
+    router      W_R  [L, H]                                          replicated, fp32 compute
+    lore_a      A    [L, H, r]                                       replicated
+    lore_b      B    [L, r, D'/tp]                                   column-parallel (split along D')
+    linear_fc2  W2'  D' -> H                                         row-parallel
+
+Routed update ``R(x) = sum_{l in topk} s_l(x) x A_l B_l`` (Eq. 5) joins the base:
+
+    additive, plain activation   y = W2'( act(x W1' + R) )                      (Eqs. 5-6)
+    additive, SwiGLU             y = W2'( silu(x W_gate' + R) * x W_up' )      (before the activation)
+    glu,      plain activation   y = W2'( act(x W1') * (1 + R) )
+    glu,      SwiGLU             y = W2'( silu(x W_gate') * x W_up' * (1 + R) )
+
+The GLU mode (Sec. 3.2: "the routed path modulates the activated base multiplicatively") is read as
+``1 + R`` so that a small routed path starts near the dense MLP.
+
+Tensor parallelism: the routed codes ``s_l(x) x A_l`` are computed on the full (replicated or
+sequence-gathered) input on every TP rank, then pass Megatron's
+``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) before this rank's
+shard of B, so A, the router and x get complete gradients on every rank. Under sequence
+parallelism the routed input is gathered with ``tensor_parallel_output_grad=False`` (its gradient
+is already complete; backward takes this rank's chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
+from megatron_ext.structmoe.routed import backend_stages, route
+
+
+def small_init(fan_in: int):
+    """SmallInit (Sec. 3.6): N(0, 2 / (5 d)) for input dimension d."""
+    std = math.sqrt(2.0 / (5.0 * fan_in))
+    return lambda t: torch.nn.init.normal_(t, mean=0.0, std=std)
+
+
+def deepnorm_init(fan_in: int, num_layers: int):
+    """DeepNorm-style output init (Sec. 3.6): N(0, (2 / (N_layers sqrt(d)))^2)."""
+    std = 2.0 / (num_layers * math.sqrt(fan_in))
+    return lambda t: torch.nn.init.normal_(t, mean=0.0, std=std)
+
+
+class StructMoEMLP(MegatronModule):
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules,
+                 structmoe: StructMoEConfig, tp_group=None, name: Optional[str] = None):
+        super().__init__(config=config)
+        self.smoe = structmoe
+        self.gated = bool(config.gated_linear_unit)
+        self.budget = layer_budget(structmoe, config.hidden_size, config.ffn_hidden_size,
+                                   self.gated)
+        ffn = self.budget.ffn
+        self.tp_group = tp_group
+        self.tp_size = tp_group.size() if tp_group is not None else 1
+        self.tp_rank = tp_group.rank() if tp_group is not None else 0
+        if ffn % self.tp_size:
+            raise ValueError(f"StructMoE D'_ff={ffn} is not divisible by "
+                             f"--tensor-model-parallel-size={self.tp_size}; choose "
+                             "--structmoe-ffn-hidden-size explicitly")
+        self.ffn_per_partition = ffn // self.tp_size
+        hidden, n_exp, rank = config.hidden_size, structmoe.num_experts, structmoe.rank
+        small = structmoe.init == "small"
+        fc1_init = small_init(hidden) if small else config.init_method
+        fc2_init = (deepnorm_init(ffn, config.num_layers) if small
+                    else config.output_layer_init_method)
+
+        self.linear_fc1 = submodules.linear_fc1(
+            hidden, 2 * ffn if self.gated else ffn, config=config, init_method=fc1_init,
+            gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
+            tp_comm_buffer_name="fc1", tp_group=tp_group, stride=2 if self.gated else 1,
+            name=(name + ".linear_fc1") if name is not None else None)
+        self.activation_func = config.activation_func
+        self.linear_fc2 = submodules.linear_fc2(
+            ffn, hidden, config=config, init_method=fc2_init, bias=False,
+            input_is_parallel=True, skip_bias_add=True, is_expert=False,
+            tp_comm_buffer_name="fc2", tp_group=tp_group,
+            name=(name + ".linear_fc2") if name is not None else None)
+
+        # Replicated parameters are drawn identically on every TP rank (same CPU seed); B is drawn
+        # whole and sliced along D', so values do not depend on the TP size.
+        gen_init = small_init if small else (lambda _: config.init_method)
+        self.router = torch.nn.Parameter(self._draw((n_exp, hidden), gen_init(hidden)))
+        self.lore_a = torch.nn.Parameter(self._draw((n_exp, hidden, rank), gen_init(hidden)))
+        full_b = self._draw((n_exp, rank, ffn), gen_init(rank))
+        shard = slice(self.tp_rank * self.ffn_per_partition,
+                      (self.tp_rank + 1) * self.ffn_per_partition)
+        self.lore_b = torch.nn.Parameter(full_b[..., shard].contiguous())
+        for p, parallel in ((self.router, False), (self.lore_a, False), (self.lore_b, True)):
+            setattr(p, "tensor_model_parallel", parallel)
+            setattr(p, "partition_dim", 2 if parallel else -1)
+            setattr(p, "partition_stride", 1)
+        self.codes_fn, self.expand_fn = backend_stages(
+            "dense-masked" if structmoe.backend == "auto" else structmoe.backend)
+
+    def _draw(self, shape, init) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32)
+        if self.config.perform_initialization:
+            init(t)
+        return t.to(self.config.params_dtype)
+
+    @classmethod
+    def as_mlp_submodule(cls, submodules: MLPSubmodules, structmoe: StructMoEConfig,
+                         config: TransformerConfig, pg_collection, is_mtp_layer: bool = False,
+                         name: Optional[str] = None) -> "StructMoEMLP":
+        """Builder matching megatron-core 0.18+'s ``submodules.mlp(config=, pg_collection=, ...)``."""
+        return cls(config=config, submodules=submodules, structmoe=structmoe,
+                   tp_group=pg_collection.tp, name=name)
+
+    def routed_update(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``R(x)`` for this rank's D' shard, laid out like ``linear_fc1``'s output."""
+        x = hidden_states
+        if self.config.sequence_parallel and self.tp_size > 1:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
+                                                     group=self.tp_group)
+        s, b, h = x.shape
+        x2d = x.reshape(s * b, h)
+        routing = route(x2d, self.router, self.smoe.topk)
+        codes = self.codes_fn(x2d, self.lore_a, routing)
+        if self.tp_size > 1:
+            codes = copy_to_tensor_model_parallel_region(codes, group=self.tp_group)
+        return self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs):
+        base, _ = self.linear_fc1(hidden_states)
+        update = self.routed_update(hidden_states).to(base.dtype)
+        act = self.activation_func
+        if self.gated:
+            gate, up = torch.chunk(base, 2, dim=-1)
+            if self.smoe.fusion == "additive":
+                inner = act(gate + update) * up
+            else:
+                inner = act(gate) * up * (1.0 + update)
+        elif self.smoe.fusion == "additive":
+            inner = act(base + update)
+        else:
+            inner = act(base) * (1.0 + update)
+        return self.linear_fc2(inner)
