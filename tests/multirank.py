@@ -62,6 +62,12 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     return Run(name, proc.returncode, log, losses)
 
 
+def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 1e-5) -> None:
+    ca, cb = a.curve(iterations), b.curve(iterations)
+    diffs = [abs(x - y) for x, y in zip(ca, cb)]
+    assert max(diffs) <= tol, f"{a.name} vs {b.name}: {ca} vs {cb} (max diff {max(diffs):.2e})"
+
+
 def require_ok(run: Run) -> Run:
     assert run.returncode == 0, f"{run.name} failed:\n{run.log[-6000:]}"
     return run

@@ -29,7 +29,7 @@ def parse(extra):
     (["--model-family", "stem", "--stem-layers", "0,2"], "layer 0 is never"),
     (["--model-family", "stem", "--stem-layers", "2,4"], "4 out of range; STEM layers must be in 1..3"),
     (["--model-family", "stem", "--stem-layers", "2,a"], "comma-separated"),
-    (["--model-family", "structmoe"], "not available yet"),
+    (["--model-family", "sigma"], "not available yet"),
 ])
 def test_bad_extension_flags(extra, match):
     from megatron_ext.training.arguments import validate_extension_args

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import TINY_GPT, require_ok, torchrun
+from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
 
 STEM = TINY_GPT + ["--model-family", "stem", "--stem-ratio", "1/2"]  # STEM layers 1 and 3
 ITERS = ["--train-iters", "6"]
@@ -47,12 +47,6 @@ def runs(tmp_path_factory):
     r["dopt_resume"] = torchrun("dopt_resume", str(tmp), STEM + ITERS + DOPT +
                                 ["--load", ck_dopt, "--ckpt-step", "3"])
     return r
-
-
-def assert_close_curves(a, b, iterations, tol=1e-5):
-    ca, cb = a.curve(iterations), b.curve(iterations)
-    diffs = [abs(x - y) for x, y in zip(ca, cb)]
-    assert max(diffs) <= tol, f"{a.name} vs {b.name}: {ca} vs {cb} (max diff {max(diffs):.2e})"
 
 
 def test_reference_trains(runs):

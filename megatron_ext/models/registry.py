@@ -60,5 +60,15 @@ def _stem_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None)
                               use_te, vp_stage=vp_stage)
 
 
+def _structmoe_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    from megatron_ext.models.specs import block_spec, structmoe_layers_fn
+    from megatron_ext.training.arguments import structmoe_config_from_args
+
+    return block_spec(config, use_te, structmoe_layers_fn(structmoe_config_from_args(args)),
+                      vp_stage=vp_stage)
+
+
 register_family(Family("gpt", "dense SwiGLU GPT (the baseline)", _gpt_block_spec, False))
 register_family(Family("stem", "STEM: token-indexed up-projection tables", _stem_block_spec, True))
+register_family(Family("structmoe", "StructMoE: routed low-rank experts inside the dense MLP",
+                       _structmoe_block_spec, False))

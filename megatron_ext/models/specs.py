@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -116,12 +116,43 @@ def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> Mod
                       submodules=submodules)
 
 
-def decoder_layer_specs(config: TransformerConfig, stem: Optional[StemConfig], vocab_size: int,
-                        use_te: bool) -> List[ModuleSpec]:
-    """One spec per global layer: STEM where ``stem`` selects it, dense elsewhere."""
+def structmoe_layer_spec(dense: ModuleSpec, structmoe) -> ModuleSpec:
+    """The dense layer spec with the MLP swapped for a StructMoE MLP built from the same linears."""
+    from megatron_ext.structmoe.mlp import StructMoEMLP
+
+    mlp_sub = _mlp_submodules(dense)
+    submodules = dataclasses.replace(
+        copy.deepcopy(dense.submodules),
+        mlp=functools.partial(
+            StructMoEMLP.as_mlp_submodule,
+            submodules=MLPSubmodules(linear_fc1=mlp_sub.linear_fc1,
+                                     linear_fc2=mlp_sub.linear_fc2),
+            structmoe=structmoe,
+        ),
+    )
+    return ModuleSpec(module=dense.module, params=dict(dense.params), submodules=submodules)
+
+
+LayerFn = Callable[[int, ModuleSpec], ModuleSpec]
+
+
+def stem_layers_fn(config: TransformerConfig, stem: StemConfig, vocab_size: int) -> LayerFn:
+    """STEM where ``stem`` selects the layer, dense elsewhere."""
+    stem_ids = set(stem.stem_layers(config.num_layers))
+    return lambda i, dense: (stem_layer_spec(dense, stem, vocab_size) if i in stem_ids
+                             else copy.deepcopy(dense))
+
+
+def structmoe_layers_fn(structmoe) -> LayerFn:
+    """StructMoE in every layer (the paper augments each MLP)."""
+    return lambda i, dense: structmoe_layer_spec(dense, structmoe)
+
+
+def decoder_layer_specs(config: TransformerConfig, use_te: bool,
+                        layer_fn: Optional[LayerFn] = None) -> List[ModuleSpec]:
+    """One spec per global layer, chosen by ``layer_fn(layer_index, dense_spec)``."""
     dense = dense_layer_spec(use_te, qk_layernorm=config.qk_layernorm)
-    stem_ids = set(stem.stem_layers(config.num_layers)) if stem is not None else set()
-    return [stem_layer_spec(dense, stem, vocab_size) if i in stem_ids else copy.deepcopy(dense)
+    return [layer_fn(i, dense) if layer_fn is not None else copy.deepcopy(dense)
             for i in range(config.num_layers)]
 
 
@@ -139,14 +170,22 @@ def slice_for_stage(config: TransformerConfig, layer_specs: Sequence[ModuleSpec]
     return list(layer_specs[offset:offset + n])
 
 
-def decoder_block_spec(config: TransformerConfig, stem: Optional[StemConfig], vocab_size: int,
-                       use_te: bool, vp_stage: Optional[int] = None,
-                       pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
-    layer_specs = decoder_layer_specs(config, stem, vocab_size, use_te)
+def block_spec(config: TransformerConfig, use_te: bool, layer_fn: Optional[LayerFn] = None,
+               vp_stage: Optional[int] = None,
+               pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    layer_specs = decoder_layer_specs(config, use_te, layer_fn)
     return TransformerBlockSubmodules(
         layer_specs=slice_for_stage(config, layer_specs, vp_stage, pp_rank),
         layer_norm=final_norm_impl(use_te),
     )
+
+
+def decoder_block_spec(config: TransformerConfig, stem: Optional[StemConfig], vocab_size: int,
+                       use_te: bool, vp_stage: Optional[int] = None,
+                       pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Dense (``stem=None``) or STEM block spec."""
+    layer_fn = stem_layers_fn(config, stem, vocab_size) if stem is not None else None
+    return block_spec(config, use_te, layer_fn, vp_stage, pp_rank)
 
 
 def stage_has_token_layers(block_spec: TransformerBlockSubmodules) -> bool:

@@ -31,15 +31,11 @@ from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_gpu,
     set_tensor_model_parallel_attributes,
 )
-from megatron.core.transformer.mlp import MLPSubmodules, apply_swiglu_sharded_factory
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import (
-    ensure_metadata_has_dp_cp_group,
-    make_sharded_tensors_for_checkpoint,
-    sharded_state_dict_default,
-)
 
+from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.stem.config import StemConfig
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
@@ -190,19 +186,5 @@ class StemMLP(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> ShardedStateDict:
         """fc1/fc2 as in Megatron's MLP; the table sharded along its columns (axis 1) over TP."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
-        sharded = {}
-        for name, module in self._modules.items():
-            sub_sd = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets,
-                                                metadata)
-            if self.variant == "dagger" and name == "linear_fc1":
-                key = f"{prefix}{name}.weight"
-                sub_sd[key] = apply_swiglu_sharded_factory(
-                    sub_sd[key], sharded_offsets, singleton_local_shards,
-                    tp_group=self.tp_group, dp_group=metadata["dp_cp_group"])
-            sharded.update(sub_sd)
-        sharded.update(make_sharded_tensors_for_checkpoint(
-            {"table": self.table}, prefix, {"table": 1}, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
-        return sharded
+        return mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"table": 1},
+                                      gated_fc1=self.variant == "dagger")

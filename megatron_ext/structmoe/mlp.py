@@ -41,6 +41,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
 from megatron_ext.structmoe.routed import backend_stages, route
 
@@ -151,3 +152,10 @@ class StructMoEMLP(MegatronModule):
         else:
             inner = act(base) * (1.0 + update)
         return self.linear_fc2(inner)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None):
+        """fc1/fc2 as in Megatron's MLP; B split along D' (axis 2); router and A replicated."""
+        return mlp_sharded_state_dict(
+            self, prefix, sharded_offsets, metadata,
+            {"router": None, "lore_a": None, "lore_b": 2}, gated_fc1=self.gated)

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Optional
 
 from megatron_ext.stem.config import INITS, RATIOS, VARIANTS, StemConfig, parse_layers
+from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
+from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
+from megatron_ext.structmoe.config import INITS as SMOE_INITS
 
 FAMILIES = ("gpt", "stem", "structmoe", "sigma")  # the flag's choices; models/registry.py says
 # which are built in this version
@@ -35,7 +39,43 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     stem.add_argument("--stem-init", choices=INITS, default="fan-in",
                       help="table initialisation; default fan-in = N(0, (init_method_std * "
                            "sqrt(hidden))^2), the spread of W_up x at initialisation")
+
+    smoe = parser.add_argument_group("megatron-ext StructMoE")
+    smoe.add_argument("--structmoe-num-experts", type=int, default=16,
+                      help="L: low-rank experts per MLP")
+    smoe.add_argument("--structmoe-rank", type=int, default=16, help="r: rank of each expert")
+    smoe.add_argument("--structmoe-topk", type=int, default=1, help="k: experts per token")
+    smoe.add_argument("--structmoe-fusion", choices=SMOE_FUSIONS, default="additive",
+                      help="additive: routed update added before the activation (Eq. 5); "
+                           "glu: it multiplies the activated base, as (1 + R)")
+    smoe.add_argument("--structmoe-param-matched", action=argparse.BooleanOptionalAction,
+                      default=True,
+                      help="D'_ff from Eq. 8 so the MLP has the dense MLP's parameters (default)")
+    smoe.add_argument("--structmoe-ffn-hidden-size", type=int, default=None,
+                      help="explicit D'_ff (instead of --structmoe-param-matched)")
+    smoe.add_argument("--structmoe-init", choices=SMOE_INITS, default="small",
+                      help="small: SmallInit for W1', A, B, W_R and DeepNorm-style W2' (Sec. 3.6); "
+                           "megatron: Megatron's --init-method-std rules")
+    smoe.add_argument("--structmoe-backend", choices=SMOE_BACKENDS, default="auto",
+                      help="routed low-rank path: reference (Algorithm 1), dense-masked; auto "
+                           "picks dense-masked")
     return parser
+
+
+def structmoe_config_from_args(args):
+    from megatron_ext.structmoe.config import StructMoEConfig
+
+    if args.model_family != "structmoe":
+        return None
+    if args.structmoe_ffn_hidden_size is not None and "--structmoe-param-matched" in sys.argv:
+        raise ValueError("--structmoe-param-matched and --structmoe-ffn-hidden-size exclude "
+                         "each other: Eq. 8 gives D'_ff, or you give it")
+    return StructMoEConfig(
+        num_experts=args.structmoe_num_experts, rank=args.structmoe_rank,
+        topk=args.structmoe_topk, fusion=args.structmoe_fusion,
+        param_matched=args.structmoe_param_matched,
+        ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
+        backend=args.structmoe_backend)
 
 
 def stem_config_from_args(args) -> Optional[StemConfig]:
@@ -78,6 +118,7 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     if args.model_family not in registered_families():
         raise ValueError(f"--model-family={args.model_family}: not available yet in this version "
                          f"(available: {', '.join(registered_families())})")
+    structmoe_config_from_args(args)  # raises for bad --structmoe-* values
     stem = stem_config_from_args(args)
     if stem is not None:
         stem.stem_layers(args.num_layers)  # raises for out-of-range layers

@@ -11,7 +11,8 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron_ext.models.gpt import TokenIdsGPTModel
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import stage_has_token_layers, te_available
-from megatron_ext.training.arguments import stem_config_from_args
+from megatron_ext.structmoe.config import layer_budget
+from megatron_ext.training.arguments import stem_config_from_args, structmoe_config_from_args
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
@@ -52,4 +53,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     if stem is not None:
         print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
                      f"variant={stem.variant} init={stem.init}")
+    smoe = structmoe_config_from_args(args)
+    if smoe is not None:
+        budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
+                              bool(config.gated_linear_unit))
+        print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
     return model
