@@ -99,38 +99,34 @@ def _mlp_submodules(layer_spec: ModuleSpec) -> MLPSubmodules:
     return submodules
 
 
-def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> ModuleSpec:
-    """The dense layer spec with the MLP swapped for a STEM MLP built from the same linears."""
+def with_mlp(dense: ModuleSpec, mlp_builder, layer_module=None, **builder_kwargs) -> ModuleSpec:
+    """The dense layer spec with its MLP built by ``mlp_builder`` (an ``as_mlp_submodule``
+    classmethod) from the dense MLP's own fc1/fc2 builders (local or Transformer Engine)."""
     mlp_sub = _mlp_submodules(dense)
     submodules = dataclasses.replace(
         copy.deepcopy(dense.submodules),
         mlp=functools.partial(
-            StemMLP.as_mlp_submodule,
+            mlp_builder,
             submodules=MLPSubmodules(linear_fc1=mlp_sub.linear_fc1,
                                      linear_fc2=mlp_sub.linear_fc2),
-            stem=stem,
-            vocab_size=vocab_size,
+            **builder_kwargs,
         ),
     )
-    return ModuleSpec(module=TokenContextTransformerLayer, params=dict(dense.params),
+    return ModuleSpec(module=layer_module or dense.module, params=dict(dense.params),
                       submodules=submodules)
 
 
+def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> ModuleSpec:
+    """A STEM layer: the layer that hands token ids to its MLP, with a STEM MLP."""
+    return with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextTransformerLayer, stem=stem,
+                    vocab_size=vocab_size)
+
+
 def structmoe_layer_spec(dense: ModuleSpec, structmoe) -> ModuleSpec:
-    """The dense layer spec with the MLP swapped for a StructMoE MLP built from the same linears."""
+    """A StructMoE layer: the dense layer with a StructMoE MLP."""
     from megatron_ext.structmoe.mlp import StructMoEMLP
 
-    mlp_sub = _mlp_submodules(dense)
-    submodules = dataclasses.replace(
-        copy.deepcopy(dense.submodules),
-        mlp=functools.partial(
-            StructMoEMLP.as_mlp_submodule,
-            submodules=MLPSubmodules(linear_fc1=mlp_sub.linear_fc1,
-                                     linear_fc2=mlp_sub.linear_fc2),
-            structmoe=structmoe,
-        ),
-    )
-    return ModuleSpec(module=dense.module, params=dict(dense.params), submodules=submodules)
+    return with_mlp(dense, StructMoEMLP.as_mlp_submodule, structmoe=structmoe)
 
 
 LayerFn = Callable[[int, ModuleSpec], ModuleSpec]
