@@ -27,7 +27,7 @@ class TokenIdsGPTModel(GPTModel):
         """Refuse ids outside the tables with a message instead of an index error deep inside."""
         if input_ids.numel() == 0:
             return
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+        lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one host sync
         if lo < 0 or hi >= self.table_vocab_size:
             raise ValueError(
                 f"token id {lo if lo < 0 else hi} is outside the STEM tables (vocab size "
