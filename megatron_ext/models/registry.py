@@ -1,7 +1,8 @@
 """Model families and how each builds its decoder block spec.
 
-A family registers a function ``block_spec(args, config, use_te, vp_stage) -> (block_spec,
-needs_token_ids)``; the model provider looks the family up by ``--model-family``. Choosing the MLP
+A family registers a function ``block_spec(args, config, use_te, vp_stage) ->
+TransformerBlockSubmodules``; the model provider looks the family up by ``--model-family`` and
+derives from the spec whether this stage needs token ids. Choosing the MLP
 of each layer happens inside these functions, when the spec list is built.
 """
 
