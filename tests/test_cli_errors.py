@@ -38,6 +38,19 @@ def test_bad_extension_flags(extra, match):
         validate_extension_args(parse(extra))
 
 
+def test_structmoe_width_flags():
+    from megatron_ext.training.arguments import structmoe_config_from_args
+
+    family = ["--model-family", "structmoe"]
+    assert structmoe_config_from_args(parse(family)).param_matched
+    explicit = structmoe_config_from_args(parse(family + ["--structmoe-ffn-hidden-size", "96"]))
+    assert explicit.ffn_hidden_size == 96 and not explicit.param_matched
+    assert not structmoe_config_from_args(parse(family + ["--no-structmoe-param-matched"])).param_matched
+    with pytest.raises(ValueError, match="exclude each other"):
+        structmoe_config_from_args(parse(family + ["--structmoe-param-matched",
+                                                   "--structmoe-ffn-hidden-size", "96"]))
+
+
 def test_stem_needs_gated_activation():
     from megatron_ext.training.arguments import validate_extension_args
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Optional
 
 from megatron_ext.stem.config import INITS, RATIOS, VARIANTS, StemConfig, parse_layers
@@ -49,8 +48,9 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                       help="additive: routed update added before the activation (Eq. 5); "
                            "glu: it multiplies the activated base, as (1 + R)")
     smoe.add_argument("--structmoe-param-matched", action=argparse.BooleanOptionalAction,
-                      default=True,
-                      help="D'_ff from Eq. 8 so the MLP has the dense MLP's parameters (default)")
+                      default=None,
+                      help="D'_ff from Eq. 8 so the MLP has the dense MLP's parameters (the "
+                           "default unless --structmoe-ffn-hidden-size is given)")
     smoe.add_argument("--structmoe-ffn-hidden-size", type=int, default=None,
                       help="explicit D'_ff (instead of --structmoe-param-matched)")
     smoe.add_argument("--structmoe-init", choices=SMOE_INITS, default="small",
@@ -67,13 +67,16 @@ def structmoe_config_from_args(args):
 
     if args.model_family != "structmoe":
         return None
-    if args.structmoe_ffn_hidden_size is not None and "--structmoe-param-matched" in sys.argv:
+    explicit_ffn = args.structmoe_ffn_hidden_size is not None
+    if explicit_ffn and args.structmoe_param_matched:
         raise ValueError("--structmoe-param-matched and --structmoe-ffn-hidden-size exclude "
                          "each other: Eq. 8 gives D'_ff, or you give it")
+    param_matched = (args.structmoe_param_matched if args.structmoe_param_matched is not None
+                     else not explicit_ffn)
     return StructMoEConfig(
         num_experts=args.structmoe_num_experts, rank=args.structmoe_rank,
         topk=args.structmoe_topk, fusion=args.structmoe_fusion,
-        param_matched=args.structmoe_param_matched,
+        param_matched=param_matched,
         ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
         backend=args.structmoe_backend)
 
