@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
+from megatron_ext.compat.standalone import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
 
@@ -48,7 +50,7 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     os.makedirs(out_dir, exist_ok=True)
     tb = os.path.join(out_dir, "tb")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_port()}", PRETRAIN, *flags,
+           f"--master_port={free_port()}", PRETRAIN, *flags,
            "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -71,11 +73,3 @@ def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 
 def require_ok(run: Run) -> Run:
     assert run.returncode == 0, f"{run.name} failed:\n{run.log[-6000:]}"
     return run
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -7,7 +7,8 @@ import socket
 import torch
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -29,7 +30,7 @@ def init_single_rank(seed: int = 1234):
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         torch.distributed.init_process_group(
-            backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(seed)
