@@ -36,6 +36,7 @@ class Run:
     returncode: int
     log: str
     losses: Dict[int, float]
+    scalars: Dict[str, List] = None  # every tensorboard tag: [(step, value), ...]
 
     def curve(self, iterations: Sequence[int]) -> List[float]:
         return [self.losses[i] for i in iterations]
@@ -59,9 +60,11 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n" + log)
     losses: Dict[int, float] = {}
+    scalars: Dict[str, List] = {}
     if proc.returncode == 0:
-        losses = dict(read_tensorboard_scalars(tb)["lm loss"])
-    return Run(name, proc.returncode, log, losses)
+        scalars = read_tensorboard_scalars(tb)
+        losses = dict(scalars["lm loss"])
+    return Run(name, proc.returncode, log, losses, scalars)
 
 
 def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 1e-5) -> None:

@@ -30,6 +30,9 @@ def parse(extra):
     (["--model-family", "stem", "--stem-layers", "2,4"], "4 out of range; STEM layers must be in 1..3"),
     (["--model-family", "stem", "--stem-layers", "2,a"], "comma-separated"),
     (["--model-family", "sigma"], "not available yet"),
+    (["--model-family", "structmoe", "--calculate-per-token-loss"], "--structmoe-aux-loss-coeff 0"),
+    (["--model-family", "structmoe", "--structmoe-aux-loss-coeff", "-1"],
+     "--structmoe-aux-loss-coeff=-1.0: must be >= 0"),
 ])
 def test_bad_extension_flags(extra, match):
     from megatron_ext.training.arguments import validate_extension_args

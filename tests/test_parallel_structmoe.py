@@ -1,7 +1,12 @@
-"""StructMoE under TP (with and without SP) and DP, and checkpoint resharding: the layout must not
-change the numbers. All runs start from one checkpoint (``--finetune``); fp32, CPU, gloo."""
+"""StructMoE under TP (with and without SP) and DP, and checkpoint resume and resharding: the layout
+must not change the numbers. All runs of one activation start from one checkpoint (``--finetune``);
+fp32, CPU, gloo. The Switch load-balancing loss is on (its default coefficient), so DP=1 with
+twice the micro-batches also checks that its gradient is scaled like the LM loss under gradient
+accumulation."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -10,31 +15,46 @@ from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
 # k = 2 of 4 experts of rank 4; D'_ff from Eq. 8 (112 for this shape: divisible by TP=2).
 SMOE = TINY_GPT + ["--model-family", "structmoe", "--structmoe-num-experts", "4",
                    "--structmoe-rank", "4", "--structmoe-topk", "2"]
+# GELU (Eq. 3's plain activation) with the GLU fusion.
+GELU_GLU = [f for f in SMOE if f != "--swiglu"] + ["--structmoe-fusion", "glu"]
 ITERS = ["--train-iters", "6"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 FIRST5 = [1, 2, 3, 4, 5]
+LAYERS, EXPERTS = 4, 4
+
+
+def init_checkpoint(name, tmp, flags):
+    """One step of training saved as the common start; returns the flags to start from it."""
+    path = str(tmp / name)
+    run = require_ok(torchrun(name, str(tmp), flags + [
+        "--train-iters", "1", "--lr-warmup-iters", "0", "--save", path, "--save-interval", "1"]))
+    return ["--load", path, "--finetune"], run
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structmoe_parallel")
-    ck_init, ck_tp2 = str(tmp / "ck_init"), str(tmp / "ck_tp2")
-    start = ["--load", ck_init, "--finetune"]
-    init = require_ok(torchrun("init", str(tmp), SMOE + [
-        "--train-iters", "1", "--lr-warmup-iters", "0", "--save", ck_init, "--save-interval", "1"]))
+    ck_tp2 = str(tmp / "ck_tp2")
+    start, init = init_checkpoint("init", tmp, SMOE)
     r = {"init": init}
     r["ref"] = torchrun("ref", str(tmp), SMOE + ITERS + start)  # TP=1 x DP=2, 2 micro-batches
     r["tp2"] = torchrun("tp2", str(tmp), SMOE + ITERS + start + TP2 +
                         ["--save", ck_tp2, "--save-interval", "3"])
     r["tp2_sp"] = torchrun("tp2_sp", str(tmp), SMOE + ITERS + start + TP2 + ["--sequence-parallel"])
     r["dp1"] = torchrun("dp1", str(tmp), SMOE + ITERS + start, nproc=1)  # 4 micro-batches
-    r["resume_tp2_as_tp1"] = torchrun("resume_tp2_as_tp1", str(tmp),
-                                      SMOE + ITERS + ["--load", ck_tp2, "--ckpt-step", "3"])
+    resume = ["--load", ck_tp2, "--ckpt-step", "3"]
+    r["resume_tp2"] = torchrun("resume_tp2", str(tmp), SMOE + ITERS + TP2 + resume)
+    r["resume_tp2_as_tp1"] = torchrun("resume_tp2_as_tp1", str(tmp), SMOE + ITERS + resume)
+    gelu_start, _ = init_checkpoint("gelu_init", tmp, GELU_GLU)
+    r["gelu_ref"] = torchrun("gelu_ref", str(tmp), GELU_GLU + ITERS + gelu_start +
+                             ["--structmoe-backend", "grouped"])
+    r["gelu_tp2_sp"] = torchrun("gelu_tp2_sp", str(tmp), GELU_GLU + ITERS + gelu_start + TP2 +
+                                ["--sequence-parallel", "--structmoe-backend", "dense-masked"])
     return r
 
 
 def test_build_prints_the_budget(runs):
-    lines = [l for l in runs["init"].log.splitlines() if "Eqs. 7-9" in l]
+    lines = [l for l in require_ok(runs["init"]).log.splitlines() if "Eqs. 7-9" in l]
     assert lines and "D'_ff=112 (dense D_ff=128)" in lines[0]
     assert "params 24,576 vs dense 24,576" in lines[0]
 
@@ -46,7 +66,37 @@ def test_layout_does_not_change_losses(runs, layout):
     assert_close_curves(require_ok(runs[layout]), ref, FIRST5)
 
 
-def test_tp2_checkpoint_resumes_with_tp1(runs):
-    resumed = require_ok(runs["resume_tp2_as_tp1"])
-    assert sorted(resumed.losses) == [4, 5, 6]
-    assert_close_curves(resumed, require_ok(runs["tp2"]), [4, 5, 6])
+def test_gelu_glu_tp2_sp_matches_tp1(runs):
+    """Plain activation, GLU fusion; also the grouped (TP=1) vs dense-masked (TP=2) backends."""
+    ref = require_ok(runs["gelu_ref"])
+    assert ref.losses[6] < ref.losses[1]
+    assert_close_curves(require_ok(runs["gelu_tp2_sp"]), ref, FIRST5)
+
+
+@pytest.mark.parametrize("resumed,original", [("resume_tp2", "tp2"),
+                                              ("resume_tp2_as_tp1", "tp2")])
+def test_checkpoint_resumes(runs, resumed, original):
+    run = require_ok(runs[resumed])
+    assert sorted(run.losses) == [4, 5, 6]
+    assert_close_curves(run, require_ok(runs[original]), [4, 5, 6])
+
+
+@pytest.mark.parametrize("name", ["ref", "tp2_sp"])
+def test_router_metrics_logged(runs, name):
+    """Per-layer routing fractions (Fig. 4) sum to 1 in every layer and step; the load-balancing
+    loss is logged each step, on the console too, and does not depend on the layout."""
+    run = require_ok(runs[name])
+    lbl = dict(run.scalars["load_balancing_loss"])
+    assert sorted(lbl) == [1, 2, 3, 4, 5, 6]
+    assert all(0.9 < v < EXPERTS for v in lbl.values())  # 1 when perfectly balanced
+    assert "load_balancing_loss:" in run.log
+    for layer in range(LAYERS):
+        tags = [f"moe/structmoe_routing_fraction_expert_{e}_layer_{layer}" for e in range(EXPERTS)]
+        per_step = [dict(run.scalars[t]) for t in tags]
+        for step in range(1, 7):
+            fractions = [series[step] for series in per_step]
+            assert math.isclose(sum(fractions), 1.0, abs_tol=1e-5), (layer, step, fractions)
+            assert max(fractions) < 1.0  # not collapsed onto one expert
+    ref_lbl = dict(require_ok(runs["ref"]).scalars["load_balancing_loss"])
+    for step in FIRST5:
+        assert math.isclose(lbl[step], ref_lbl[step], rel_tol=1e-5)

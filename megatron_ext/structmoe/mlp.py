@@ -42,6 +42,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.models.sharding import mlp_sharded_state_dict
+from megatron_ext.structmoe.balance import attach_and_record
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
 from megatron_ext.structmoe.routed import backend_stages, route
 
@@ -108,6 +109,11 @@ class StructMoEMLP(MegatronModule):
             setattr(p, "partition_stride", 1)
         self.codes_fn, self.expand_fn = backend_stages(
             "dense-masked" if structmoe.backend == "auto" else structmoe.backend)
+        self.layer_number = None  # set by TransformerLayer (1-based, global), for logging
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by ``TransformerLayer`` as for upstream's MoE layer."""
+        self.layer_number = layer_number
 
     def _draw(self, shape, init) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.float32)
@@ -135,7 +141,9 @@ class StructMoEMLP(MegatronModule):
         codes = self.codes_fn(x2d, self.lore_a, routing)
         if self.tp_size > 1:
             codes = copy_to_tensor_model_parallel_region(codes, group=self.tp_group)
-        return self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)
+        update = self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)
+        return attach_and_record(update, routing, self.smoe.aux_loss_coeff, self.layer_number,
+                                 self.config.num_layers) if self.training else update
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         base, _ = self.linear_fc1(hidden_states)

@@ -57,8 +57,11 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                       help="small: SmallInit for W1', A, B, W_R and DeepNorm-style W2' (Sec. 3.6); "
                            "megatron: Megatron's --init-method-std rules")
     smoe.add_argument("--structmoe-backend", choices=SMOE_BACKENDS, default="auto",
-                      help="routed low-rank path: reference (Algorithm 1), dense-masked; auto "
-                           "picks dense-masked")
+                      help="routed low-rank path: reference (Algorithm 1), grouped "
+                           "(torch._grouped_mm), dense-masked; auto picks dense-masked")
+    smoe.add_argument("--structmoe-aux-loss-coeff", type=float, default=0.01,
+                      help="coefficient of the Switch load-balancing loss on the router (0: off; "
+                           "routing fractions are logged either way)")
     return parser
 
 
@@ -78,7 +81,7 @@ def structmoe_config_from_args(args):
         topk=args.structmoe_topk, fusion=args.structmoe_fusion,
         param_matched=param_matched,
         ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
-        backend=args.structmoe_backend)
+        backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff)
 
 
 def stem_config_from_args(args) -> Optional[StemConfig]:
@@ -121,7 +124,10 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     if args.model_family not in registered_families():
         raise ValueError(f"--model-family={args.model_family}: not available yet in this version "
                          f"(available: {', '.join(registered_families())})")
-    structmoe_config_from_args(args)  # raises for bad --structmoe-* values
+    smoe = structmoe_config_from_args(args)  # raises for bad --structmoe-* values
+    if smoe is not None and smoe.aux_loss_coeff > 0 and args.calculate_per_token_loss:
+        raise ValueError("--calculate-per-token-loss with StructMoE's load-balancing loss is not "
+                         "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
     stem = stem_config_from_args(args)
     if stem is not None:
         stem.stem_layers(args.num_layers)  # raises for out-of-range layers

@@ -45,6 +45,10 @@ def main(argv=None) -> None:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
+    if args.model_family == "structmoe":
+        from megatron_ext.structmoe.balance import install_reporting
+
+        install_reporting()
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)

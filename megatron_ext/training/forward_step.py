@@ -6,7 +6,8 @@ from functools import partial
 
 import torch
 
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.training import get_args, get_timers
 
 from megatron_ext.training.batch import get_batch
@@ -31,5 +32,11 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, args, vp_stage, token_layers_here)
     timers("batch-generator").stop()
+    if args.model_family == "structmoe":
+        # Upstream sets the aux-loss gradient scale only for models with --num-experts.
+        from megatron_ext.structmoe.balance import set_aux_loss_scale
+
+        set_aux_loss_scale(get_model_config(model), get_num_microbatches(),
+                           args.context_parallel_size)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

@@ -1,0 +1,123 @@
+"""Load balancing of StructMoE's router: the Switch loss, routing fractions, and their logging.
+
+The loss is upstream's ``switch_load_balancing_loss_func`` (``L / k * sum_l f_l P_l`` times the
+coefficient, with ``f_l`` the fraction of routing slots given to expert ``l`` and ``P_l`` its mean
+router probability over the micro-batch), attached to the routed update through upstream's
+``MoEAuxLossAutoScaler``, exactly as Megatron's ``TopKRouter`` does. Two things upstream does only
+for models with ``config.num_moe_experts`` (StructMoE is a dense model to Megatron) are done here:
+
+* the autoscaler's gradient scale (loss scale x CP size / micro-batches, as in
+  ``megatron.core.pipeline_parallel.schedules.forward_step_calc_loss``) is set by
+  :func:`set_aux_loss_scale`, which the forward step calls on every pipeline stage;
+* the per-layer values recorded in upstream's ``MoEMetricsTracker`` are reported by
+  :func:`install_reporting`, which wraps ``megatron.training.training.training_log`` (upstream
+  reports them there only when ``--num-experts`` is set).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List
+
+import torch
+
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    switch_load_balancing_loss_func,
+)
+
+from megatron_ext.structmoe.routed import Routing
+
+LOSS_NAME = "load_balancing_loss"
+
+
+def fraction_name(expert: int) -> str:
+    return f"structmoe_routing_fraction_expert_{expert}"
+
+
+def tracked_names(num_experts: int) -> List[str]:
+    return [LOSS_NAME] + [fraction_name(l) for l in range(num_experts)]
+
+
+def tokens_per_expert(routing: Routing) -> torch.Tensor:
+    return torch.bincount(routing.indices.reshape(-1), minlength=routing.probs.shape[-1])
+
+
+def switch_loss(routing: Routing, coeff: float = 1.0) -> torch.Tensor:
+    """The Switch load-balancing loss of one micro-batch (Megatron's definition, micro-batch level).
+
+    Every TP rank holds all tokens of the sequence here (the routed path gathers a sequence-parallel
+    input), so the micro-batch statistics need no reduction.
+    """
+    n, k = routing.indices.shape
+    return switch_load_balancing_loss_func(
+        probs=routing.probs, tokens_per_expert=tokens_per_expert(routing), total_num_tokens=n,
+        topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=coeff)
+
+
+def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, layer_number: int,
+                      num_layers: int) -> torch.Tensor:
+    """Attach ``coeff x loss`` to ``update``'s backward and record the loss (unscaled, as upstream
+    does) and the routing fractions of this layer for logging. Only while training with autograd
+    on: evaluation and the no-grad first pass of activation recomputation record nothing."""
+    if not (torch.is_grad_enabled() and update.requires_grad):
+        return update
+    loss = switch_loss(routing)
+    tracker = get_moe_metrics_tracker()
+    if layer_number is not None:
+        tracker.record(LOSS_NAME, loss, layer_number, num_layers)
+        n, k = routing.indices.shape
+        fractions = tokens_per_expert(routing).float() / (n * k)
+        for expert, value in enumerate(fractions):
+            tracker.record(fraction_name(expert), value, layer_number, num_layers)
+    if coeff > 0:
+        update = MoEAuxLossAutoScaler.apply(update, coeff * loss)
+    return update
+
+
+def set_aux_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> None:
+    """The gradient of every attached aux loss is ``loss_scale x cp / num_microbatches``, the factor
+    the LM loss gets, so gradient accumulation and fp16 loss scaling treat both alike."""
+    one = torch.ones(1, device="cuda" if torch.cuda.is_available() else "cpu")
+    scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    scale = scale.reshape(1).detach().float()
+    if not config.calculate_per_token_loss:
+        scale = scale * cp_size / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def report(args, iteration: int, total_loss_dict: dict, num_microbatches: int) -> None:
+    """Reduce the recorded values over PP and DP, add the mean loss to the console line, write the
+    loss and, per layer, the loss and each expert's routing fraction (the StructMoE paper's Fig. 4).
+    Collective: every rank calls it once per iteration."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    write = iteration % args.tensorboard_log_interval == 0
+    writer = get_tensorboard_writer() if write else None
+    wandb_writer = get_wandb_writer() if write else None
+    # One report for all names: report() clears every entry of the tracker when it is done.
+    get_moe_metrics_tracker().report(
+        loss_scale=1.0 / num_microbatches, iteration=iteration, writer=writer,
+        wandb_writer=wandb_writer, per_layer_logging=True, force_initialize=True,
+        track_names=tracked_names(args.structmoe_num_experts), num_layers=args.num_layers,
+        total_loss_dict=total_loss_dict)
+
+
+def install_reporting() -> None:
+    """Wrap upstream's ``training_log`` so StructMoE's router metrics are reported each iteration."""
+    from megatron.training import training
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    upstream = training.training_log
+    if getattr(upstream, "_structmoe_reporting", False):
+        return
+
+    @functools.wraps(upstream)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
+        from megatron.training import get_args
+        report(get_args(), iteration, total_loss_dict, get_num_microbatches())
+        return upstream(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
+
+    training_log._structmoe_reporting = True
+    training.training_log = training_log
