@@ -106,9 +106,14 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
+    import logging
+    import warnings
+
     from megatron_ext.compat.standalone import init_single_rank
     from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
 
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     init_single_rank()
     dtype_name = args.dtype or ("bf16" if gpu else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32

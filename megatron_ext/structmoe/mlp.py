@@ -44,7 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.structmoe.balance import attach_and_record
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
-from megatron_ext.structmoe.routed import backend_stages, route
+from megatron_ext.structmoe.routed import backend_stages, resolve_backend, route
 
 
 def small_init(fan_in: int):
@@ -107,8 +107,8 @@ class StructMoEMLP(MegatronModule):
             setattr(p, "tensor_model_parallel", parallel)
             setattr(p, "partition_dim", 2 if parallel else -1)
             setattr(p, "partition_stride", 1)
-        self.codes_fn, self.expand_fn = backend_stages(
-            "dense-masked" if structmoe.backend == "auto" else structmoe.backend)
+        self.backend = resolve_backend(structmoe.backend)
+        self.codes_fn, self.expand_fn = backend_stages(self.backend)
         self.layer_number = None  # set by TransformerLayer (1-based, global), for logging
 
     def set_layer_number(self, layer_number: int) -> None:

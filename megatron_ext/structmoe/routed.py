@@ -150,6 +150,14 @@ BACKENDS = {
 }
 
 
+def resolve_backend(backend: str) -> str:
+    """``auto``: grouped on the CPU, where it measured fastest (benchmarks/structmoe_step.py,
+    docs/benchmarks.md); dense-masked on a GPU until a GPU measurement says otherwise."""
+    if backend != "auto":
+        return backend
+    return "dense-masked" if torch.cuda.is_available() else "grouped"
+
+
 def backend_stages(backend: str):
     try:
         return BACKENDS[backend]

@@ -58,7 +58,7 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            "megatron: Megatron's --init-method-std rules")
     smoe.add_argument("--structmoe-backend", choices=SMOE_BACKENDS, default="auto",
                       help="routed low-rank path: reference (Algorithm 1), grouped "
-                           "(torch._grouped_mm), dense-masked; auto picks dense-masked")
+                           "(torch._grouped_mm), dense-masked; auto: grouped on CPU, dense-masked on GPU")
     smoe.add_argument("--structmoe-aux-loss-coeff", type=float, default=0.01,
                       help="coefficient of the Switch load-balancing loss on the router (0: off; "
                            "routing fractions are logged either way)")
