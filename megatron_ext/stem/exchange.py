@@ -1,0 +1,164 @@
+"""Moving STEM table rows between data-parallel ranks: fetch rows from their owners, send row
+gradients back to them. Collectives over one process group (the data-parallel group); every rank
+of the group calls them in the same order with its own ids.
+
+``VocabExchange`` (``--stem-table-sharding vocab``): each rank owns the rows a ``RowOwnership``
+gives it. A fetch sends the batch's *deduplicated* ids to their owners (``all_to_all``), the owners
+gather those rows from their shards, and the rows come back the same way: per rank and step this
+moves ``uniq(ids) x width`` values, the STEM paper's Table 1 accounting. Pushing gradients is the
+same route backwards; an owner sums the gradients of a row that several ranks send: this *is* the
+data-parallel reduction of the tables (Megatron's DDP never sees them).
+
+``ReplicatedExchange`` (``replicated``): every rank holds every row; fetches are local and a push
+gathers all ranks' (id, gradient) pairs and sums them, so every rank steps the same rows alike.
+
+Device: the collectives run where the group's backend wants tensors (CUDA for NCCL, CPU for gloo);
+rows gathered from CPU shards are staged through pinned memory when they go to a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.stem.ownership import RowOwnership
+
+
+def comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+        else torch.device("cpu")
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class Route:
+    """Where each of this rank's unique ids goes and what it is asked for in return."""
+    order: torch.Tensor          # permutation of the unique ids into owner order
+    send_counts: List[int]       # ids this rank asks of each owner
+    recv_counts: List[int]       # ids each rank asks of this rank
+    requested: torch.Tensor      # local shard indices asked of this rank (concatenated by asker)
+
+    @property
+    def rows_out(self) -> int:   # rows this rank serves
+        return sum(self.recv_counts)
+
+    @property
+    def rows_in(self) -> int:    # rows this rank receives
+        return sum(self.send_counts)
+
+
+class VocabExchange:
+    def __init__(self, ownership: RowOwnership, group):
+        if ownership.world != dist.get_world_size(group):
+            raise ValueError(f"ownership is for {ownership.world} ranks, the group has "
+                             f"{dist.get_world_size(group)}")
+        self.ownership = ownership
+        self.group = group
+        self.device = comm_device(group)
+
+    def route(self, unique_ids: torch.Tensor) -> Route:
+        """Exchange counts and ids (two small all-to-alls)."""
+        ids = unique_ids.to(torch.long)
+        owners = self.ownership.owner(ids)
+        order = torch.argsort(owners, stable=True)
+        world = self.ownership.world
+        send_counts = torch.bincount(owners, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dev = self.device
+        recv_counts_d = _to(recv_counts, dev)
+        dist.all_to_all_single(recv_counts_d, _to(send_counts, dev), group=self.group)
+        send, recv = send_counts.tolist(), recv_counts_d.cpu().tolist()
+        requested = torch.empty(sum(recv), dtype=torch.long, device=dev)
+        dist.all_to_all_single(requested, _to(ids[order], dev), output_split_sizes=recv,
+                               input_split_sizes=send, group=self.group)
+        local = self.ownership.local_index(requested.cpu())
+        return Route(order=order, send_counts=send, recv_counts=recv, requested=local)
+
+    def fetch(self, route: Route, shards: Sequence[torch.Tensor], out_device: torch.device
+              ) -> List[torch.Tensor]:
+        """Rows of ``unique_ids`` (the route's) from every shard: one all-to-all for all layers.
+        Returns ``[len(unique_ids), width]`` per shard, in ``unique_ids`` order."""
+        widths = [s.shape[1] for s in shards]
+        served = torch.cat([s[route.requested.to(s.device)] for s in shards], dim=1) \
+            if route.rows_out else shards[0].new_empty(0, sum(widths))
+        received = torch.empty(route.rows_in, sum(widths), dtype=shards[0].dtype,
+                               device=self.device)
+        dist.all_to_all_single(received, _to(served.contiguous(), self.device),
+                               output_split_sizes=route.send_counts,
+                               input_split_sizes=route.recv_counts, group=self.group)
+        rows = torch.empty_like(received)
+        rows[route.order.to(received.device)] = received
+        rows = _to(rows, out_device)
+        return list(torch.split(rows, widths, dim=1))
+
+    def push(self, route: Route, grads: Sequence[torch.Tensor]
+             ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """Send each shard's row gradients (``[len(unique_ids), width]``, ``unique_ids`` order) to
+        the owners. Returns this rank's touched local rows (unique, sorted) and, per shard, their
+        gradients summed over all ranks that sent them (on the communication device)."""
+        widths = [g.shape[1] for g in grads]
+        outgoing = _to(torch.cat(list(grads), dim=1), self.device)[route.order.to(self.device)]
+        incoming = torch.empty(route.rows_out, sum(widths), dtype=outgoing.dtype,
+                               device=self.device)
+        dist.all_to_all_single(incoming, outgoing.contiguous(),
+                               output_split_sizes=route.recv_counts,
+                               input_split_sizes=route.send_counts, group=self.group)
+        rows, inverse = torch.unique(route.requested, return_inverse=True)
+        summed = torch.zeros(rows.numel(), sum(widths), dtype=incoming.dtype, device=self.device)
+        summed.index_add_(0, inverse.to(self.device), incoming)
+        return rows, list(torch.split(summed, widths, dim=1))
+
+
+class ReplicatedExchange:
+    """Every rank owns every row (``RowOwnership`` with world 1 over the full vocab)."""
+
+    def __init__(self, vocab: int, group):
+        self.ownership = RowOwnership(vocab, 1, "contiguous")
+        self.group = group
+        self.device = comm_device(group)
+
+    def route(self, unique_ids: torch.Tensor) -> Route:
+        ids = unique_ids.to(torch.long)
+        n = ids.numel()
+        return Route(order=torch.arange(n), send_counts=[n], recv_counts=[n], requested=ids.cpu())
+
+    def fetch(self, route: Route, shards: Sequence[torch.Tensor], out_device: torch.device
+              ) -> List[torch.Tensor]:
+        return [_to(s[route.requested.to(s.device)], out_device) for s in shards]
+
+    def push(self, route: Route, grads: Sequence[torch.Tensor]
+             ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        widths = [g.shape[1] for g in grads]
+        world = dist.get_world_size(self.group)
+        ids = _to(route.requested, self.device)
+        payload = _to(torch.cat(list(grads), dim=1), self.device)
+        counts = torch.tensor([ids.numel()], device=self.device)
+        all_counts = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(all_counts, counts, group=self.group)
+        most = int(max(int(c) for c in all_counts))
+        padded_ids = torch.zeros(most, dtype=torch.long, device=self.device)
+        padded_ids[: ids.numel()] = ids
+        padded = payload.new_zeros(most, payload.shape[1])
+        padded[: ids.numel()] = payload
+        every_ids = [torch.empty_like(padded_ids) for _ in range(world)]
+        every = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(every_ids, padded_ids, group=self.group)
+        dist.all_gather(every, padded, group=self.group)
+        ids_all = torch.cat([e[: int(c)] for e, c in zip(every_ids, all_counts)])
+        grads_all = torch.cat([e[: int(c)] for e, c in zip(every, all_counts)])
+        rows, inverse = torch.unique(ids_all, return_inverse=True)
+        summed = torch.zeros(rows.numel(), payload.shape[1], dtype=payload.dtype,
+                             device=self.device)
+        summed.index_add_(0, inverse, grads_all)
+        return rows.cpu(), list(torch.split(summed, widths, dim=1))

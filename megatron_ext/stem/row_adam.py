@@ -1,0 +1,195 @@
+"""AdamW on the CPU for the rows of STEM tables a rank owns: ``dense`` and ``sparse`` semantics.
+
+Both are AdamW as Megatron configures it for the rest of the model (``lr`` from the schedule,
+``betas``, ``eps``, decoupled ``weight_decay``); they differ in which rows step:
+
+* ``dense``: every owned row steps every iteration, untouched rows with a zero gradient (their
+  moments decay and they keep moving with their momentum). This *is* AdamW on a GPU-resident table
+  (torch.optim.AdamW), computed by DeepSpeed's CPU Adam kernel over the whole shard.
+* ``sparse``: only the rows the global batch touched step. Each row has its own step count, used
+  for its bias correction; its moments are left unchanged while it is not touched (lazy Adam, as
+  FBGEMM's row-wise and TF's LazyAdam). Decoupled weight decay is still applied for every
+  iteration: a row's missed decay factors ``prod_s (1 - lr_s wd)`` are applied when it is next
+  touched (and before it is read for a checkpoint), from a running product kept in float64, so a
+  row touched at iterations i and j ends where decaying it at every iteration would put it.
+
+Kernels: ``deepspeed`` (DeepSpeed's ``cpu_adam`` op: SIMD + OpenMP, about 5x torch on the
+development machine; its first use JIT-compiles it) and ``torch`` (vectorised torch ops; used when
+the op cannot be built). Per-row bias correction is mapped onto DeepSpeed's op, whose bias
+correction takes one step count per call, by calling it without bias correction on groups of rows
+with equal step counts ``k`` and rescaled scalars:
+``lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) = lr' * m / (sqrt(v) + eps')`` with
+``lr' = lr sqrt(bc2) / bc1``, ``eps' = eps sqrt(bc2)``, and ``wd' = wd lr / lr'`` so that the
+decoupled decay ``lr' wd'`` stays ``lr wd``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODES = ("dense", "sparse")
+KERNELS = ("auto", "deepspeed", "torch")
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+_DS_OP = None
+_DS_ID = 1 << 20  # optimizer ids of this module, away from DeepSpeedCPUAdam's own counter
+
+
+def deepspeed_op():
+    """DeepSpeed's ``cpu_adam`` extension, or None if it cannot be loaded or built."""
+    global _DS_OP
+    if _DS_OP is None:
+        try:
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+
+            op = CPUAdamBuilder().load(verbose=False)
+            op.create_adam(_DS_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
+            _DS_OP = op
+        except Exception as exc:  # no compiler, no deepspeed: the torch kernel still works
+            logger.warning("DeepSpeed's cpu_adam op is unavailable (%s); STEM tables step with "
+                           "the torch kernel", exc)
+            _DS_OP = False
+    return _DS_OP or None
+
+
+class RowAdamW:
+    """Optimizer state and step for a list of row shards (one per STEM layer) held by this rank.
+
+    ``shards``: fp32 CPU tensors ``[rows, width]``, updated in place. ``step()`` takes, per shard,
+    the local indices of the touched rows (unique) and their gradients.
+    """
+
+    def __init__(self, shards: Sequence[torch.Tensor], mode: str = "dense", kernel: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"--stem-optimizer={mode!r}: allowed {', '.join(MODES)}")
+        if kernel not in KERNELS:
+            raise ValueError(f"STEM optimizer kernel {kernel!r}: allowed {', '.join(KERNELS)}")
+        for shard in shards:
+            if shard.dtype != torch.float32 or shard.device.type != "cpu" or shard.dim() != 2:
+                raise ValueError("STEM optimizer shards must be 2-D fp32 CPU tensors, got "
+                                 f"{shard.dtype} {shard.device} {tuple(shard.shape)}")
+        self.shards = list(shards)
+        self.mode = mode
+        self.op = deepspeed_op() if kernel in ("auto", "deepspeed") else None
+        if kernel == "deepspeed" and self.op is None:
+            raise RuntimeError("the deepspeed kernel was requested but cpu_adam cannot be built")
+        self.exp_avg = [torch.zeros_like(s) for s in self.shards]
+        self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
+        self.step_count = 0  # iterations stepped (dense: every row's step; sparse: the clock)
+        if mode == "sparse":
+            self.row_steps = [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
+            # Running product of (1 - lr_s wd) over iterations, and its value at each row's last
+            # decay: the row still owes decay_product / row_mark.
+            self.decay_product = 1.0
+            self.row_marks = [torch.ones(s.shape[0], dtype=torch.float64) for s in self.shards]
+        self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
+
+    @property
+    def kernel(self) -> str:
+        return "deepspeed" if self.op is not None else "torch"
+
+    # ------------------------------------------------------------------------------------------
+    def step(self, grads: Sequence[Tuple[torch.Tensor, torch.Tensor]], hyper: AdamHyper) -> None:
+        if len(grads) != len(self.shards):
+            raise ValueError(f"{len(grads)} gradients for {len(self.shards)} table shards")
+        self.step_count += 1
+        if self.mode == "dense":
+            for i, (rows, rows_grad) in enumerate(grads):
+                self._dense_step(i, rows, rows_grad, hyper)
+        else:
+            for i, (rows, rows_grad) in enumerate(grads):
+                self._sparse_step(i, rows, rows_grad, hyper)
+            self.decay_product *= 1.0 - hyper.lr * hyper.weight_decay
+
+    def _dense_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
+                    hyper: AdamHyper) -> None:
+        shard = self.shards[i]
+        if self._dense_grads[i] is None:
+            self._dense_grads[i] = torch.zeros_like(shard)
+        grad = self._dense_grads[i]
+        grad.zero_()
+        grad.index_copy_(0, rows, rows_grad.to(torch.float32))
+        if self.op is not None:
+            self.op.adam_update(_DS_ID, self.step_count, hyper.lr, hyper.beta1, hyper.beta2,
+                                hyper.eps, hyper.weight_decay, True, shard, grad,
+                                self.exp_avg[i], self.exp_avg_sq[i])
+        else:
+            _torch_adamw(shard, grad, self.exp_avg[i], self.exp_avg_sq[i], hyper,
+                         torch.full((shard.shape[0], 1), float(self.step_count)))
+
+    def _sparse_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
+                     hyper: AdamHyper) -> None:
+        if rows.numel() == 0:
+            return
+        self._catch_up_decay(i, rows)
+        steps = self.row_steps[i][rows] + 1
+        self.row_steps[i][rows] = steps
+        # Gather, step, scatter back: touched rows are few against the shard.
+        order = torch.argsort(steps, stable=True)
+        rows, steps = rows[order], steps[order]
+        p = self.shards[i][rows]
+        g = rows_grad[order].to(torch.float32).contiguous()
+        m = self.exp_avg[i][rows]
+        v = self.exp_avg_sq[i][rows]
+        if self.op is not None:
+            values, counts = torch.unique_consecutive(steps, return_counts=True)
+            start = 0
+            for k, n in zip(values.tolist(), counts.tolist()):
+                bc1 = 1.0 - hyper.beta1 ** k
+                sqrt_bc2 = math.sqrt(1.0 - hyper.beta2 ** k)
+                lr = hyper.lr * sqrt_bc2 / bc1
+                wd = hyper.weight_decay * hyper.lr / lr
+                sl = slice(start, start + n)
+                self.op.adam_update(_DS_ID, k, lr, hyper.beta1, hyper.beta2, hyper.eps * sqrt_bc2,
+                                    wd, False, p[sl], g[sl], m[sl], v[sl])
+                start += n
+        else:
+            _torch_adamw(p, g, m, v, hyper, steps.to(torch.float32).unsqueeze(1))
+        self.shards[i][rows] = p
+        self.exp_avg[i][rows] = m
+        self.exp_avg_sq[i][rows] = v
+        self.row_marks[i][rows] = self.decay_product * (1.0 - hyper.lr * hyper.weight_decay)
+
+    def _catch_up_decay(self, i: int, rows: torch.Tensor) -> None:
+        """Apply the decay a row missed since its last update (iterations it was not touched)."""
+        owed = self.decay_product / self.row_marks[i][rows]
+        pending = owed != 1.0
+        if bool(pending.any()):
+            late = rows[pending]
+            self.shards[i][late] *= owed[pending].to(torch.float32).unsqueeze(1)
+            self.row_marks[i][late] = self.decay_product
+
+    def materialize(self) -> None:
+        """Sparse mode: apply every row's outstanding decay, so the shards hold the values AdamW
+        would (before saving or reading them whole)."""
+        if self.mode != "sparse":
+            return
+        for i, shard in enumerate(self.shards):
+            self._catch_up_decay(i, torch.arange(shard.shape[0]))
+
+
+def _torch_adamw(p, g, m, v, hyper: AdamHyper, steps: torch.Tensor) -> None:
+    """AdamW (torch.optim.AdamW's formula) on rows, with per-row step counts ``steps [rows, 1]``."""
+    p.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    m.mul_(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
+    v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+    bc1 = 1.0 - torch.pow(hyper.beta1, steps)
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(hyper.beta2, steps))
+    denom = v.sqrt() / bc2_sqrt + hyper.eps
+    p.addcdiv_(m, denom * bc1 / hyper.lr, value=-1.0)
