@@ -112,7 +112,7 @@ def test_sparse_differs_from_dense():
 def test_bad_input():
     with pytest.raises(ValueError, match="--stem-optimizer='lazy'"):
         RowAdamW([initial()], mode="lazy")
-    with pytest.raises(ValueError, match="fp32 CPU"):
+    with pytest.raises(ValueError, match="2-D fp32 tensors, got torch.float64"):
         RowAdamW([initial().double()])
     with pytest.raises(ValueError, match="2 gradients for 1 table shards"):
         RowAdamW([initial()], kernel="torch").step([grads_for(0)] * 2, hyper(1e-3))

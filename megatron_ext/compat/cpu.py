@@ -53,6 +53,10 @@ PATCHES: List[Patch] = [
     Patch("torch.cuda.device_count/current_device/set_device/synchronize/is_initialized",
           "_initialize_distributed sets the device and seeds the model-parallel RNG only when "
           "device_count() > 0; one virtual device keeps those paths alive."),
+    Patch("torch.cuda.is_available -> False",
+          "with PYTORCH_NVML_BASED_CUDA_CHECK=1 (which importing deepspeed sets) is_available() "
+          "answers from device_count(), the stand-in above, and would report a GPU: the "
+          "DataLoader then pins memory in a thread and DeepSpeed picks its CUDA accelerator."),
     Patch("torch.cuda.Stream/Event/current_stream/stream/default_stream/set_stream",
           "timers, DDP overlap and the optimizer use streams and events; on CPU all work is "
           "synchronous, so they are no-ops."),
@@ -217,6 +221,7 @@ def _set(obj, name: str, value) -> None:
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
     _set(cuda, "device_count", lambda: 1)
+    _set(cuda, "is_available", lambda: False)
     _set(cuda, "current_device", lambda: 0)
     _set(cuda, "set_device", lambda device: None)
     _set(cuda, "synchronize", lambda device=None: None)

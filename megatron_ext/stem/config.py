@@ -8,6 +8,10 @@ from typing import List, Optional, Sequence
 RATIOS = ("1/3", "1/2", "full")
 VARIANTS = ("up", "gate", "dagger")
 INITS = ("normal", "fan-in", "ones", "zeros")
+PLACEMENTS = ("gpu", "cpu")
+SHARDINGS = ("replicated", "vocab")
+OWNERSHIPS = ("interleaved", "contiguous")  # stem/ownership.py; interleaved measured balanced
+OPTIMIZERS = ("dense", "sparse")            # stem/row_adam.py
 
 
 @dataclass
@@ -33,6 +37,17 @@ class StemConfig:
     layers: Optional[List[int]] = None
     variant: str = "up"
     init: str = "fan-in"
+    # Where the tables live and who steps them (issue "STEM tables at scale", docs/stem.md):
+    # placement gpu + sharding replicated is an ordinary parameter (Megatron's DDP and optimizer);
+    # every other combination is a managed table (stem/tables.py, stem/table_optimizer.py).
+    placement: str = "gpu"
+    sharding: str = "replicated"
+    ownership: str = "interleaved"
+    optimizer: str = "dense"
+
+    @property
+    def managed_tables(self) -> bool:
+        return not (self.placement == "gpu" and self.sharding == "replicated")
 
     def __post_init__(self) -> None:
         if self.ratio not in RATIOS:
@@ -46,6 +61,12 @@ class StemConfig:
             raise ValueError(
                 f"--stem-init=zeros with --stem-variant={self.variant}: a zero table makes the "
                 "STEM layer output zero and its gate untrainable; zeros is only allowed for dagger")
+        for flag, value, allowed in (("--stem-table-placement", self.placement, PLACEMENTS),
+                                     ("--stem-table-sharding", self.sharding, SHARDINGS),
+                                     ("--stem-row-ownership", self.ownership, OWNERSHIPS),
+                                     ("--stem-optimizer", self.optimizer, OPTIMIZERS)):
+            if value not in allowed:
+                raise ValueError(f"{flag}={value!r}: allowed values are {', '.join(allowed)}")
         if self.layers is not None:
             layers = list(self.layers)
             if not layers:

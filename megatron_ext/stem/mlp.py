@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -123,19 +123,30 @@ class StemMLP(MegatronModule):
         )
 
         init_method = table_init_method(stem.init, config)
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        self.table = torch.nn.Parameter(torch.empty(
-            vocab_size, self.ffn_per_partition, dtype=config.params_dtype, device=device))
+        # Managed tables (host-resident and/or vocab-sharded, stem/tables.py) are not parameters
+        # of this module: their values are drawn here the same way and handed over once.
+        self.managed = stem.managed_tables
+        device = None if (config.use_cpu_initialization or self.managed) \
+            else torch.cuda.current_device()
+        table = torch.empty(vocab_size, self.ffn_per_partition,
+                            dtype=torch.float32 if self.managed else config.params_dtype,
+                            device=device)
         if not config.perform_initialization:
-            set_tensor_model_parallel_attributes(self.table, True, 1, 1)
-        elif config.use_cpu_initialization:
+            pass
+        elif config.use_cpu_initialization or self.managed:
             # The full [vocab, F] table is drawn on every rank and sliced, so the values do not
             # depend on the TP size (same as Megatron's linear layers).
             _initialize_affine_weight_cpu(
-                self.table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
-                params_dtype=config.params_dtype, rank=self.tp_rank, world_size=self.tp_size)
+                table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
+                params_dtype=table.dtype, rank=self.tp_rank, world_size=self.tp_size)
         else:
-            _initialize_affine_weight_gpu(self.table, init_method, partition_dim=1)
+            _initialize_affine_weight_gpu(table, init_method, partition_dim=1)
+        if self.managed:
+            self._initial_table: Optional[torch.Tensor] = table
+            self._rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        else:
+            self.table = torch.nn.Parameter(table)
+            set_tensor_model_parallel_attributes(self.table, True, 1, 1)
         self._token_ids: Optional[torch.Tensor] = None
 
     @classmethod
@@ -158,9 +169,26 @@ class StemMLP(MegatronModule):
         finally:
             self._token_ids = previous
 
+    def release_initial_table(self) -> torch.Tensor:
+        """Managed tables: the drawn ``[vocab, F/tp]`` values, handed over once to StemTables."""
+        table, self._initial_table = self._initial_table, None
+        if table is None:
+            raise RuntimeError("the STEM table of this layer was already handed over")
+        return table
+
+    def bind_rows(self, rows: torch.Tensor, inverse: torch.Tensor) -> None:
+        """Managed tables: this micro-batch's unique rows and the index of each token into them."""
+        self._rows = (rows, inverse)
+
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``U[t]`` for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
-        return lookup_rows(self.table, token_ids)
+        if not self.managed:
+            return lookup_rows(self.table, token_ids)
+        if self._rows is None or self._rows[1].shape != token_ids.shape:
+            raise RuntimeError("managed STEM table used without rows for this micro-batch: the "
+                               "forward step must call StemTables.prepare(tokens) first")
+        rows, inverse = self._rows
+        return torch.nn.functional.embedding(inverse, rows).to(self.config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         token_ids = self._token_ids
@@ -186,5 +214,6 @@ class StemMLP(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> ShardedStateDict:
         """fc1/fc2 as in Megatron's MLP; the table sharded along its columns (axis 1) over TP."""
-        return mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"table": 1},
+        tables = {} if self.managed else {"table": 1}
+        return mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, tables,
                                       gated_fc1=self.variant == "dagger")

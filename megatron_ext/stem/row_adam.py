@@ -81,12 +81,17 @@ class RowAdamW:
         if kernel not in KERNELS:
             raise ValueError(f"STEM optimizer kernel {kernel!r}: allowed {', '.join(KERNELS)}")
         for shard in shards:
-            if shard.dtype != torch.float32 or shard.device.type != "cpu" or shard.dim() != 2:
-                raise ValueError("STEM optimizer shards must be 2-D fp32 CPU tensors, got "
-                                 f"{shard.dtype} {shard.device} {tuple(shard.shape)}")
+            if shard.dtype != torch.float32 or shard.dim() != 2:
+                raise ValueError("STEM optimizer shards must be 2-D fp32 tensors, got "
+                                 f"{shard.dtype} {tuple(shard.shape)}")
         self.shards = list(shards)
         self.mode = mode
-        self.op = deepspeed_op() if kernel in ("auto", "deepspeed") else None
+        on_host = all(s.device.type == "cpu" for s in self.shards)
+        if kernel == "deepspeed" and not on_host:
+            raise ValueError("the deepspeed CPU Adam kernel needs host-resident shards")
+        # Device-resident shards (--stem-table-placement gpu with vocab sharding) step with the
+        # torch kernel where they are.
+        self.op = deepspeed_op() if kernel in ("auto", "deepspeed") and on_host else None
         if kernel == "deepspeed" and self.op is None:
             raise RuntimeError("the deepspeed kernel was requested but cpu_adam cannot be built")
         self.exp_avg = [torch.zeros_like(s) for s in self.shards]
@@ -131,13 +136,13 @@ class RowAdamW:
                                 self.exp_avg[i], self.exp_avg_sq[i])
         else:
             _torch_adamw(shard, grad, self.exp_avg[i], self.exp_avg_sq[i], hyper,
-                         torch.full((shard.shape[0], 1), float(self.step_count)))
+                         torch.full((1, 1), float(self.step_count), device=shard.device))
 
     def _sparse_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
                      hyper: AdamHyper) -> None:
         if rows.numel() == 0:
             return
-        self._catch_up_decay(i, rows)
+        self.catch_up(i, rows)
         steps = self.row_steps[i][rows] + 1
         self.row_steps[i][rows] = steps
         # Gather, step, scatter back: touched rows are few against the shard.
@@ -160,19 +165,23 @@ class RowAdamW:
                                     wd, False, p[sl], g[sl], m[sl], v[sl])
                 start += n
         else:
-            _torch_adamw(p, g, m, v, hyper, steps.to(torch.float32).unsqueeze(1))
+            _torch_adamw(p, g, m, v, hyper, steps.to(p.device, torch.float32).unsqueeze(1))
         self.shards[i][rows] = p
         self.exp_avg[i][rows] = m
         self.exp_avg_sq[i][rows] = v
         self.row_marks[i][rows] = self.decay_product * (1.0 - hyper.lr * hyper.weight_decay)
 
-    def _catch_up_decay(self, i: int, rows: torch.Tensor) -> None:
-        """Apply the decay a row missed since its last update (iterations it was not touched)."""
+    def catch_up(self, i: int, rows: torch.Tensor) -> None:
+        """Sparse mode: apply the decay rows of shard ``i`` missed since their last update
+        (iterations they were not touched). Called before rows are read or stepped."""
+        if self.mode != "sparse":
+            return
         owed = self.decay_product / self.row_marks[i][rows]
         pending = owed != 1.0
         if bool(pending.any()):
             late = rows[pending]
-            self.shards[i][late] *= owed[pending].to(torch.float32).unsqueeze(1)
+            shard = self.shards[i]
+            shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
             self.row_marks[i][late] = self.decay_product
 
     def materialize(self) -> None:
@@ -181,7 +190,7 @@ class RowAdamW:
         if self.mode != "sparse":
             return
         for i, shard in enumerate(self.shards):
-            self._catch_up_decay(i, torch.arange(shard.shape[0]))
+            self.catch_up(i, torch.arange(shard.shape[0]))
 
 
 def _torch_adamw(p, g, m, v, hyper: AdamHyper, steps: torch.Tensor) -> None:

@@ -9,7 +9,17 @@ import argparse
 import os
 from typing import Optional
 
-from megatron_ext.stem.config import INITS, RATIOS, VARIANTS, StemConfig, parse_layers
+from megatron_ext.stem.config import (
+    INITS,
+    OPTIMIZERS,
+    OWNERSHIPS,
+    PLACEMENTS,
+    RATIOS,
+    SHARDINGS,
+    VARIANTS,
+    StemConfig,
+    parse_layers,
+)
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
 from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
 from megatron_ext.structmoe.config import INITS as SMOE_INITS
@@ -38,6 +48,19 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     stem.add_argument("--stem-init", choices=INITS, default="fan-in",
                       help="table initialisation; default fan-in = N(0, (init_method_std * "
                            "sqrt(hidden))^2), the spread of W_up x at initialisation")
+    stem.add_argument("--stem-table-placement", choices=PLACEMENTS, default="gpu",
+                      help="gpu: tables are model parameters on the device; cpu: they live in "
+                           "(pinned) host memory, touched rows are copied to the device")
+    stem.add_argument("--stem-table-sharding", choices=SHARDINGS, default="replicated",
+                      help="replicated: every data-parallel rank holds all rows; vocab: each "
+                           "data-parallel rank owns a share of the rows (--stem-row-ownership)")
+    stem.add_argument("--stem-row-ownership", choices=OWNERSHIPS, default="interleaved",
+                      help="with vocab sharding: row r on rank r %% dp (interleaved, balanced on "
+                           "BPE vocabularies) or contiguous ranges")
+    stem.add_argument("--stem-optimizer", choices=OPTIMIZERS, default="dense",
+                      help="for cpu or vocab-sharded tables, AdamW on the CPU: dense (every owned "
+                           "row each step, equal to AdamW) or sparse (touched rows only, per-row "
+                           "step counts, weight decay caught up)")
 
     smoe = parser.add_argument_group("megatron-ext StructMoE")
     smoe.add_argument("--structmoe-num-experts", type=int, default=16,
@@ -89,7 +112,9 @@ def stem_config_from_args(args) -> Optional[StemConfig]:
         return None
     layers = parse_layers(args.stem_layers) if args.stem_layers else None
     return StemConfig(ratio=args.stem_ratio, layers=layers, variant=args.stem_variant,
-                      init=args.stem_init)
+                      init=args.stem_init, placement=args.stem_table_placement,
+                      sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
+                      optimizer=args.stem_optimizer)
 
 
 def data_manifest_path(args) -> Optional[str]:
@@ -140,3 +165,18 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
         if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
             raise ValueError("--recompute-modules mlp is not supported with STEM layers; use "
                              "--recompute-granularity full")
+        if stem.managed_tables:
+            where = (f"--stem-table-placement {stem.placement} --stem-table-sharding "
+                     f"{stem.sharding}")
+            unsupported = [
+                (args.recompute_granularity is not None, "--recompute-granularity"),
+                (args.save is not None or args.load is not None, "--save/--load (checkpoints of "
+                 "host-resident or vocab-sharded tables are not implemented yet)"),
+                (args.calculate_per_token_loss, "--calculate-per-token-loss"),
+                (args.context_parallel_size > 1, "--context-parallel-size > 1"),
+                (args.fp16, "--fp16 (use --bf16)"),
+            ]
+            for bad, flag in unsupported:
+                if bad:
+                    raise ValueError(f"{where} does not support {flag} yet; use the default "
+                                     "--stem-table-placement gpu --stem-table-sharding replicated")

@@ -45,6 +45,13 @@ def main(argv=None) -> None:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
+    from megatron_ext.training.arguments import stem_config_from_args
+
+    stem = stem_config_from_args(args)
+    if stem is not None and stem.managed_tables:
+        from megatron_ext.stem import table_optimizer
+
+        table_optimizer.install()
     if args.model_family == "structmoe":
         from megatron_ext.structmoe.balance import install_reporting
 

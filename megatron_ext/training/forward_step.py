@@ -32,6 +32,11 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, args, vp_stage, token_layers_here)
     timers("batch-generator").stop()
+    tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True) \
+        if token_layers_here else None
+    if tables is not None:
+        # Managed STEM tables: fetch this micro-batch's rows (collective over data parallel).
+        tables.prepare(tokens)
     if args.model_family == "structmoe":
         # Upstream sets the aux-loss gradient scale only for models with --num-experts.
         from megatron_ext.structmoe.balance import set_aux_loss_scale

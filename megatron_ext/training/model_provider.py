@@ -49,10 +49,22 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     )
     model = TokenIdsGPTModel(**kwargs) if needs_ids else GPTModel(**kwargs)
     model.needs_token_ids = needs_ids
+    model.stem_tables = None  # managed STEM tables of this chunk, if any (set below)
     stem = stem_config_from_args(args)
     if stem is not None:
         print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
-                     f"variant={stem.variant} init={stem.init}")
+                     f"variant={stem.variant} init={stem.init} tables: "
+                     f"placement={stem.placement} sharding={stem.sharding}")
+        if stem.managed_tables:
+            from megatron.core import parallel_state
+
+            from megatron_ext.stem.tables import StemTables, chunk_stem_layers
+
+            layers = chunk_stem_layers(model)
+            # A plain attribute, not a submodule: the rows are not parameters of the model.
+            model.stem_tables = StemTables(
+                layers, stem, args.padded_vocab_size,
+                parallel_state.get_data_parallel_group()) if layers else None
     smoe = structmoe_config_from_args(args)
     if smoe is not None:
         budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,

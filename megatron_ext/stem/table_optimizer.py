@@ -1,0 +1,169 @@
+"""The optimizer of managed STEM tables, chained with Megatron's optimizer for the rest of the model.
+
+Extends ``megatron.core.optimizer.ChainedOptimizer``: the model's optimizer(s) stay as Megatron
+built them; this class adds the tables to each step:
+
+* ``prepare_grads``: the row gradients of the step are pushed to their owners and summed there
+  (``StemTables.collect_grads``), then scaled as Megatron's DDP scales parameter gradients
+  (``1 / data-parallel size``), divided by the loss scale when a grad scaler is active; a
+  non-finite table gradient skips the step like a non-finite parameter gradient does;
+* ``get_grad_norm``: the tables' squared norm (each row chunk counted once over TP x PP x DP) joins
+  the model's, so clipping uses one global norm;
+* ``step_with_ready_grads``: table gradients are clipped with the coefficient Megatron's
+  ``clip_grad_by_total_norm_fp32`` applies to the parameters, then the rows step with
+  ``RowAdamW`` (``--stem-optimizer dense|sparse``) using the learning rate and weight decay that
+  Megatron's scheduler set on the default parameter group, and the optimizer's betas and eps.
+
+``install()`` wraps ``megatron.training.training.get_megatron_optimizer`` so ``pretrain`` builds
+this optimizer whenever the model has managed tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import ChainedOptimizer
+
+from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
+
+logger = logging.getLogger(__name__)
+
+
+def _device_for_collectives() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class StemTablesOptimizer(ChainedOptimizer):
+    def __init__(self, inner, tables: List, mode: str):
+        chained = list(inner.chained_optimizers) if isinstance(inner, ChainedOptimizer) \
+            else [inner]
+        super().__init__(chained)
+        self.tables = tables
+        self.shards = [s for t in tables for s in t.shards]
+        self.row_adam = RowAdamW(self.shards, mode=mode)
+        offset = 0
+        for t in tables:
+            if mode == "sparse":
+                t.read_hook = (lambda base: (lambda i, rows: self.row_adam.catch_up(
+                    base + i, rows)))(offset)
+            offset += len(t.shards)
+        self.dp_size = tables[0].dp_size if tables else 1
+        self.replicated = bool(tables) and tables[0].ownership is None
+        self._grads: Optional[list] = None
+        self._total_norm: Optional[float] = None
+        self.last_stats = {}
+
+    # -- gradients -----------------------------------------------------------------------------
+    def prepare_grads(self) -> bool:
+        found_inf = super().prepare_grads()
+        grads = []
+        for t in self.tables:
+            rows, per_layer = t.collect_grads()
+            for shard, g in zip(t.shards, per_layer):
+                grads.append((rows.to(shard.device), g.to(shard.device)))
+        scale = 1.0 / self.dp_size
+        loss_scale = self.get_loss_scale()
+        if loss_scale is not None:
+            scale = scale / float(loss_scale.item() if torch.is_tensor(loss_scale) else loss_scale)
+        local_inf = False
+        for _, g in grads:
+            g.mul_(scale)
+            local_inf = local_inf or not bool(torch.isfinite(g).all())
+        flag = torch.tensor([1.0 if local_inf else 0.0], device=_device_for_collectives())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._grads = grads
+        return found_inf or bool(flag.item() > 0)
+
+    @torch.no_grad()
+    def table_grad_norm_sq(self) -> float:
+        local = sum(float((g.double() ** 2).sum()) for _, g in (self._grads or []))
+        if self.replicated:
+            local /= self.dp_size  # every data-parallel rank holds the same summed gradients
+        total = torch.tensor([local], dtype=torch.float64, device=_device_for_collectives())
+        dist.all_reduce(total)
+        return float(total.item())
+
+    @torch.no_grad()
+    def get_grad_norm(self):
+        base = super().get_grad_norm()
+        base = float(base) if base is not None else 0.0
+        self._total_norm = math.sqrt(base * base + self.table_grad_norm_sq())
+        return self._total_norm
+
+    # -- step ----------------------------------------------------------------------------------
+    def _hyper(self) -> AdamHyper:
+        groups = [g for g in self.param_groups
+                  if g.get("wd_mult", 1.0) == 1.0 and g.get("lr_mult", 1.0) == 1.0
+                  and not g.get("is_decoupled_lr", False)]
+        if not groups:
+            raise RuntimeError("no default parameter group to take the STEM tables' learning "
+                               "rate and weight decay from")
+        group = next((g for g in groups if g.get("default_config", False)), groups[0])
+        return AdamHyper(lr=float(group["lr"]), beta1=self.config.adam_beta1,
+                         beta2=self.config.adam_beta2, eps=self.config.adam_eps,
+                         weight_decay=float(group["weight_decay"]))
+
+    def step_with_ready_grads(self) -> bool:
+        success = super().step_with_ready_grads()
+        if self._grads is None:
+            return success
+        clip = self.config.clip_grad
+        if clip > 0.0 and self._total_norm is not None:
+            coeff = clip / (self._total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
+            if coeff < 1.0:
+                for _, g in self._grads:
+                    g.mul_(coeff)
+        start = time.perf_counter()
+        self.row_adam.step(self._grads, self._hyper())
+        self.last_stats = {"stem-optimizer-seconds": time.perf_counter() - start,
+                           "stem-rows-stepped": sum(int(r.numel()) for r, _ in self._grads)}
+        self._grads = None
+        return success
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+
+
+def host_memory_report(optimizer: StemTablesOptimizer) -> str:
+    tables = sum(s.numel() * s.element_size() for s in optimizer.shards if s.device.type == "cpu")
+    moments = 2 * tables
+    return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
+            f"{sum(s.shape[0] for s in optimizer.shards):,} rows; host memory: tables (fp32, "
+            f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
+            f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
+            f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel)")
+
+
+def install() -> None:
+    """Make ``pretrain`` chain the table optimizer onto Megatron's (call it only when the STEM
+    configuration has managed tables)."""
+    from megatron.training import training
+
+    upstream = training.get_megatron_optimizer
+    if getattr(upstream, "_stem_tables", False):
+        return
+
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        optimizer = upstream(config, model_chunks, *args, **kwargs)
+        from megatron.core.utils import get_attr_wrapped_model
+        from megatron.training import get_args
+
+        # Every rank wraps (also a pipeline stage without STEM layers): the norm and the skip flag
+        # are reduced over all ranks.
+        tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
+        tables = [t for t in tables if t is not None]
+        wrapped = StemTablesOptimizer(optimizer, tables, get_args().stem_optimizer)
+        report = host_memory_report(wrapped)
+        print(f"[rank {dist.get_rank()}] > {report}", flush=True)
+        return wrapped
+
+    get_megatron_optimizer._stem_tables = True
+    training.get_megatron_optimizer = get_megatron_optimizer

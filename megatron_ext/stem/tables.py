@@ -1,0 +1,134 @@
+"""Managed STEM tables: the rows a rank holds of every STEM layer of one model chunk, outside
+Megatron's parameters (``--stem-table-placement cpu`` and/or ``--stem-table-sharding vocab``).
+
+Per micro-batch (``prepare``, called by the forward step before the model runs, on every
+data-parallel rank in the same order):
+
+1. the micro-batch's token ids are deduplicated once for all STEM layers of the chunk;
+2. the unique ids go to their owners and the rows of every layer come back in one exchange
+   (``stem/exchange.py``), onto the device the model runs on;
+3. each layer gets a leaf tensor ``rows [n_unique, F/tp]`` (requires grad) and the inverse index
+   ``[s, b]``; its lookup is ``rows[inverse]``, so autograd leaves the row gradients, already
+   deduplicated, in ``rows.grad``.
+
+At the optimizer step (``collect_grads``) the row gradients of all micro-batches are summed per id
+and pushed to their owners, where the contributions of all data-parallel ranks are summed: the
+data-parallel reduction of the tables. What Megatron's DDP does for parameters (average over data
+parallel ranks) is applied by ``stem/table_optimizer.py``.
+
+Table values are drawn exactly as for an ordinary STEM parameter (same initialiser, same RNG
+stream: the full ``[vocab, F/tp]`` table of this TP rank), then the owned rows are kept, so every
+placement and sharding starts from the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.stem.config import StemConfig
+from megatron_ext.stem.exchange import ReplicatedExchange, VocabExchange
+from megatron_ext.stem.ownership import RowOwnership
+
+
+class StemTables:
+    def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
+                 device: Optional[torch.device] = None):
+        self.layers = list(layers)
+        self.stem = stem
+        self.vocab_size = vocab_size
+        self.dp_group = dp_group
+        self.dp_rank = dist.get_rank(dp_group)
+        self.dp_size = dist.get_world_size(dp_group)
+        cuda = torch.cuda.is_available()
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if cuda
+                                 else torch.device("cpu"))
+        if stem.sharding == "vocab":
+            self.ownership = RowOwnership(vocab_size, self.dp_size, stem.ownership)
+            self.exchange = VocabExchange(self.ownership, dp_group)
+            self.owned_ids = self.ownership.owned_ids(self.dp_rank)
+        else:
+            self.ownership = None
+            self.exchange = ReplicatedExchange(vocab_size, dp_group)
+            self.owned_ids = torch.arange(vocab_size)
+        self.shards: List[torch.Tensor] = []
+        for layer in self.layers:
+            full = layer.release_initial_table()
+            shard = full[self.owned_ids].to(torch.float32).contiguous()
+            del full
+            if stem.placement == "gpu" and cuda:
+                shard = shard.to(self.device)
+            elif cuda:
+                shard = shard.pin_memory()  # host rows go to the GPU by DMA
+            self.shards.append(shard)
+        # Called with (shard index, local rows) before rows are read: lets the sparse optimizer
+        # apply the weight decay a row still owes (no stale reads).
+        self.read_hook: Optional[Callable[[int, torch.Tensor], None]] = None
+        self._pending: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
+        self.stats = {"unique_rows": 0, "rows_in": 0, "rows_out": 0}
+
+    @property
+    def widths(self) -> List[int]:
+        return [s.shape[1] for s in self.shards]
+
+    def host_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
+
+    # ------------------------------------------------------------------------------------------
+    def prepare(self, token_ids: torch.Tensor) -> None:
+        """Fetch the rows of ``token_ids`` ([b, s], as the batch has them) for every STEM layer of
+        the chunk and bind them to the layers (index laid out ``[s, b]``, like the ids the layers
+        get through the block context). Collective over the data-parallel group."""
+        unique, inverse = torch.unique(token_ids.reshape(-1), return_inverse=True)
+        unique_cpu = unique.cpu()
+        route = self.exchange.route(unique_cpu)
+        if self.read_hook is not None and route.rows_out:
+            for i in range(len(self.shards)):
+                self.read_hook(i, torch.unique(route.requested))
+        rows = self.exchange.fetch(route, self.shards, self.device)
+        grad = torch.is_grad_enabled()
+        leaves = [r.detach().requires_grad_(grad) for r in rows]
+        inverse = inverse.view(token_ids.shape).t().contiguous()
+        for layer, leaf in zip(self.layers, leaves):
+            layer.bind_rows(leaf, inverse)
+        if grad:
+            self._pending.append((unique_cpu, leaves))
+        self.stats["unique_rows"] += unique_cpu.numel()
+        self.stats["rows_in"] += route.rows_in
+        self.stats["rows_out"] += route.rows_out
+
+    def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """Sum the row gradients of this step's micro-batches per id, send them to the owners.
+        Returns the owned rows (local indices) with gradients and, per layer, those gradients
+        summed over every rank and micro-batch. Collective over the data-parallel group."""
+        widths = self.widths
+        if self._pending:
+            ids = torch.cat([u for u, _ in self._pending])
+            grads = []
+            for i, width in enumerate(widths):
+                parts = [leaves[i].grad if leaves[i].grad is not None
+                         else torch.zeros(u.numel(), width, device=self.device)
+                         for u, leaves in self._pending]
+                grads.append(torch.cat(parts).float())
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            inverse = inverse.to(grads[0].device)
+            summed = [torch.zeros(unique.numel(), g.shape[1], device=g.device).index_add_(
+                0, inverse, g) for g in grads]
+        else:
+            unique = torch.empty(0, dtype=torch.long)
+            summed = [torch.zeros(0, w, device=self.device) for w in widths]
+        self._pending.clear()
+        route = self.exchange.route(unique)
+        return self.exchange.push(route, summed)
+
+    def discard_grads(self) -> None:
+        self._pending.clear()
+
+
+def chunk_stem_layers(model) -> List:
+    """The STEM MLPs of one model chunk with managed tables, in layer order."""
+    from megatron_ext.stem.mlp import StemMLP
+
+    return [m for m in model.modules() if isinstance(m, StemMLP) and m.managed]
