@@ -148,6 +148,7 @@ class StemMLP(MegatronModule):
             self.table = torch.nn.Parameter(table)
             set_tensor_model_parallel_attributes(self.table, True, 1, 1)
         self._token_ids: Optional[torch.Tensor] = None
+        self.layer_number: Optional[int] = None
 
     @classmethod
     def as_mlp_submodule(cls, submodules: MLPSubmodules, stem: StemConfig, vocab_size: int,
@@ -168,6 +169,10 @@ class StemMLP(MegatronModule):
             yield
         finally:
             self._token_ids = previous
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by ``TransformerLayer`` (1-based, global), as for upstream's MoE layer."""
+        self.layer_number = layer_number
 
     def release_initial_table(self) -> torch.Tensor:
         """Managed tables: the drawn ``[vocab, F/tp]`` values, handed over once to StemTables."""

@@ -132,6 +132,29 @@ class StemTablesOptimizer(ChainedOptimizer):
         super().zero_grad(set_to_none)
 
 
+_ACTIVE: List[StemTablesOptimizer] = []
+
+
+def dump_tables(directory: str) -> None:
+    """Write this rank's table rows after training, for inspection and tests:
+    ``directory/tables_tp{t}_pp{p}_dp{d}.pt`` = {"layers": [layer numbers], "ids": [owned global
+    ids per chunk], "rows": [[rows per layer]]} (sparse: with all owed decay applied)."""
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    for optimizer in _ACTIVE:
+        optimizer.row_adam.materialize()
+        payload = {"chunks": [{
+            "layers": [layer.layer_number for layer in t.layers],
+            "ids": t.owned_ids.clone(),
+            "rows": [s.detach().cpu().clone() for s in t.shards]} for t in optimizer.tables]}
+        os.makedirs(directory, exist_ok=True)
+        name = (f"tables_tp{ps.get_tensor_model_parallel_rank()}_pp"
+                f"{ps.get_pipeline_model_parallel_rank()}_dp{ps.get_data_parallel_rank()}.pt")
+        torch.save(payload, os.path.join(directory, name))
+
+
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     tables = sum(s.numel() * s.element_size() for s in optimizer.shards if s.device.type == "cpu")
     moments = 2 * tables
@@ -161,6 +184,7 @@ def install() -> None:
         tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
         tables = [t for t in tables if t is not None]
         wrapped = StemTablesOptimizer(optimizer, tables, get_args().stem_optimizer)
+        _ACTIVE.append(wrapped)
         report = host_memory_report(wrapped)
         print(f"[rank {dist.get_rank()}] > {report}", flush=True)
         return wrapped

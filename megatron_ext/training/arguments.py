@@ -62,6 +62,10 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            "row each step, equal to AdamW) or sparse (touched rows only, per-row "
                            "step counts, weight decay caught up)")
 
+    stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
+                      help="after training, write each rank's rows of cpu/vocab-sharded tables "
+                           "to DIR (inspection and tests)")
+
     smoe = parser.add_argument_group("megatron-ext StructMoE")
     smoe.add_argument("--structmoe-num-experts", type=int, default=16,
                       help="L: low-rank experts per MLP")

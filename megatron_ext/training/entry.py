@@ -59,3 +59,7 @@ def main(argv=None) -> None:
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)
+    if stem is not None and stem.managed_tables and args.stem_dump_tables:
+        from megatron_ext.stem.table_optimizer import dump_tables
+
+        dump_tables(args.stem_dump_tables)
