@@ -92,3 +92,21 @@ def test_sparse_optimizer_is_layout_invariant_and_trains(runs):
     assert_close_curves(dp2, dp1, STEPS)
     ref = require_ok(runs["ref"])
     assert max(abs(dp2.losses[i] - ref.losses[i]) for i in STEPS) > 1e-5
+
+
+def test_traffic_and_optimizer_time_logged(runs):
+    """Per step: unique rows fetched (deduplicated: at most the 8 x 64 tokens of the global
+    batch), bytes each way (vocab sharding: one fp32 row of both STEM layers per unique id), and
+    the CPU optimizer time."""
+    scalars = require_ok(runs["cpu_vocab_dp2"]).scalars
+    unique = dict(scalars["stem/unique-rows-fetched"])
+    to_device = dict(scalars["stem/fetch-bytes-to-device"])
+    served = dict(scalars["stem/fetch-bytes-served"])
+    optimizer = dict(scalars["stem/optimizer-seconds"])
+    row_bytes = 2 * FFN * 4
+    for step in STEPS:
+        assert 0 < unique[step] <= 8 * 64
+        assert to_device[step] == unique[step] * row_bytes
+        assert served[step] == to_device[step]  # every fetched row was served by an owner
+        assert dict(scalars["stem/grad-bytes-sent"])[step] > 0
+        assert optimizer[step] > 0

@@ -12,7 +12,7 @@ from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, deepspeed_op
 ROWS, WIDTH = 12, 20
 # Touched rows per iteration: row 3 every time, row 7 at iterations 1 and 5 only, row 11 never.
 TOUCHED = [[0, 3, 7], [3, 5], [1, 3, 4], [3], [3, 7, 9, 10], [2, 3]]
-LRS = [1e-2, 8e-3, 6e-3, 5e-3, 3e-3, 2e-3]  # a decaying schedule
+LRS = [0.0, 8e-3, 6e-3, 5e-3, 3e-3, 2e-3]  # warm-up from 0, then decaying
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 
 

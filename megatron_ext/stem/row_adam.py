@@ -159,7 +159,7 @@ class RowAdamW:
                 bc1 = 1.0 - hyper.beta1 ** k
                 sqrt_bc2 = math.sqrt(1.0 - hyper.beta2 ** k)
                 lr = hyper.lr * sqrt_bc2 / bc1
-                wd = hyper.weight_decay * hyper.lr / lr
+                wd = hyper.weight_decay * hyper.lr / lr if lr > 0 else 0.0
                 sl = slice(start, start + n)
                 self.op.adam_update(_DS_ID, k, lr, hyper.beta1, hyper.beta2, hyper.eps * sqrt_bc2,
                                     wd, False, p[sl], g[sl], m[sl], v[sl])

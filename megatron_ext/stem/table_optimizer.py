@@ -155,6 +155,40 @@ def dump_tables(directory: str) -> None:
         torch.save(payload, os.path.join(directory, name))
 
 
+def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
+    """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
+    Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
+    gradient pushes, fetch time (exposed: prefetch is not implemented yet, so all of it), CPU
+    optimizer time. A ``training/log_hooks.py`` hook; collective."""
+    sums = torch.zeros(5, dtype=torch.float64)
+    maxes = torch.zeros(2, dtype=torch.float64)
+    for optimizer in _ACTIVE:
+        for t in optimizer.tables:
+            st, rb = t.stats, t.row_bytes
+            sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
+                                  st["fetch_rows_out"] * rb, st["grad_rows_out"] * rb,
+                                  st["grad_rows_in"] * rb], dtype=torch.float64)
+            maxes[0] = max(float(maxes[0]), st["fetch_seconds"])
+            t.reset_stats()
+        maxes[1] = max(float(maxes[1]), optimizer.last_stats.get("stem-optimizer-seconds", 0.0))
+        optimizer.last_stats = {}
+    device = _device_for_collectives()
+    sums, maxes = sums.to(device), maxes.to(device)
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    names = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
+             "stem/grad-bytes-sent", "stem/grad-bytes-received"]
+    values = dict(zip(names, sums.tolist()))
+    values["stem/fetch-seconds-exposed"] = float(maxes[0])
+    values["stem/fetch-seconds-hidden"] = 0.0
+    values["stem/optimizer-seconds"] = float(maxes[1])
+    for name, value in values.items():
+        if writer is not None:
+            writer.add_scalar(name, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log({name: value}, iteration)
+
+
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     tables = sum(s.numel() * s.element_size() for s in optimizer.shards if s.device.type == "cpu")
     moments = 2 * tables
@@ -191,3 +225,6 @@ def install() -> None:
 
     get_megatron_optimizer._stem_tables = True
     training.get_megatron_optimizer = get_megatron_optimizer
+    from megatron_ext.training import log_hooks
+
+    log_hooks.register(report_stats)

@@ -23,6 +23,7 @@ placement and sharding starts from the same numbers.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -67,7 +68,17 @@ class StemTables:
         # apply the weight decay a row still owes (no stale reads).
         self.read_hook: Optional[Callable[[int, torch.Tensor], None]] = None
         self._pending: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
-        self.stats = {"unique_rows": 0, "rows_in": 0, "rows_out": 0}
+        self.stats = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Counters since the last reset (per iteration: the training-log hook resets them)."""
+        self.stats = {"unique_rows": 0, "fetch_rows_in": 0, "fetch_rows_out": 0,
+                      "grad_rows_out": 0, "grad_rows_in": 0, "fetch_seconds": 0.0}
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.widths) * 4  # fp32 rows of every layer travel together
 
     @property
     def widths(self) -> List[int]:
@@ -81,6 +92,7 @@ class StemTables:
         """Fetch the rows of ``token_ids`` ([b, s], as the batch has them) for every STEM layer of
         the chunk and bind them to the layers (index laid out ``[s, b]``, like the ids the layers
         get through the block context). Collective over the data-parallel group."""
+        start = time.perf_counter()
         unique, inverse = torch.unique(token_ids.reshape(-1), return_inverse=True)
         unique_cpu = unique.cpu()
         route = self.exchange.route(unique_cpu)
@@ -96,8 +108,9 @@ class StemTables:
         if grad:
             self._pending.append((unique_cpu, leaves))
         self.stats["unique_rows"] += unique_cpu.numel()
-        self.stats["rows_in"] += route.rows_in
-        self.stats["rows_out"] += route.rows_out
+        self.stats["fetch_rows_in"] += route.rows_in
+        self.stats["fetch_rows_out"] += route.rows_out
+        self.stats["fetch_seconds"] += time.perf_counter() - start
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Sum the row gradients of this step's micro-batches per id, send them to the owners.
@@ -121,6 +134,8 @@ class StemTables:
             summed = [torch.zeros(0, w, device=self.device) for w in widths]
         self._pending.clear()
         route = self.exchange.route(unique)
+        self.stats["grad_rows_out"] += route.rows_in
+        self.stats["grad_rows_in"] += route.rows_out
         return self.exchange.push(route, summed)
 
     def discard_grads(self) -> None:

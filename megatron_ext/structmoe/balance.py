@@ -9,14 +9,13 @@ for models with ``config.num_moe_experts`` (StructMoE is a dense model to Megatr
 * the autoscaler's gradient scale (loss scale x CP size / micro-batches, as in
   ``megatron.core.pipeline_parallel.schedules.forward_step_calc_loss``) is set by
   :func:`set_aux_loss_scale`, which the forward step calls on every pipeline stage;
-* the per-layer values recorded in upstream's ``MoEMetricsTracker`` are reported by
-  :func:`install_reporting`, which wraps ``megatron.training.training.training_log`` (upstream
-  reports them there only when ``--num-experts`` is set).
+* the per-layer values recorded in upstream's ``MoEMetricsTracker`` are reported by a
+  ``training/log_hooks.py`` hook on ``training_log`` (upstream reports them there only when
+  ``--num-experts`` is set).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import List
 
 import torch
@@ -87,37 +86,23 @@ def set_aux_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
-def report(args, iteration: int, total_loss_dict: dict, num_microbatches: int) -> None:
+def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
     """Reduce the recorded values over PP and DP, add the mean loss to the console line, write the
     loss and, per layer, the loss and each expert's routing fraction (the StructMoE paper's Fig. 4).
-    Collective: every rank calls it once per iteration."""
-    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+    Collective: every rank calls it once per iteration (a ``training/log_hooks.py`` hook)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-    write = iteration % args.tensorboard_log_interval == 0
-    writer = get_tensorboard_writer() if write else None
-    wandb_writer = get_wandb_writer() if write else None
     # One report for all names: report() clears every entry of the tracker when it is done.
     get_moe_metrics_tracker().report(
-        loss_scale=1.0 / num_microbatches, iteration=iteration, writer=writer,
+        loss_scale=1.0 / get_num_microbatches(), iteration=iteration, writer=writer,
         wandb_writer=wandb_writer, per_layer_logging=True, force_initialize=True,
         track_names=tracked_names(args.structmoe_num_experts), num_layers=args.num_layers,
         total_loss_dict=total_loss_dict)
 
 
 def install_reporting() -> None:
-    """Wrap upstream's ``training_log`` so StructMoE's router metrics are reported each iteration."""
-    from megatron.training import training
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    """Report StructMoE's router metrics each iteration (upstream reports the tracker only for
+    models with ``--num-experts``)."""
+    from megatron_ext.training import log_hooks
 
-    upstream = training.training_log
-    if getattr(upstream, "_structmoe_reporting", False):
-        return
-
-    @functools.wraps(upstream)
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
-        from megatron.training import get_args
-        report(get_args(), iteration, total_loss_dict, get_num_microbatches())
-        return upstream(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
-
-    training_log._structmoe_reporting = True
-    training.training_log = training_log
+    log_hooks.register(report)
