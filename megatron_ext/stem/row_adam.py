@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MODES = ("dense", "sparse")
-KERNELS = ("auto", "deepspeed", "torch")
+KERNELS = ("auto", "rowwise", "deepspeed", "torch")
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,20 @@ class RowAdamW:
         on_host = all(s.device.type == "cpu" for s in self.shards)
         if kernel == "deepspeed" and not on_host:
             raise ValueError("the deepspeed CPU Adam kernel needs host-resident shards")
+        if kernel == "rowwise" and (not on_host or mode != "sparse"):
+            raise ValueError("the rowwise kernel is for the sparse optimizer on host shards")
         # Device-resident shards (--stem-table-placement gpu with vocab sharding) step with the
-        # torch kernel where they are.
-        self.op = deepspeed_op() if kernel in ("auto", "deepspeed") and on_host else None
+        # torch kernel where they are. Sparse on the host: the in-place row-wise kernel
+        # (kernels/row_adam_cpu.py), else DeepSpeed's grouped by step count.
+        self.rowwise = None
+        if mode == "sparse" and on_host and kernel in ("auto", "rowwise"):
+            from megatron_ext_kernels import row_adam_cpu
+
+            self.rowwise = row_adam_cpu.load()
+            if kernel == "rowwise" and self.rowwise is None:
+                raise RuntimeError("the rowwise kernel was requested but cannot be built")
+        self.op = deepspeed_op() if (kernel in ("auto", "deepspeed") and on_host
+                                     and self.rowwise is None) else None
         if kernel == "deepspeed" and self.op is None:
             raise RuntimeError("the deepspeed kernel was requested but cpu_adam cannot be built")
         self.exp_avg = [torch.zeros_like(s) for s in self.shards]
@@ -107,6 +118,8 @@ class RowAdamW:
 
     @property
     def kernel(self) -> str:
+        if self.rowwise is not None:
+            return "rowwise"
         return "deepspeed" if self.op is not None else "torch"
 
     # ------------------------------------------------------------------------------------------
@@ -141,6 +154,17 @@ class RowAdamW:
     def _sparse_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
                      hyper: AdamHyper) -> None:
         if rows.numel() == 0:
+            return
+        if self.rowwise is not None:
+            rows = rows.to(torch.long).contiguous()
+            steps = self.row_steps[i][rows] + 1
+            self.row_steps[i][rows] = steps
+            owed = self.decay_product / self.row_marks[i][rows]
+            self.rowwise.sparse_adamw_(
+                self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows,
+                rows_grad.to(torch.float32).contiguous(), steps, owed.contiguous(), hyper.lr,
+                hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
+            self.row_marks[i][rows] = self.decay_product * (1.0 - hyper.lr * hyper.weight_decay)
             return
         self.catch_up(i, rows)
         steps = self.row_steps[i][rows] + 1
