@@ -44,6 +44,7 @@ class StemConfig:
     sharding: str = "replicated"
     ownership: str = "interleaved"
     optimizer: str = "dense"
+    prefetch: bool = True
 
     @property
     def managed_tables(self) -> bool:

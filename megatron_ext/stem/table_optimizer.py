@@ -158,10 +158,10 @@ def dump_tables(directory: str) -> None:
 def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
     """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
-    gradient pushes, fetch time (exposed: prefetch is not implemented yet, so all of it), CPU
-    optimizer time. A ``training/log_hooks.py`` hook; collective."""
+    gradient pushes, fetch time the forward step waited for (exposed) and background fetch time
+    it did not wait for (hidden, with prefetch), CPU optimizer time. A ``training/log_hooks.py`` hook; collective."""
     sums = torch.zeros(5, dtype=torch.float64)
-    maxes = torch.zeros(2, dtype=torch.float64)
+    maxes = torch.zeros(3, dtype=torch.float64)
     for optimizer in _ACTIVE:
         for t in optimizer.tables:
             st, rb = t.stats, t.row_bytes
@@ -169,6 +169,7 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
                                   st["fetch_rows_out"] * rb, st["grad_rows_out"] * rb,
                                   st["grad_rows_in"] * rb], dtype=torch.float64)
             maxes[0] = max(float(maxes[0]), st["fetch_seconds"])
+            maxes[2] = max(float(maxes[2]), st["fetch_seconds_hidden"])
             t.reset_stats()
         maxes[1] = max(float(maxes[1]), optimizer.last_stats.get("stem-optimizer-seconds", 0.0))
         optimizer.last_stats = {}
@@ -180,7 +181,7 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
              "stem/grad-bytes-sent", "stem/grad-bytes-received"]
     values = dict(zip(names, sums.tolist()))
     values["stem/fetch-seconds-exposed"] = float(maxes[0])
-    values["stem/fetch-seconds-hidden"] = 0.0
+    values["stem/fetch-seconds-hidden"] = float(maxes[2])
     values["stem/optimizer-seconds"] = float(maxes[1])
     for name, value in values.items():
         if writer is not None:

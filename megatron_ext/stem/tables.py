@@ -11,6 +11,13 @@ data-parallel rank in the same order):
    ``[s, b]``; its lookup is ``rows[inverse]``, so autograd leaves the row gradients, already
    deduplicated, in ``rows.grad``.
 
+Prefetch (``--stem-prefetch``, on by default): while micro-batch ``m`` computes, the forward step
+has already read micro-batch ``m + 1`` from the data iterator and a background thread fetches its
+rows (on a CUDA side stream when there is a GPU, through its own copy of the data-parallel
+process group so its collectives never interleave with the model's). Prefetch never crosses an
+optimizer step (only ``m + 1 < num_microbatches``), so a row updated at step ``i`` is read with
+that update at step ``i + 1``; the fetched values are the ones a synchronous fetch reads.
+
 At the optimizer step (``collect_grads``) the row gradients of all micro-batches are summed per id
 and pushed to their owners, where the contributions of all data-parallel ranks are summed: the
 data-parallel reduction of the tables. What Megatron's DDP does for parameters (average over data
@@ -36,7 +43,7 @@ from megatron_ext.stem.ownership import RowOwnership
 
 class StemTables:
     def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, prefetch_group=None):
         self.layers = list(layers)
         self.stem = stem
         self.vocab_size = vocab_size
@@ -46,14 +53,24 @@ class StemTables:
         cuda = torch.cuda.is_available()
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if cuda
                                  else torch.device("cpu"))
+        self.prefetch = stem.prefetch
+        group = dp_group
+        if stem.prefetch:
+            if prefetch_group is None or dist.get_world_size(prefetch_group) != self.dp_size:
+                raise ValueError("STEM prefetch needs its own data-parallel process group")
+            group = prefetch_group
         if stem.sharding == "vocab":
             self.ownership = RowOwnership(vocab_size, self.dp_size, stem.ownership)
-            self.exchange = VocabExchange(self.ownership, dp_group)
+            self.exchange = VocabExchange(self.ownership, group)
             self.owned_ids = self.ownership.owned_ids(self.dp_rank)
         else:
             self.ownership = None
-            self.exchange = ReplicatedExchange(vocab_size, dp_group)
+            self.exchange = ReplicatedExchange(vocab_size, group)
             self.owned_ids = torch.arange(vocab_size)
+        self._executor = None
+        self._side_stream = None
+        self.microbatch = 0   # forward calls since the last optimizer step
+        self.prefetched = None  # (batch tuple, future) of the next micro-batch
         self.shards: List[torch.Tensor] = []
         for layer in self.layers:
             full = layer.release_initial_table()
@@ -74,7 +91,8 @@ class StemTables:
     def reset_stats(self) -> None:
         """Counters since the last reset (per iteration: the training-log hook resets them)."""
         self.stats = {"unique_rows": 0, "fetch_rows_in": 0, "fetch_rows_out": 0,
-                      "grad_rows_out": 0, "grad_rows_in": 0, "fetch_seconds": 0.0}
+                      "grad_rows_out": 0, "grad_rows_in": 0, "fetch_seconds": 0.0,
+                      "fetch_seconds_hidden": 0.0}
 
     @property
     def row_bytes(self) -> int:
@@ -88,10 +106,9 @@ class StemTables:
         return sum(s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
 
     # ------------------------------------------------------------------------------------------
-    def prepare(self, token_ids: torch.Tensor) -> None:
-        """Fetch the rows of ``token_ids`` ([b, s], as the batch has them) for every STEM layer of
-        the chunk and bind them to the layers (index laid out ``[s, b]``, like the ids the layers
-        get through the block context). Collective over the data-parallel group."""
+    def fetch(self, token_ids: torch.Tensor):
+        """Route and fetch the rows of ``token_ids`` ([b, s], as the batch has them) for every
+        STEM layer of the chunk. Collective over the (prefetch) data-parallel group."""
         start = time.perf_counter()
         unique, inverse = torch.unique(token_ids.reshape(-1), return_inverse=True)
         unique_cpu = unique.cpu()
@@ -100,9 +117,24 @@ class StemTables:
             for i in range(len(self.shards)):
                 self.read_hook(i, torch.unique(route.requested))
         rows = self.exchange.fetch(route, self.shards, self.device)
+        inverse = inverse.view(token_ids.shape).t().contiguous()
+        event = None
+        if self._side_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._side_stream)
+        return (unique_cpu, inverse, rows, route, event, time.perf_counter() - start)
+
+    def bind(self, fetched, waited: float) -> None:
+        """Give the fetched rows to the layers (index laid out ``[s, b]``, like the ids the
+        layers get through the block context); ``waited``: seconds the forward step waited."""
+        unique_cpu, inverse, rows, route, event, took = fetched
+        if event is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(event)
+            for t in rows + [inverse]:
+                t.record_stream(current)
         grad = torch.is_grad_enabled()
         leaves = [r.detach().requires_grad_(grad) for r in rows]
-        inverse = inverse.view(token_ids.shape).t().contiguous()
         for layer, leaf in zip(self.layers, leaves):
             layer.bind_rows(leaf, inverse)
         if grad:
@@ -110,12 +142,41 @@ class StemTables:
         self.stats["unique_rows"] += unique_cpu.numel()
         self.stats["fetch_rows_in"] += route.rows_in
         self.stats["fetch_rows_out"] += route.rows_out
-        self.stats["fetch_seconds"] += time.perf_counter() - start
+        self.stats["fetch_seconds"] += waited
+        self.stats["fetch_seconds_hidden"] += max(took - waited, 0.0)
+
+    def prepare(self, token_ids: torch.Tensor) -> None:
+        """Fetch and bind synchronously (evaluation, the first micro-batch of a step, or
+        ``--no-stem-prefetch``)."""
+        start = time.perf_counter()
+        fetched = self.fetch(token_ids)
+        self.bind(fetched, time.perf_counter() - start)
+
+    def start_prefetch(self, token_ids: torch.Tensor):
+        """Fetch in the background; ``bind(future.result(), ...)`` later."""
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stem-fetch")
+            if torch.cuda.is_available():
+                self._side_stream = torch.cuda.Stream()
+
+        def run():
+            if self._side_stream is not None:
+                with torch.cuda.stream(self._side_stream):
+                    return self.fetch(token_ids)
+            return self.fetch(token_ids)
+
+        return self._executor.submit(run)
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Sum the row gradients of this step's micro-batches per id, send them to the owners.
         Returns the owned rows (local indices) with gradients and, per layer, those gradients
         summed over every rank and micro-batch. Collective over the data-parallel group."""
+        if self.prefetched is not None:
+            raise RuntimeError("a prefetched STEM micro-batch was never used: prefetch must not "
+                               "cross an optimizer step")
+        self.microbatch = 0
         widths = self.widths
         if self._pending:
             ids = torch.cat([u for u, _ in self._pending])
@@ -140,6 +201,24 @@ class StemTables:
 
     def discard_grads(self) -> None:
         self._pending.clear()
+
+
+_PREFETCH_GROUP = None
+
+
+def prefetch_process_group():
+    """A second copy of this rank's data-parallel group, for the prefetch thread's collectives.
+    Collective over all ranks (every rank calls it, once; later calls return the cached group)."""
+    global _PREFETCH_GROUP
+    if _PREFETCH_GROUP is None:
+        from megatron.core import parallel_state
+
+        mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(mine))
+        groups = sorted({tuple(r) for r in everyone})
+        _PREFETCH_GROUP, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
+    return _PREFETCH_GROUP
 
 
 def chunk_stem_layers(model) -> List:

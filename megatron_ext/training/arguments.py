@@ -62,6 +62,9 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            "row each step, equal to AdamW) or sparse (touched rows only, per-row "
                            "step counts, weight decay caught up)")
 
+    stem.add_argument("--stem-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                      help="cpu/vocab-sharded tables: fetch the next micro-batch's rows in the "
+                           "background while the current one computes")
     stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
                       help="after training, write each rank's rows of cpu/vocab-sharded tables "
                            "to DIR (inspection and tests)")
@@ -118,7 +121,7 @@ def stem_config_from_args(args) -> Optional[StemConfig]:
     return StemConfig(ratio=args.stem_ratio, layers=layers, variant=args.stem_variant,
                       init=args.stem_init, placement=args.stem_table_placement,
                       sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
-                      optimizer=args.stem_optimizer)
+                      optimizer=args.stem_optimizer, prefetch=args.stem_prefetch)
 
 
 def data_manifest_path(args) -> Optional[str]:

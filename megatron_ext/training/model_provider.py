@@ -58,13 +58,19 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
         if stem.managed_tables:
             from megatron.core import parallel_state
 
-            from megatron_ext.stem.tables import StemTables, chunk_stem_layers
+            from megatron_ext.stem.tables import (
+                StemTables,
+                chunk_stem_layers,
+                prefetch_process_group,
+            )
 
+            # Every rank takes part in creating the prefetch group, with STEM layers or not.
+            group = prefetch_process_group() if stem.prefetch else None
             layers = chunk_stem_layers(model)
             # A plain attribute, not a submodule: the rows are not parameters of the model.
             model.stem_tables = StemTables(
-                layers, stem, args.padded_vocab_size,
-                parallel_state.get_data_parallel_group()) if layers else None
+                layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
+                prefetch_group=group) if layers else None
     smoe = structmoe_config_from_args(args)
     if smoe is not None:
         budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
