@@ -16,12 +16,14 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import timed, wrap_ddp  # noqa: E402
 
 
 def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype):
@@ -47,17 +49,6 @@ def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype):
     return dense, stem
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wrap_ddp(module):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    return DistributedDataParallel(module.config, DistributedDataParallelConfig(), module)
-
-
 def time_fwd_bwd(ddp, x, grad, token_ids, reps: int, warmup: int):
     """Median-ready list of forward+backward times; the grad buffer is zeroed outside the timing
     (in training it is zeroed once per global batch, not per micro-batch)."""
@@ -69,17 +60,11 @@ def time_fwd_bwd(ddp, x, grad, token_ids, reps: int, warmup: int):
             out, _ = ddp(x)
         out.backward(grad)
 
-    times = []
-    for i in range(warmup + reps):
+    def reset():
         ddp.zero_grad_buffer()
         x.grad = None
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+
+    return timed(step, reset, reps, warmup)
 
 
 def main() -> None:

@@ -23,12 +23,14 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import timed, wrap_ddp  # noqa: E402
 
 BACKENDS = ("dense-masked", "grouped", "reference")
 
@@ -58,29 +60,11 @@ def build(args, dtype, structmoe_backend=None):
                     share_embeddings_and_output_weights=False)
 
 
-def wrap_ddp(model):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def time_steps(model, tokens, position_ids, labels, reps, warmup):
-    times = []
-    for i in range(warmup + reps):
-        model.zero_grad_buffer()
-        sync()
-        t0 = time.perf_counter()
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    def step():
+        model(tokens, position_ids, None, labels=labels).float().mean().backward()
+
+    return timed(step, model.zero_grad_buffer, reps, warmup)
 
 
 def main() -> None:
