@@ -161,9 +161,18 @@ class StemTables:
             if torch.cuda.is_available():
                 self._side_stream = torch.cuda.Stream()
 
+        ready = None
+        if self._side_stream is not None:
+            # The ids were produced on the compute stream (batch broadcast): the side stream
+            # must not read them before that work is done.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+            token_ids.record_stream(self._side_stream)
+
         def run():
             if self._side_stream is not None:
                 with torch.cuda.stream(self._side_stream):
+                    self._side_stream.wait_event(ready)
                     return self.fetch(token_ids)
             return self.fetch(token_ids)
 
