@@ -31,6 +31,10 @@ def parse(extra):
     (["--model-family", "stem", "--stem-layers", "2,a"], "comma-separated"),
     (["--model-family", "sigma"], "not available yet"),
     (["--model-family", "structmoe", "--calculate-per-token-loss"], "--structmoe-aux-loss-coeff 0"),
+    (["--model-family", "stem", "--stem-table-placement", "cpu", "--save", "/tmp/ck"],
+     "--stem-table-placement cpu --stem-table-sharding replicated does not support --save/--load"),
+    (["--model-family", "stem", "--stem-table-sharding", "vocab", "--recompute-granularity",
+      "full", "--recompute-method", "uniform"], "does not support --recompute-granularity"),
     (["--model-family", "structmoe", "--structmoe-aux-loss-coeff", "-1"],
      "--structmoe-aux-loss-coeff=-1.0: must be >= 0"),
 ])
