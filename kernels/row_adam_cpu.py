@@ -58,6 +58,14 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
       float* mr = M + r * width;
       float* vr = V + r * width;
       const float* gr = G + j * width;
+      if (j + 1 < end) {  // the next row's start: the hardware prefetcher picks up from there
+        const int64_t nr = R[j + 1] * width;
+        for (int64_t c = 0; c < width && c < 256; c += 16) {
+          __builtin_prefetch(P + nr + c, 1);
+          __builtin_prefetch(M + nr + c, 1);
+          __builtin_prefetch(V + nr + c, 1);
+        }
+      }
       for (int64_t c = 0; c < width; ++c) {
         const float gc = gr[c];
         const float mc = fb1 * mr[c] + c1 * gc;
