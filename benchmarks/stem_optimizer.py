@@ -35,7 +35,12 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, deepspeed_op
+    from megatron_ext.stem.row_adam import (
+        DEEPSPEED_OPTIMIZER_ID,
+        AdamHyper,
+        RowAdamW,
+        deepspeed_op,
+    )
 
     if deepspeed_op() is None:
         raise SystemExit("DeepSpeed's cpu_adam op is not available: nothing to compare against")
@@ -68,8 +73,8 @@ def main() -> None:
         all_rows = torch.arange(rows.numel())
         dense.step([(all_rows, grad)], hyper)  # first step allocates the grad buffer
         t0 = time.perf_counter()
-        dense.op.adam_update(1 << 20, 2, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-                             hyper.weight_decay, True, same, grad, dense.exp_avg[0],
+        dense.op.adam_update(DEEPSPEED_OPTIMIZER_ID, 2, hyper.lr, hyper.beta1, hyper.beta2,
+                             hyper.eps, hyper.weight_decay, True, same, grad, dense.exp_avg[0],
                              dense.exp_avg_sq[0])
         dense_times.append(time.perf_counter() - t0)
     # What --stem-optimizer dense does each iteration: DeepSpeed's Adam over every owned row.

@@ -8,7 +8,6 @@ the same layout (tests/test_parallel_stem.py shows that layout matches TP=1 / PP
 from __future__ import annotations
 
 import glob
-import os
 
 import pytest
 import torch

@@ -74,11 +74,10 @@ class VocabExchange:
         order = torch.argsort(owners, stable=True)
         world = self.ownership.world
         send_counts = torch.bincount(owners, minlength=world)
-        recv_counts = torch.empty_like(send_counts)
         dev = self.device
-        recv_counts_d = _to(recv_counts, dev)
-        dist.all_to_all_single(recv_counts_d, _to(send_counts, dev), group=self.group)
-        send, recv = send_counts.tolist(), recv_counts_d.cpu().tolist()
+        recv_counts = torch.empty_like(send_counts, device=dev)
+        dist.all_to_all_single(recv_counts, _to(send_counts, dev), group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.cpu().tolist()
         requested = torch.empty(sum(recv), dtype=torch.long, device=dev)
         dist.all_to_all_single(requested, _to(ids[order], dev), output_split_sizes=recv,
                                input_split_sizes=send, group=self.group)
@@ -146,7 +145,7 @@ class ReplicatedExchange:
         counts = torch.tensor([ids.numel()], device=self.device)
         all_counts = [torch.empty_like(counts) for _ in range(world)]
         dist.all_gather(all_counts, counts, group=self.group)
-        most = int(max(int(c) for c in all_counts))
+        most = max(int(c) for c in all_counts)
         padded_ids = torch.zeros(most, dtype=torch.long, device=self.device)
         padded_ids[: ids.numel()] = ids
         padded = payload.new_zeros(most, payload.shape[1])

@@ -131,15 +131,13 @@ class StemMLP(MegatronModule):
         table = torch.empty(vocab_size, self.ffn_per_partition,
                             dtype=torch.float32 if self.managed else config.params_dtype,
                             device=device)
-        if not config.perform_initialization:
-            pass
-        elif config.use_cpu_initialization or self.managed:
+        if config.perform_initialization and device is None:
             # The full [vocab, F] table is drawn on every rank and sliced, so the values do not
             # depend on the TP size (same as Megatron's linear layers).
             _initialize_affine_weight_cpu(
                 table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
                 params_dtype=table.dtype, rank=self.tp_rank, world_size=self.tp_size)
-        else:
+        elif config.perform_initialization:
             _initialize_affine_weight_gpu(table, init_method, partition_dim=1)
         if self.managed:
             self._initial_table: Optional[torch.Tensor] = table

@@ -48,7 +48,8 @@ class AdamHyper:
 
 
 _DS_OP = None
-_DS_ID = 1 << 20  # optimizer ids of this module, away from DeepSpeedCPUAdam's own counter
+# The id this module's optimizer has in DeepSpeed's op, away from DeepSpeedCPUAdam's own counter.
+DEEPSPEED_OPTIMIZER_ID = 1 << 20
 
 
 def deepspeed_op():
@@ -59,7 +60,7 @@ def deepspeed_op():
             from deepspeed.ops.op_builder import CPUAdamBuilder
 
             op = CPUAdamBuilder().load(verbose=False)
-            op.create_adam(_DS_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
+            op.create_adam(DEEPSPEED_OPTIMIZER_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
             _DS_OP = op
         except Exception as exc:  # no compiler, no deepspeed: the torch kernel still works
             logger.warning("DeepSpeed's cpu_adam op is unavailable (%s); STEM tables step with "
@@ -144,8 +145,8 @@ class RowAdamW:
         grad.zero_()
         grad.index_copy_(0, rows, rows_grad.to(torch.float32))
         if self.op is not None:
-            self.op.adam_update(_DS_ID, self.step_count, hyper.lr, hyper.beta1, hyper.beta2,
-                                hyper.eps, hyper.weight_decay, True, shard, grad,
+            self.op.adam_update(DEEPSPEED_OPTIMIZER_ID, self.step_count, hyper.lr, hyper.beta1,
+                                hyper.beta2, hyper.eps, hyper.weight_decay, True, shard, grad,
                                 self.exp_avg[i], self.exp_avg_sq[i])
         else:
             _torch_adamw(shard, grad, self.exp_avg[i], self.exp_avg_sq[i], hyper,
@@ -185,8 +186,8 @@ class RowAdamW:
                 lr = hyper.lr * sqrt_bc2 / bc1
                 wd = hyper.weight_decay * hyper.lr / lr if lr > 0 else 0.0
                 sl = slice(start, start + n)
-                self.op.adam_update(_DS_ID, k, lr, hyper.beta1, hyper.beta2, hyper.eps * sqrt_bc2,
-                                    wd, False, p[sl], g[sl], m[sl], v[sl])
+                self.op.adam_update(DEEPSPEED_OPTIMIZER_ID, k, lr, hyper.beta1, hyper.beta2,
+                                    hyper.eps * sqrt_bc2, wd, False, p[sl], g[sl], m[sl], v[sl])
                 start += n
         else:
             _torch_adamw(p, g, m, v, hyper, steps.to(p.device, torch.float32).unsqueeze(1))

@@ -20,7 +20,6 @@ this optimizer whenever the model has managed tables.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import List, Optional
@@ -30,15 +29,8 @@ import torch.distributed as dist
 
 from megatron.core.optimizer import ChainedOptimizer
 
+from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-
-logger = logging.getLogger(__name__)
-
-
-def _device_for_collectives() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class StemTablesOptimizer(ChainedOptimizer):
@@ -59,7 +51,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.replicated = bool(tables) and tables[0].ownership is None
         self._grads: Optional[list] = None
         self._total_norm: Optional[float] = None
-        self.last_stats = {}
+        self.step_seconds = 0.0  # CPU optimizer time of the last step (reset by report_stats)
 
     # -- gradients -----------------------------------------------------------------------------
     def prepare_grads(self) -> bool:
@@ -67,8 +59,9 @@ class StemTablesOptimizer(ChainedOptimizer):
         grads = []
         for t in self.tables:
             rows, per_layer = t.collect_grads()
-            for shard, g in zip(t.shards, per_layer):
-                grads.append((rows.to(shard.device), g.to(shard.device)))
+            if t.shards:  # the shards of one chunk share a device
+                rows = rows.to(t.shards[0].device)
+            grads += [(rows, g.to(shard.device)) for shard, g in zip(t.shards, per_layer)]
         scale = 1.0 / self.dp_size
         loss_scale = self.get_loss_scale()
         if loss_scale is not None:
@@ -77,7 +70,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         for _, g in grads:
             g.mul_(scale)
             local_inf = local_inf or not bool(torch.isfinite(g).all())
-        flag = torch.tensor([1.0 if local_inf else 0.0], device=_device_for_collectives())
+        flag = torch.tensor([1.0 if local_inf else 0.0], device=comm_device(dist.group.WORLD))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._grads = grads
         return found_inf or bool(flag.item() > 0)
@@ -87,7 +80,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         local = sum(float((g.double() ** 2).sum()) for _, g in (self._grads or []))
         if self.replicated:
             local /= self.dp_size  # every data-parallel rank holds the same summed gradients
-        total = torch.tensor([local], dtype=torch.float64, device=_device_for_collectives())
+        total = torch.tensor([local], dtype=torch.float64, device=comm_device(dist.group.WORLD))
         dist.all_reduce(total)
         return float(total.item())
 
@@ -123,13 +116,9 @@ class StemTablesOptimizer(ChainedOptimizer):
                     g.mul_(coeff)
         start = time.perf_counter()
         self.row_adam.step(self._grads, self._hyper())
-        self.last_stats = {"stem-optimizer-seconds": time.perf_counter() - start,
-                           "stem-rows-stepped": sum(int(r.numel()) for r, _ in self._grads)}
+        self.step_seconds = time.perf_counter() - start
         self._grads = None
         return success
-
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none)
 
 
 _ACTIVE: List[StemTablesOptimizer] = []
@@ -159,30 +148,30 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
     gradient pushes, fetch time the forward step waited for (exposed) and background fetch time
-    it did not wait for (hidden, with prefetch), CPU optimizer time. A ``training/log_hooks.py`` hook; collective."""
-    sums = torch.zeros(5, dtype=torch.float64)
-    maxes = torch.zeros(3, dtype=torch.float64)
+    it did not wait for (hidden, with prefetch), CPU optimizer time. A ``training/log_hooks.py``
+    hook; collective."""
+    summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
+              "stem/grad-bytes-sent", "stem/grad-bytes-received"]
+    maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds"]
+    sums = torch.zeros(len(summed), dtype=torch.float64)
+    maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
         for t in optimizer.tables:
             st, rb = t.stats, t.row_bytes
             sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
                                   st["fetch_rows_out"] * rb, st["grad_rows_out"] * rb,
                                   st["grad_rows_in"] * rb], dtype=torch.float64)
-            maxes[0] = max(float(maxes[0]), st["fetch_seconds"])
-            maxes[2] = max(float(maxes[2]), st["fetch_seconds_hidden"])
+            maxes = torch.maximum(maxes, torch.tensor(
+                [st["fetch_seconds"], st["fetch_seconds_hidden"], 0.0], dtype=torch.float64))
             t.reset_stats()
-        maxes[1] = max(float(maxes[1]), optimizer.last_stats.get("stem-optimizer-seconds", 0.0))
-        optimizer.last_stats = {}
-    device = _device_for_collectives()
+        maxes[2] = max(float(maxes[2]), optimizer.step_seconds)
+        optimizer.step_seconds = 0.0
+    device = comm_device(dist.group.WORLD)
     sums, maxes = sums.to(device), maxes.to(device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    names = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
-             "stem/grad-bytes-sent", "stem/grad-bytes-received"]
-    values = dict(zip(names, sums.tolist()))
-    values["stem/fetch-seconds-exposed"] = float(maxes[0])
-    values["stem/fetch-seconds-hidden"] = float(maxes[2])
-    values["stem/optimizer-seconds"] = float(maxes[1])
+    values = dict(zip(summed, sums.tolist()))
+    values.update(zip(maxed, maxes.tolist()))
     for name, value in values.items():
         if writer is not None:
             writer.add_scalar(name, value, iteration)
@@ -191,7 +180,7 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
 
 
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
-    tables = sum(s.numel() * s.element_size() for s in optimizer.shards if s.device.type == "cpu")
+    tables = sum(t.host_bytes() for t in optimizer.tables)
     moments = 2 * tables
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows; host memory: tables (fp32, "

@@ -45,9 +45,6 @@ class StemTables:
     def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
                  device: Optional[torch.device] = None, prefetch_group=None):
         self.layers = list(layers)
-        self.stem = stem
-        self.vocab_size = vocab_size
-        self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
         cuda = torch.cuda.is_available()
@@ -114,8 +111,9 @@ class StemTables:
         unique_cpu = unique.cpu()
         route = self.exchange.route(unique_cpu)
         if self.read_hook is not None and route.rows_out:
+            served = torch.unique(route.requested)
             for i in range(len(self.shards)):
-                self.read_hook(i, torch.unique(route.requested))
+                self.read_hook(i, served)
         rows = self.exchange.fetch(route, self.shards, self.device)
         inverse = inverse.view(token_ids.shape).t().contiguous()
         event = None
@@ -178,6 +176,28 @@ class StemTables:
 
         return self._executor.submit(run)
 
+    def take_batch(self, read_batch: Callable[[], tuple], num_microbatches: int) -> tuple:
+        """The micro-batch to run now (``read_batch()``'s tuple, tokens first) with its rows bound
+        to the layers. With prefetch, while training, it was read ahead by the previous call and
+        its rows fetched in the background; and unless this is the step's last micro-batch, the
+        next one is read and its fetch started. Collective over the data-parallel group."""
+        if self.prefetched is not None:
+            batch, future = self.prefetched
+            self.prefetched = None
+            start = time.perf_counter()
+            fetched = future.result()
+            self.bind(fetched, time.perf_counter() - start)
+        else:
+            batch = read_batch()
+            self.prepare(batch[0])
+        training = torch.is_grad_enabled()
+        if training:  # count this step's micro-batches (collect_grads resets the count)
+            self.microbatch += 1
+        if self.prefetch and training and self.microbatch < num_microbatches:
+            upcoming = read_batch()
+            self.prefetched = (upcoming, self.start_prefetch(upcoming[0]))
+        return batch
+
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Sum the row gradients of this step's micro-batches per id, send them to the owners.
         Returns the owned rows (local indices) with gradients and, per layer, those gradients
@@ -208,8 +228,6 @@ class StemTables:
         self.stats["grad_rows_in"] += route.rows_out
         return self.exchange.push(route, summed)
 
-    def discard_grads(self) -> None:
-        self._pending.clear()
 
 
 _PREFETCH_GROUP = None

@@ -39,11 +39,7 @@ def tracked_names(num_experts: int) -> List[str]:
     return [LOSS_NAME] + [fraction_name(l) for l in range(num_experts)]
 
 
-def tokens_per_expert(routing: Routing) -> torch.Tensor:
-    return torch.bincount(routing.indices.reshape(-1), minlength=routing.probs.shape[-1])
-
-
-def switch_loss(routing: Routing, coeff: float = 1.0) -> torch.Tensor:
+def switch_loss(routing: Routing) -> torch.Tensor:
     """The Switch load-balancing loss of one micro-batch (Megatron's definition, micro-batch level).
 
     Every TP rank holds all tokens of the sequence here (the routed path gathers a sequence-parallel
@@ -51,8 +47,8 @@ def switch_loss(routing: Routing, coeff: float = 1.0) -> torch.Tensor:
     """
     n, k = routing.indices.shape
     return switch_load_balancing_loss_func(
-        probs=routing.probs, tokens_per_expert=tokens_per_expert(routing), total_num_tokens=n,
-        topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=coeff)
+        probs=routing.probs, tokens_per_expert=routing.tokens_per_expert(), total_num_tokens=n,
+        topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=1.0)
 
 
 def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, layer_number: int,
@@ -67,7 +63,7 @@ def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, laye
     if layer_number is not None:
         tracker.record(LOSS_NAME, loss, layer_number, num_layers)
         n, k = routing.indices.shape
-        fractions = tokens_per_expert(routing).float() / (n * k)
+        fractions = routing.tokens_per_expert().float() / (n * k)
         for expert, value in enumerate(fractions):
             tracker.record(fraction_name(expert), value, layer_number, num_layers)
     if coeff > 0:

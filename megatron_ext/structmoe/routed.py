@@ -32,6 +32,14 @@ class Routing:
     indices: torch.Tensor  # [N, k] selected experts
     weights: torch.Tensor  # [N, k] their scores s_l(x), differentiable w.r.t. the router
     _dispatch: Optional["Dispatch"] = field(default=None, repr=False)
+    _counts: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """``[L]`` routing slots given to each expert, computed once per routing."""
+        if self._counts is None:
+            self._counts = torch.bincount(self.indices.reshape(-1),
+                                          minlength=self.probs.shape[-1])
+        return self._counts
 
     def dispatch(self) -> "Dispatch":
         """The (token, slot) pairs sorted by expert, computed once per routing."""
@@ -48,12 +56,9 @@ class Dispatch:
 
     @classmethod
     def of(cls, routing: "Routing") -> "Dispatch":
-        n, k = routing.indices.shape
-        n_experts = routing.probs.shape[-1]
-        flat = routing.indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=n_experts)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        k = routing.indices.shape[1]
+        order = torch.argsort(routing.indices.reshape(-1), stable=True)
+        offsets = torch.cumsum(routing.tokens_per_expert(), 0).to(torch.int32)
         return cls(order=order, tokens=order // k, offsets=offsets)
 
 

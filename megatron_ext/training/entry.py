@@ -35,7 +35,11 @@ def main(argv=None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_ext.training.arguments import add_extension_args, validate_extension_args
+    from megatron_ext.training.arguments import (
+        add_extension_args,
+        stem_config_from_args,
+        validate_extension_args,
+    )
     from megatron_ext.training.datasets import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
@@ -45,8 +49,6 @@ def main(argv=None) -> None:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
-    from megatron_ext.training.arguments import stem_config_from_args
-
     stem = stem_config_from_args(args)
     if stem is not None and stem.managed_tables:
         from megatron_ext.stem import table_optimizer

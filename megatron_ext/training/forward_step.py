@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
@@ -32,29 +31,16 @@ def forward_step(data_iterator, model):
     token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
     tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True) \
         if token_layers_here else None
-    if tables is not None and tables.prefetched is not None:
-        batch, future = tables.prefetched  # read ahead by the previous micro-batch
-        tables.prefetched = None
-    else:
-        batch = get_batch(data_iterator, args, vp_stage, token_layers_here)
-        future = None
+
+    def read_batch():
+        return get_batch(data_iterator, args, vp_stage, token_layers_here)
+
+    # Managed STEM tables: the batch comes with its rows bound (and, with prefetch, the next
+    # micro-batch's rows being fetched in the background).
+    batch = tables.take_batch(read_batch, get_num_microbatches()) if tables is not None \
+        else read_batch()
     tokens, labels, loss_mask, attention_mask, position_ids = batch
     timers("batch-generator").stop()
-    if tables is not None:
-        # Managed STEM tables: this micro-batch's rows (collective over data parallel), then,
-        # within the step, start fetching the next micro-batch's rows in the background.
-        if future is not None:
-            start = time.perf_counter()
-            fetched = future.result()
-            tables.bind(fetched, time.perf_counter() - start)
-        else:
-            tables.prepare(tokens)
-        if torch.is_grad_enabled():  # training: count this step's micro-batches
-            tables.microbatch += 1
-        if (tables.prefetch and torch.is_grad_enabled()
-                and tables.microbatch < get_num_microbatches()):
-            upcoming = get_batch(data_iterator, args, vp_stage, token_layers_here)
-            tables.prefetched = (upcoming, tables.start_prefetch(upcoming[0]))
     if args.model_family == "structmoe":
         # Upstream sets the aux-loss gradient scale only for models with --num-experts.
         from megatron_ext.structmoe.balance import set_aux_loss_scale
