@@ -51,13 +51,16 @@ def test_inside_megatron_ddp(mcore_single_rank):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from tests_helpers import build_tiny_stem_mlp
 
-    mlp = build_tiny_stem_mlp()
+    # On a GPU the module runs on the device, as the model provider places it (DDP's buffers
+    # are allocated there).
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    mlp = build_tiny_stem_mlp().to(device)
     reference = {n: p.detach().clone() for n, p in mlp.named_parameters()}
     ddp = DistributedDataParallel(mlp.config, DistributedDataParallelConfig(), mlp)
-    x = torch.randn(5, 2, mlp.config.hidden_size)
-    ids = torch.randint(0, mlp.vocab_size, (5, 2))
+    x = torch.randn(5, 2, mlp.config.hidden_size, device=device)
+    ids = torch.randint(0, mlp.vocab_size, (5, 2), device=device)
     ids[0, 0] = ids[3, 1]
-    grad = torch.randn(5, 2, mlp.config.hidden_size)
+    grad = torch.randn(5, 2, mlp.config.hidden_size, device=device)
     ddp.zero_grad_buffer()
     with mlp.bind_token_ids(ids):
         out, _ = ddp(x)

@@ -4,6 +4,7 @@ from pinned host memory over a side stream (the path CI cannot run); on the CPU 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ext.stem.config import StemConfig
@@ -48,3 +49,22 @@ def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
         # [s, b] lookups equal the table rows of the transposed ids.
         torch.testing.assert_close(got_rows[got_inverse].cpu(), table[ids.t().cpu()])
     assert tables.stats["fetch_seconds_hidden"] >= 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_through_pinned_staging(dtype):
+    """Rows of several shards, side by side, in the wire dtype: through the reusable pinned buffer
+    on a GPU (twice, so the buffer is reused and grown), directly on the CPU."""
+    from megatron_ext.stem.exchange import PinnedStaging, gather_rows
+
+    g = torch.Generator().manual_seed(1)
+    shards = [torch.randn(50, 8, generator=g), torch.randn(50, 3, generator=g)]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    staging = PinnedStaging() if cuda else None
+    for n in (7, 40):
+        index = torch.randint(0, 50, (n,), generator=g)
+        got = gather_rows(shards, index, device, dtype, staging, chunk=5)
+        want = torch.cat([s[index] for s in shards], dim=1).to(dtype)
+        assert got.device.type == device.type and got.dtype == dtype
+        assert torch.equal(got.cpu(), want)

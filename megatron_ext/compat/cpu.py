@@ -14,9 +14,8 @@ Every patch is listed in :data:`PATCHES` with the reason it is needed. The appro
   equivalents. The "CUDA" RNG maps onto the CPU default generator, so Megatron's
   model-parallel RNG tracker (``tensor_parallel.random``) forks the generator that CPU dropout
   actually uses.
-* A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``,
-  ``compile_helpers`` is skipped when the wheel's prebuilt helper imports (the wheel ships no
-  Makefile), and the MoE dispatcher's split sizes become host lists for gloo's all-to-all.
+* A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``
+  and the MoE dispatcher's split sizes become host lists for gloo's all-to-all.
 """
 
 from __future__ import annotations
@@ -69,8 +68,6 @@ PATCHES: List[Patch] = [
           "they reach torch.cuda.default_generators through _lazy_call, which does not exist on CPU."),
     Patch("megatron.training.initialize.initialize_megatron(allow_no_cuda=True)",
           "pretrain() calls it without the flag and it asserts CUDA."),
-    Patch("megatron.core.datasets.utils.compile_helpers",
-          "the wheel ships the compiled helpers but no Makefile; skip compiling when they import."),
     Patch("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
           "gloo all_to_all_single needs split sizes as host lists; the GPU path only moves "
           "tensors with is_cuda, which is false here."),
@@ -285,18 +282,6 @@ def _patch_megatron() -> None:
     _set(mrandom, "_get_cuda_rng_state",
          lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
     logging.getLogger(mrandom.__name__).addFilter(_RngForkWarningFilter())
-
-    import megatron.core.datasets.utils as dutils
-
-    original_compile = dutils.compile_helpers
-
-    def compile_helpers():
-        try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
-        except ImportError:
-            original_compile()
-
-    _set(dutils, "compile_helpers", compile_helpers)
 
     import megatron.core.transformer.moe.moe_utils as moe_utils
 

@@ -86,8 +86,24 @@ def _fix_distrib_optimizer_torch_adam_resume() -> bool:
     return True
 
 
+def _fix_prebuilt_dataset_helpers() -> bool:
+    """The megatron-core wheel ships the compiled dataset helpers (``helpers_cpp``) but not the
+    Makefile that ``compile_helpers`` runs, so ``pretrain`` exits ("Failed to compile the C++
+    dataset helper functions") on any machine, GPU or CPU. Compile only when the prebuilt module
+    does not import."""
+    import megatron.core.datasets.utils as dutils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False  # a source checkout: upstream's make works
+    dutils.compile_helpers = lambda: None
+    return True
+
+
 FIXES = {
     "distrib_optimizer_torch_adam_resume": _fix_distrib_optimizer_torch_adam_resume,
+    "prebuilt_dataset_helpers": _fix_prebuilt_dataset_helpers,
 }
 
 

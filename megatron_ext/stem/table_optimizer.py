@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer import ChainedOptimizer
 
-from megatron_ext.stem.exchange import comm_device
+from megatron_ext.stem.exchange import PinnedStaging, comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 
 
@@ -52,37 +52,43 @@ class StemTablesOptimizer(ChainedOptimizer):
         self._grads: Optional[list] = None
         self._total_norm: Optional[float] = None
         self.step_seconds = 0.0  # CPU optimizer time of the last step (reset by report_stats)
+        self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
+        self._staging = PinnedStaging()
 
     # -- gradients -----------------------------------------------------------------------------
     def prepare_grads(self) -> bool:
         found_inf = super().prepare_grads()
+        start = time.perf_counter()
         grads = []
         for t in self.tables:
             rows, per_layer = t.collect_grads()
-            if t.shards:  # the shards of one chunk share a device
-                rows = rows.to(t.shards[0].device)
-            grads += [(rows, g.to(shard.device)) for shard, g in zip(t.shards, per_layer)]
+            # The gradients stay where the exchange left them (the GPU under NCCL) for scaling,
+            # the finiteness check, the norm and clipping; they go to host shards at the step.
+            grads += [(rows, g) for g in per_layer]
         scale = 1.0 / self.dp_size
         loss_scale = self.get_loss_scale()
         if loss_scale is not None:
             scale = scale / float(loss_scale.item() if torch.is_tensor(loss_scale) else loss_scale)
-        local_inf = False
+        device = comm_device(dist.group.WORLD)
+        flag = torch.zeros(1, device=device)
         for _, g in grads:
             g.mul_(scale)
-            local_inf = local_inf or not bool(torch.isfinite(g).all())
-        flag = torch.tensor([1.0 if local_inf else 0.0], device=comm_device(dist.group.WORLD))
+            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().to(device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._grads = grads
+        self.grad_seconds = time.perf_counter() - start
         return found_inf or bool(flag.item() > 0)
 
     @torch.no_grad()
     def table_grad_norm_sq(self) -> float:
-        local = sum(float((g.double() ** 2).sum()) for _, g in (self._grads or []))
+        device = comm_device(dist.group.WORLD)
+        local = torch.zeros(1, dtype=torch.float64, device=device)
+        for _, g in self._grads or []:
+            local += (g.double() ** 2).sum().to(device)
         if self.replicated:
             local /= self.dp_size  # every data-parallel rank holds the same summed gradients
-        total = torch.tensor([local], dtype=torch.float64, device=comm_device(dist.group.WORLD))
-        dist.all_reduce(total)
-        return float(total.item())
+        dist.all_reduce(local)
+        return float(local.item())
 
     @torch.no_grad()
     def get_grad_norm(self):
@@ -104,18 +110,42 @@ class StemTablesOptimizer(ChainedOptimizer):
                          beta2=self.config.adam_beta2, eps=self.config.adam_eps,
                          weight_decay=float(group["weight_decay"]))
 
+    def _grads_to_shards(self) -> list:
+        """The step's row gradients on their shards' device. GPU gradients for host shards are
+        copied, all in one pass, into a reusable pinned buffer; the copies are queued before
+        the model's optimizer step so they are not stuck behind it."""
+        moves = [(i, g) for i, ((_, g), s) in enumerate(zip(self._grads, self.shards))
+                 if g.device != s.device]
+        out = [(rows.to(s.device), g) for (rows, g), s in zip(self._grads, self.shards)]
+        if not moves:
+            return out
+        if moves[0][1].device.type != "cuda" or any(s.device.type != "cpu" for s in self.shards):
+            return [(rows, g.to(s.device)) for (rows, g), s in zip(out, self.shards)]
+        flat = self._staging.view(sum(g.numel() for _, g in moves), torch.float32)
+        offset = 0
+        for i, g in moves:
+            view = flat[offset: offset + g.numel()].view(g.shape)
+            view.copy_(g, non_blocking=True)
+            out[i] = (out[i][0], view)
+            offset += g.numel()
+        self._staging.record()
+        return out
+
     def step_with_ready_grads(self) -> bool:
-        success = super().step_with_ready_grads()
         if self._grads is None:
-            return success
+            return super().step_with_ready_grads()
         clip = self.config.clip_grad
         if clip > 0.0 and self._total_norm is not None:
             coeff = clip / (self._total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
             if coeff < 1.0:
                 for _, g in self._grads:
                     g.mul_(coeff)
+        grads = self._grads_to_shards()
+        # The model's step is queued on the GPU and runs while the CPU steps the rows.
+        success = super().step_with_ready_grads()
         start = time.perf_counter()
-        self.row_adam.step(self._grads, self._hyper())
+        self._staging.wait()
+        self.row_adam.step(grads, self._hyper())
         self.step_seconds = time.perf_counter() - start
         self._grads = None
         return success
@@ -148,24 +178,29 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
     gradient pushes, fetch time the forward step waited for (exposed) and background fetch time
-    it did not wait for (hidden, with prefetch), CPU optimizer time. A ``training/log_hooks.py``
+    it did not wait for (hidden, with prefetch), CPU optimizer time, and the time to collect the
+    row gradients and exchange them with their owners. A ``training/log_hooks.py``
     hook; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received"]
-    maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds"]
+    maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
+             "stem/grad-exchange-seconds"]
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
         for t in optimizer.tables:
             st, rb = t.stats, t.row_bytes
+            gb = t.grad_row_bytes
             sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
-                                  st["fetch_rows_out"] * rb, st["grad_rows_out"] * rb,
-                                  st["grad_rows_in"] * rb], dtype=torch.float64)
+                                  st["fetch_rows_out"] * rb, st["grad_rows_out"] * gb,
+                                  st["grad_rows_in"] * gb], dtype=torch.float64)
             maxes = torch.maximum(maxes, torch.tensor(
-                [st["fetch_seconds"], st["fetch_seconds_hidden"], 0.0], dtype=torch.float64))
+                [st["fetch_seconds"], st["fetch_seconds_hidden"], 0.0, 0.0],
+                dtype=torch.float64))
             t.reset_stats()
         maxes[2] = max(float(maxes[2]), optimizer.step_seconds)
-        optimizer.step_seconds = 0.0
+        maxes[3] = max(float(maxes[3]), optimizer.grad_seconds)
+        optimizer.step_seconds = optimizer.grad_seconds = 0.0
     device = comm_device(dist.group.WORLD)
     sums, maxes = sums.to(device), maxes.to(device)
     dist.all_reduce(sums)

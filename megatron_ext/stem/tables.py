@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.config import StemConfig
-from megatron_ext.stem.exchange import ReplicatedExchange, VocabExchange
+from megatron_ext.stem.exchange import PinnedStaging, ReplicatedExchange, VocabExchange
 from megatron_ext.stem.ownership import RowOwnership
 
 
@@ -78,6 +78,12 @@ class StemTables:
             elif cuda:
                 shard = shard.pin_memory()  # host rows go to the GPU by DMA
             self.shards.append(shard)
+        # Rows travel in the model's 16-bit dtype when it has one (the layers cast them to it,
+        # so what they compute is the same), through a reusable pinned buffer from host shards.
+        config = getattr(self.layers[0], "config", None) if self.layers else None
+        dtype = getattr(config, "params_dtype", torch.float32)
+        self.wire_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        self.staging = PinnedStaging() if cuda and stem.placement == "cpu" else None
         # Called with (shard index, local rows) before rows are read: lets the sparse optimizer
         # apply the weight decay a row still owes (no stale reads).
         self.read_hook: Optional[Callable[[int, torch.Tensor], None]] = None
@@ -93,7 +99,12 @@ class StemTables:
 
     @property
     def row_bytes(self) -> int:
-        return sum(self.widths) * 4  # fp32 rows of every layer travel together
+        """Bytes of one fetched row of every layer (they travel together)."""
+        return sum(self.widths) * self.wire_dtype.itemsize
+
+    @property
+    def grad_row_bytes(self) -> int:
+        return sum(self.widths) * 4  # gradients travel in fp32
 
     @property
     def widths(self) -> List[int]:
@@ -114,7 +125,8 @@ class StemTables:
             served = torch.unique(route.requested)
             for i in range(len(self.shards)):
                 self.read_hook(i, served)
-        rows = self.exchange.fetch(route, self.shards, self.device)
+        rows = self.exchange.fetch(route, self.shards, self.device, self.wire_dtype,
+                                   self.staging)
         inverse = inverse.view(token_ids.shape).t().contiguous()
         event = None
         if self._side_stream is not None:

@@ -1,0 +1,232 @@
+"""Training-step time of STEM layers with host-resident tables (``--stem-table-placement cpu``)
+against GPU-resident ones, in one run, through the real training entry point.
+
+    .venv/bin/python benchmarks/stem_placement.py            # GPU: 1B-shaped layers, bf16
+    .venv/bin/python benchmarks/stem_placement.py --shape tiny   # CPU smoke run of the same code
+
+The 1B shape is Llama-3.2-1B's layer (H 2048, F 8192, 32 heads, 8 query groups, vocabulary
+128256) with as many layers as fit one GPU with GPU-resident tables and Megatron's Adam (each
+1.05B-row-element table costs 18 bytes per element there: bf16 weight, fp32 main copy, fp32
+gradient, two moments): 4 layers, STEM at layers 1 and 3 (``--stem-layers 1,3``), sequence 2048,
+4 micro-batches of 2 sequences per step.
+
+Tokens come from a synthetic corpus written first: ids drawn from a Zipf law over the vocabulary
+(exponent ``--zipf``, 1.0 by default, the unigram law of natural text), so the number of distinct
+rows per micro-batch (what is fetched) is like real text's, unlike Megatron's mock data (runs of
+consecutive ids).
+
+Variants (one process, NCCL on a GPU):
+
+* ``gpu`` -- ordinary STEM parameters, Megatron's DDP and Adam on the GPU (the baseline);
+* ``cpu`` -- tables in pinned host memory, rows prefetched to the GPU on a side stream, row
+  gradients back through pinned buffers, sparse AdamW on the CPU (``--stem-optimizer sparse``);
+* ``cpu-no-prefetch`` -- the same, fetching synchronously (what prefetch hides);
+* ``cpu-dense`` (with ``--dense``) -- every owned row steps each iteration on the CPU
+  (DeepSpeed's CPU Adam over whole tables).
+
+Reported per variant: the median iteration time after ``--skip`` iterations and its ratio to
+``gpu``, the fetch time the forward step waited for (exposed) and the background fetch time it did
+not wait for (hidden), the CPU optimizer time, unique rows and bytes moved per step, and the peak
+GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPES = {
+    "1b": dict(layers=4, stem_layers="1,3", hidden=2048, ffn=8192, heads=32, groups=8,
+               vocab=128256, seq=2048, mbs=2, micro_batches=4),
+    "tiny": dict(layers=3, stem_layers="1,2", hidden=64, ffn=256, heads=4, groups=2,
+                 vocab=4096, seq=128, mbs=2, micro_batches=4),
+}
+
+MANAGED = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
+VARIANTS = {
+    "gpu": [],
+    "cpu": MANAGED + ["--stem-optimizer", "sparse"],
+    "cpu-no-prefetch": MANAGED + ["--stem-optimizer", "sparse", "--no-stem-prefetch"],
+    "cpu-dense": MANAGED + ["--stem-optimizer", "dense"],
+}
+
+
+def write_zipf_corpus(prefix: str, vocab: int, tokens: int, exponent: float, seed: int) -> None:
+    """A Megatron indexed dataset of documents (~1000 tokens) with Zipf-distributed ids; id
+    ``vocab - 1`` is kept for the end-of-document token (NullTokenizer's eod is its size)."""
+    import torch
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    if os.path.exists(prefix + ".idx"):
+        return
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, vocab, dtype=np.float64)
+    p = ranks ** -exponent
+    p /= p.sum()
+    # Frequency rank -> token id: a fixed random permutation, so frequent ids are spread over the
+    # vocabulary as a BPE tokenizer's are not (the ownership benchmark measures that case).
+    ids = rng.permutation(vocab - 1)
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    written = 0
+    while written < tokens:
+        n = int(rng.integers(500, 1500))
+        doc = ids[rng.choice(vocab - 1, size=n, p=p)].astype(np.int32)
+        builder.add_item(torch.from_numpy(doc))
+        builder.end_document()
+        written += n
+    builder.finalize(prefix + ".idx")
+
+
+def flags(shape: dict, args, data_prefix: str, tb: str) -> list:
+    import torch
+
+    gpu = torch.cuda.is_available()
+    gbs = shape["mbs"] * shape["micro_batches"]
+    out = [
+        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+        "--ffn-hidden-size", str(shape["ffn"]), "--num-attention-heads", str(shape["heads"]),
+        "--group-query-attention", "--num-query-groups", str(shape["groups"]),
+        "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
+        "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--micro-batch-size", str(shape["mbs"]), "--global-batch-size", str(gbs),
+        "--train-iters", str(args.iters), "--lr", "3e-4", "--min-lr", "3e-5",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--weight-decay", "0.1",
+        "--clip-grad", "1.0", "--adam-beta2", "0.95", "--seed", "1234",
+        "--data-path", data_prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(shape["vocab"] - 1), "--make-vocab-size-divisible-by", "128",
+        "--data-cache-path", os.path.join(args.out, "cache"),
+        "--eval-iters", "0", "--eval-interval", str(10 * args.iters),
+        "--log-interval", "1", "--tensorboard-dir", tb, "--tensorboard-log-interval", "1",
+        "--log-timers-to-tensorboard", "--timing-log-level", "1",
+        "--model-family", "stem", "--stem-layers", shape["stem_layers"],
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-swiglu-fusion", "--no-rope-fusion", "--use-cpu-initialization",
+    ]
+    if gpu:
+        out += ["--bf16", "--distributed-backend", "nccl", "--log-memory-to-tensorboard"]
+    else:
+        out += ["--distributed-backend", "gloo"]
+    return out
+
+
+def describe(r: dict) -> str:
+    return (f"fetch exposed {1e3 * r['stem/fetch-seconds-exposed']:.1f} ms/step, hidden "
+            f"{1e3 * r['stem/fetch-seconds-hidden']:.1f} ms/step, gradient exchange "
+            f"{1e3 * r['stem/grad-exchange-seconds']:.1f} ms/step, CPU optimizer "
+            f"{1e3 * r['stem/optimizer-seconds']:.1f} ms/step, unique rows/step "
+            f"{r['stem/unique-rows-fetched']:.0f}, to GPU "
+            f"{r['stem/fetch-bytes-to-device'] / 2**20:.0f} MiB/step, gradients back "
+            f"{r['stem/grad-bytes-sent'] / 2**20:.0f} MiB/step")
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        default="1b" if torch.cuda.is_available() else "tiny")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--skip", type=int, default=10, help="iterations left out of the median")
+    parser.add_argument("--variants", default="gpu,cpu,cpu-no-prefetch",
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--zipf", type=float, default=1.0)
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_stem_placement"))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; allowed {', '.join(VARIANTS)}")
+    if args.iters <= args.skip:
+        raise SystemExit(f"--iters={args.iters} must exceed --skip={args.skip}")
+
+    from megatron_ext.training.metrics import read_tensorboard_scalars
+
+    tokens = int(1.2 * args.iters * shape["mbs"] * shape["micro_batches"] * (shape["seq"] + 1))
+    prefix = os.path.join(args.out, f"zipf_{args.shape}", "corpus_text_document")
+    write_zipf_corpus(prefix, shape["vocab"], max(tokens, 200_000), args.zipf, seed=0)
+    print(f"shape {args.shape}: {shape}", flush=True)
+
+    results = {}
+    for name in names:
+        tb = os.path.join(args.out, f"{args.shape}_{name}", "tb")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=1", os.path.join(ROOT, "launch", "pretrain.py"),
+               *flags(shape, args, prefix, tb), *VARIANTS[name]]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: no result within --timeout={args.timeout} s", flush=True)
+            continue
+        log = proc.stdout + proc.stderr
+        os.makedirs(os.path.dirname(tb), exist_ok=True)
+        with open(os.path.join(os.path.dirname(tb), "log.txt"), "w") as f:
+            f.write(log)
+        if proc.returncode:
+            print(f"{name} failed:\n{log[-6000:]}", flush=True)
+            continue
+        s = read_tensorboard_scalars(tb)
+
+        def mean(tag):
+            values = [v for step, v in s.get(tag, []) if step > args.skip]
+            return statistics.mean(values) if values else float("nan")
+
+        times = [v for step, v in s["iteration-time"] if step > args.skip]
+        r = {"iteration_ms": 1e3 * statistics.median(times),
+             "loss_last": s["lm loss"][-1][1],
+             "peak_gpu_gib": max((v for _, v in s.get("mem-max-allocated-bytes", [])),
+                                 default=float("nan")) / 2**30}
+        for tag in ("stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden",
+                    "stem/optimizer-seconds", "stem/grad-exchange-seconds",
+                    "stem/unique-rows-fetched", "stem/fetch-bytes-to-device",
+                    "stem/grad-bytes-sent"):
+            r[tag] = mean(tag)
+        # Megatron's own timers (--log-timers-to-tensorboard): where the step's time goes.
+        r["timers_ms"] = {tag[:-5]: 1e3 * mean(tag) for tag in s
+                          if tag.endswith("-time") and tag != "iteration-time"}
+        host = [line for line in log.splitlines() if "STEM tables on this rank" in line]
+        r["host_memory"] = host[0].split("> ", 1)[-1] if host else ""
+        results[name] = r
+        print(f"  {name:16s} {r['iteration_ms']:9.1f} ms/iter  final loss {r['loss_last']:.4f}"
+              f"  peak GPU {r['peak_gpu_gib']:.1f} GiB", flush=True)
+        print("    timers (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                            sorted(r["timers_ms"].items())), flush=True)
+        if name != "gpu":
+            print("    " + describe(r), flush=True)
+
+    if "gpu" not in results:
+        raise SystemExit("the gpu baseline did not run: no ratios")
+    base = results["gpu"]["iteration_ms"]
+    print(f"\nratios against gpu placement ({base:.1f} ms/iter), median of iterations "
+          f"{args.skip + 1}..{args.iters}:")
+    for name, r in results.items():
+        r["ratio_vs_gpu"] = r["iteration_ms"] / base
+        line = f"{name:16s} {r['ratio_vs_gpu']:.3f}x"
+        if name != "gpu":
+            line += "  " + describe(r)
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
