@@ -14,6 +14,11 @@ Per row ``r = rows[j]`` with new step count ``k = steps[j]``::
     v[r]  = b2 v[r] + (1 - b2) g[j]^2
     p[r] -= lr / (1 - b1^k) * m[r] / (sqrt(v[r]) / sqrt(1 - b2^k) + eps)
 
+Two helpers for host-resident rows share the module: ``scale_rows_`` (the owed weight decay
+applied in place when a row is read) and ``gather_rows_`` (rows gathered and cast to the wire
+dtype straight into a staging buffer, with no temporaries: each large temporary costs page
+faults, which dominated the fetch time on a GPU machine).
+
 Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards);
 ``load()`` returns None when no compiler is available, and the caller falls back.
 """
@@ -77,6 +82,53 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
     }
   });
 }
+
+// shard[rows[j]] *= factors[j], in place (the sparse optimizer's weight-decay catch-up).
+void scale_rows_(torch::Tensor p, torch::Tensor rows, torch::Tensor factors) {
+  TORCH_CHECK(p.is_contiguous() && p.scalar_type() == torch::kFloat, "scale_rows_: fp32 rows");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && factors.scalar_type() == torch::kDouble &&
+              rows.numel() == factors.numel(), "scale_rows_: int64 rows, float64 factors");
+  const int64_t n = rows.numel(), width = p.size(1);
+  float* P = p.data_ptr<float>();
+  const int64_t* R = rows.data_ptr<int64_t>();
+  const double* F = factors.data_ptr<double>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float f = (float)F[j];
+      float* pr = P + R[j] * width;
+      for (int64_t c = 0; c < width; ++c) pr[c] *= f;
+    }
+  });
+}
+
+// out[j] = src[index[j]] cast to out's dtype (fp32, bf16 or fp16; round to nearest even, as
+// Tensor.to): the rows to fetch, written straight into a (pinned) staging buffer.
+template <typename T>
+static void gather_into(const float* S, const int64_t* I, T* O, int64_t n, int64_t width) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* sr = S + I[j] * width;
+      T* orow = O + j * width;
+      for (int64_t c = 0; c < width; ++c) orow[c] = static_cast<T>(sr[c]);
+    }
+  });
+}
+
+void gather_rows_(torch::Tensor src, torch::Tensor index, torch::Tensor out) {
+  TORCH_CHECK(src.is_contiguous() && out.is_contiguous() && src.scalar_type() == torch::kFloat,
+              "gather_rows_: contiguous fp32 source and contiguous output");
+  TORCH_CHECK(index.scalar_type() == torch::kLong && out.size(0) == index.numel() &&
+              out.size(1) == src.size(1), "gather_rows_: shapes");
+  const int64_t n = index.numel(), width = src.size(1);
+  const float* S = src.data_ptr<float>();
+  const int64_t* I = index.data_ptr<int64_t>();
+  switch (out.scalar_type()) {
+    case torch::kFloat: gather_into(S, I, out.data_ptr<float>(), n, width); break;
+    case torch::kBFloat16: gather_into(S, I, out.data_ptr<at::BFloat16>(), n, width); break;
+    case torch::kHalf: gather_into(S, I, out.data_ptr<at::Half>(), n, width); break;
+    default: TORCH_CHECK(false, "gather_rows_: output must be fp32, bf16 or fp16");
+  }
+}
 """
 
 _MODULE = None
@@ -89,8 +141,8 @@ def load():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _MODULE = load_inline(name="megatron_ext_row_adam", cpp_sources=[_SOURCE],
-                                  functions=["sparse_adamw_"],
+            _MODULE = load_inline(name="megatron_ext_row_adam_v2", cpp_sources=[_SOURCE],
+                                  functions=["sparse_adamw_", "scale_rows_", "gather_rows_"],
                                   extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                   verbose=False)
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain

@@ -77,6 +77,25 @@ class PinnedStaging:
             self._event = None
 
 
+def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
+                chunk: int = 1024) -> None:
+    """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
+    gather (``kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks of rows."""
+    from megatron_ext_kernels import row_adam_cpu
+
+    kernel = row_adam_cpu.load()
+    if kernel is not None and shard.is_contiguous() and shard.dtype == torch.float32:
+        kernel.gather_rows_(shard, index, out)
+        return
+    for start in range(0, index.numel(), chunk):
+        part = index[start: start + chunk]
+        rows = out[start: start + part.numel()]
+        if out.dtype == shard.dtype:
+            torch.index_select(shard, 0, part, out=rows)
+        else:
+            rows.copy_(shard[part])
+
+
 def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: torch.device,
                 dtype: torch.dtype, staging: PinnedStaging | None = None,
                 chunk: int = 1024) -> torch.Tensor:
@@ -92,16 +111,10 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
             shards[0].new_empty(0, sum(widths))
         return rows.to(device=device, dtype=dtype)
     flat = staging.view(n * sum(widths), dtype)
-    blocks, offset = [], 0
+    index = index.to(torch.long).contiguous()
+    offset = 0
     for s, w in zip(shards, widths):
-        block = flat[offset: offset + n * w].view(n, w)
-        for start in range(0, n, chunk):
-            part = index[start: start + chunk]
-            if dtype == s.dtype:
-                torch.index_select(s, 0, part, out=block[start: start + part.numel()])
-            else:
-                block[start: start + part.numel()].copy_(s[part])
-        blocks.append(block)
+        host_gather(s, index, flat[offset: offset + n * w].view(n, w), chunk)
         offset += n * w
     moved = flat.to(device, non_blocking=True)
     staging.record()

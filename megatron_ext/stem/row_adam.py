@@ -206,7 +206,11 @@ class RowAdamW:
         if bool(pending.any()):
             late = rows[pending]
             shard = self.shards[i]
-            shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
+            if self.rowwise is not None:  # in place; the same fp32 products as below
+                self.rowwise.scale_rows_(shard, late.to(torch.long).contiguous(),
+                                         owed[pending].contiguous())
+            else:
+                shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
             self.row_marks[i][late] = self.decay_product
 
     def materialize(self) -> None:

@@ -221,7 +221,8 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
             f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
-            f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel)")
+            f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel, "
+            f"{torch.get_num_threads()} CPU threads)")
 
 
 def install() -> None:
