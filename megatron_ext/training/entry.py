@@ -28,7 +28,12 @@ def main(argv=None) -> None:
     upstream_fixes.install()
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
-    sys.argv = [sys.argv[0]] + _default_transformer_impl(sys.argv[1:])
+    from megatron_ext.sigma.presets import expand_argv
+
+    try:
+        sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(sys.argv[1:]))
+    except ValueError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
 
     from megatron.core.enums import ModelType
     from megatron.training import get_tokenizer, pretrain
@@ -58,6 +63,10 @@ def main(argv=None) -> None:
         from megatron_ext.structmoe.balance import install_reporting
 
         install_reporting()
+    if args.model_family == "sigma":
+        from megatron_ext.sigma.monitor import install_reporting as install_sigma_reporting
+
+        install_sigma_reporting()
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)
