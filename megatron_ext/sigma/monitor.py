@@ -22,8 +22,42 @@ def finalize_model_grads(model, *args, **kwargs):
     from megatron_ext.sigma.router import end_global_batch
 
     result = upstream(model, *args, **kwargs)
-    end_global_batch(model)
+    stats = end_global_batch(model)
+    from megatron.training import get_args
+
+    margs = get_args()
+    if margs.sigma_dump_router_grads:
+        dump_router_grads(model, stats, margs.sigma_dump_router_grads, margs.curr_iteration + 1)
     return result
+
+
+def dump_router_grads(model, stats, directory: str, step: int) -> None:
+    """Rank 0 writes ``{layer: {"grad", "f", "p", "fhat", "pbar", "global_lbl", "top1_lbl"}}``
+    of its routers (written to a temporary name, then renamed)."""
+    import os
+
+    import torch
+
+    from megatron_ext.sigma.router import SigmaRouter
+
+    if torch.distributed.get_rank() != 0:
+        return
+    out = {}
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, SigmaRouter):
+                w = module.weight
+                grad = getattr(w, "main_grad", None)
+                grad = grad if grad is not None else w.grad
+                st = module.last_stats
+                out[module.layer_index] = dict(
+                    grad=grad.detach().float().cpu().clone(), f=st.f.cpu(), p=st.p.cpu(),
+                    fhat=st.fhat.cpu(), pbar=st.pbar.cpu(), global_lbl=st.global_lbl(),
+                    top1_lbl=st.top1_lbl())
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"step_{step}.pt")
+    torch.save(out, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def layer_scalars(stats, layer: int, lbl: str) -> Dict[str, float]:

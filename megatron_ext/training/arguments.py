@@ -115,6 +115,10 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     sigma.add_argument("--sigma-sparsify-at", default=None,
                        help="when every layer switches to --moe-router-topk: a fraction of "
                             "--train-iters (0.9) or a step (1000; steps after it use the target)")
+    sigma.add_argument("--sigma-dump-router-grads", default=None, metavar="DIR",
+                       help="after each step's gradients are final, rank 0 writes every router's "
+                            "weight gradient and global-batch statistics to DIR/step_N.pt "
+                            "(inspection and tests)")
     return parser
 
 
