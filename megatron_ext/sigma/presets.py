@@ -5,7 +5,7 @@ a Megatron or megatron-ext flag (``true``: the switch alone; ``false``/``null``:
 entry point expands ``--sigma-preset NAME`` (a name under ``launch/presets`` or a path) *before*
 the command line's own flags, so flags given explicitly win (argparse keeps the last value).
 
-``--model-family sigma`` also fixes what the Sigma layer is (report, Sec. 2): pre-softmax top-k
+``--model-family sigma`` also fixes what the Sigma layer is (report, Sec. 2): top-1 unless ``--moe-router-topk`` says otherwise, pre-softmax top-k
 (Megatron refuses top-1 without it), an FP32 router, QK-norm and no upstream aux loss (the
 family's ``--sigma-lbl`` replaces it). Those flags are added when absent; contradicting values
 given explicitly are refused later by ``validate_sigma_args`` with a message.
@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PRESET_DIR = os.path.join(ROOT, "launch", "presets")
 
 FAMILY_FLAGS = (
+    ("--moe-router-topk", "1"),  # Megatron's default is 2; Sigma's target sparsity is top-1
     ("--moe-router-pre-softmax", None),
     ("--moe-router-dtype", "fp32"),
     ("--moe-router-load-balancing-type", "none"),
