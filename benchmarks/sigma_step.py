@@ -130,6 +130,27 @@ def main() -> None:
                                        warmup))
     medians = {name: statistics.median(t) for name, t in results.items()}
     ratio = medians["sigma"] / medians["upstream"]
+
+    # The routers alone (forward + backward of one layer's router on the step's tokens): the part
+    # that differs, measured without the experts' and attention's time and noise.
+    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=device, dtype=dtype,
+                    requires_grad=True)
+    routers = {name: m.module.decoder.layers[0].mlp.router for name, m in models.items()}
+    router_times = {name: [] for name in routers}
+
+    def router_step(name, router):
+        def step():
+            probs, _ = router(x)
+            probs.sum().backward()
+            if name == "sigma":
+                router.end_global_batch()
+        return step
+
+    for _ in range(2):
+        for name, router in routers.items():
+            router_times[name].extend(timed(router_step(name, router), lambda: None, 10 * reps,
+                                            warmup))
+    router_ms = {name: 1e3 * statistics.median(t) for name, t in router_times.items()}
     summary = {
         "device": torch.cuda.get_device_name(0) if gpu else
         f"cpu ({torch.get_num_threads()} threads)",
@@ -137,7 +158,7 @@ def main() -> None:
         "experts": args.experts, "expert_ffn": args.expert_ffn, "topk": args.topk,
         "tokens": args.seq * args.micro_batch, "vocab": args.vocab, "reps": 2 * reps,
         "params": counts, "step_ms": {n: 1e3 * m for n, m in medians.items()},
-        "ratio_sigma_vs_upstream": ratio,
+        "ratio_sigma_vs_upstream": ratio, "router_ms": router_ms,
     }
     print(f"Sigma vs upstream router (aux_loss) step (forward + loss + backward) | "
           f"{summary['device']} {dtype_name} | {args.layers} layers, H={args.hidden}, "
@@ -146,6 +167,10 @@ def main() -> None:
     for name, ms in summary["step_ms"].items():
         print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}")
     print(f"  ratio sigma / upstream: {ratio:.4f} ({100 * (ratio - 1):+.2f}%; goal <= +2%)")
+    print(f"  one router alone (forward + backward): sigma {router_ms['sigma']:.3f} ms, upstream "
+          f"{router_ms['upstream']:.3f} ms; x {args.layers} layers = "
+          f"{100 * args.layers * (router_ms['sigma'] - router_ms['upstream']) / (1e3 * medians['upstream']):+.2f}% "
+          "of the upstream step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)

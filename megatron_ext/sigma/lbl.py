@@ -50,14 +50,14 @@ class BatchStats:
     p: torch.Tensor
     fhat: torch.Tensor
     pbar: torch.Tensor
-    tokens: float
+    tokens: torch.Tensor  # 0-d; kept on the device (no host synchronization per step)
     topk: int
 
     @classmethod
     def from_acc(cls, acc: torch.Tensor, num_experts: int, topk: int) -> "BatchStats":
         e = num_experts
-        tokens = float(acc[3 * e + 1])
-        t = max(tokens, 1.0)
+        tokens = acc[3 * e + 1]
+        t = tokens.clamp(min=1.0)
         return cls(f=acc[:e] / (topk * t), p=acc[e:2 * e] / t, fhat=acc[2 * e:3 * e] / t,
                    pbar=acc[3 * e] / t, tokens=tokens, topk=topk)
 
@@ -106,12 +106,13 @@ class Coefficients:
 
 def coefficients(prev_f: torch.Tensor, prev_fhat: torch.Tensor,
                  prev_pbar: torch.Tensor) -> Coefficients:
+    """Tensor ops only (no host synchronization): zero weights while ``prev_pbar`` is 0, i.e.
+    before any statistics exist."""
     n = prev_f.numel()
-    w_p = n * prev_f
-    if float(prev_pbar) > 0:
-        w_fhat = 2.0 * n * prev_fhat / prev_pbar
-        w_pbar = -n * torch.sum(prev_fhat * prev_fhat) / (prev_pbar * prev_pbar)
-    else:  # no previous statistics: no gradient
-        w_fhat = torch.zeros_like(prev_fhat)
-        w_pbar = torch.zeros_like(prev_pbar)
-    return Coefficients(w_p=w_p, w_fhat=w_fhat, w_pbar=w_pbar.reshape(()))
+    pbar = prev_pbar.reshape(())
+    have = pbar > 0
+    safe = torch.where(have, pbar, torch.ones_like(pbar))
+    w_fhat = torch.where(have, 2.0 * n * prev_fhat / safe, torch.zeros_like(prev_fhat))
+    w_pbar = torch.where(have, -n * torch.sum(prev_fhat * prev_fhat) / (safe * safe),
+                         torch.zeros_like(pbar))
+    return Coefficients(w_p=n * prev_f, w_fhat=w_fhat, w_pbar=w_pbar)

@@ -93,6 +93,8 @@ def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) ->
     import torch
     from megatron.core import parallel_state
 
+    if args.tensorboard_log_interval and iteration % args.tensorboard_log_interval:
+        return  # the same decision on every rank (no collective, no host synchronization)
     scalars = collect(args.sigma_lbl)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         gathered = [None] * parallel_state.get_pipeline_model_parallel_world_size()

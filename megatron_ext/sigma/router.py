@@ -62,6 +62,7 @@ class SigmaRouter(TopKRouter):
         self.register_buffer("sigma_acc", torch.zeros(acc_size(e), dtype=torch.float32,
                                                       device=dev), persistent=False)
         self.last_stats: Optional[BatchStats] = None  # the finished global batch (for logs)
+        self._forwards = 0  # training forwards since the last end of a global batch
         _ROUTERS.add(self)
 
     def set_topk(self, topk: int) -> None:
@@ -81,6 +82,7 @@ class SigmaRouter(TopKRouter):
                                probs: torch.Tensor) -> torch.Tensor:
         e = self.num_experts
         n_local = logits.shape[0]
+        self._forwards += 1
         scores = torch.softmax(logits, dim=-1)  # P of Eq. 1 (per token)
         lbl = self.sigma.lbl
         acc = self.sigma_acc
@@ -97,29 +99,33 @@ class SigmaRouter(TopKRouter):
                 acc[3 * e] += qmax.sum()
         if lbl == "none" or self.sigma.lbl_coeff == 0:
             return probs
-        coef = coefficients(self.sigma_prev_f, self.sigma_prev_fhat, self.sigma_prev_pbar)
         # This rank's share of the global-batch loss, normalized by its own share of the tokens
         # (n_local tokens of one of tp_cp_size sequence shards): summed over TP/CP shards and
         # averaged over micro-batches and DP ranks (as Megatron does with every gradient) it gives
         # the gradient of the loss over the whole global batch.
         denom = n_local * self.tp_cp_group.size()
         if lbl == "global":
-            term = torch.sum(coef.w_p * scores.sum(dim=0)) / denom
+            term = torch.sum(e * self.sigma_prev_f * scores.sum(dim=0)) / denom  # N_E f'_i P_i
         else:
+            coef = coefficients(self.sigma_prev_f, self.sigma_prev_fhat, self.sigma_prev_pbar)
             term = (torch.sum(coef.w_fhat * q.sum(dim=0)) + coef.w_pbar * qmax.sum()) / denom
         return MoEAuxLossAutoScaler.apply(probs, self.sigma.lbl_coeff * term)
 
     # -- end of a global batch -------------------------------------------------------------------
-    def end_global_batch(self) -> Optional[BatchStats]:
-        """All-reduce this step's sums over TP x DP x CP, keep the global statistics as next
-        step's gradient weights and for the logs, and clear the sums. Collective over the
-        router's TP x DP x CP group; call once per optimizer step on every rank."""
+    def end_global_batch(self, reduced: Optional[torch.Tensor] = None) -> Optional[BatchStats]:
+        """All-reduce this step's sums over TP x DP x CP (unless ``reduced`` holds them already),
+        keep the global statistics as next step's gradient weights and for the logs, and clear
+        the sums. Collective over the router's TP x DP x CP group; call once per optimizer step
+        on every rank."""
         acc = self.sigma_acc
-        if self.tp_dp_cp_group is not None and self.tp_dp_cp_group.size() > 1:
-            torch.distributed.all_reduce(acc, group=self.tp_dp_cp_group)
-        stats = BatchStats.from_acc(acc.clone(), self.num_experts, self.topk)
+        if reduced is None:
+            reduced = acc.clone()
+            if self.tp_dp_cp_group is not None and self.tp_dp_cp_group.size() > 1:
+                torch.distributed.all_reduce(reduced, group=self.tp_dp_cp_group)
+        stats = BatchStats.from_acc(reduced, self.num_experts, self.topk)
         acc.zero_()
-        if stats.tokens <= 0:
+        forwards, self._forwards = self._forwards, 0
+        if forwards == 0:  # no training forward in this step (the same on every rank)
             return None
         with torch.no_grad():
             self.sigma_prev_f.copy_(stats.f)
@@ -132,11 +138,21 @@ class SigmaRouter(TopKRouter):
 
 def end_global_batch(model_chunks) -> Dict[int, BatchStats]:
     """Close the global batch in every Sigma router of ``model_chunks`` (all ranks)."""
+    routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, SigmaRouter)]
+    if not routers:
+        return {}
+    # One all-reduce for all layers (they share the TP x DP x CP group).
+    group = routers[0].tp_dp_cp_group
+    if any(r.tp_dp_cp_group is not group for r in routers):
+        reduced = [None] * len(routers)
+    else:
+        flat = torch.cat([r.sigma_acc for r in routers])
+        if group is not None and group.size() > 1:
+            torch.distributed.all_reduce(flat, group=group)
+        reduced = list(flat.split([r.sigma_acc.numel() for r in routers]))
     out = {}
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if isinstance(module, SigmaRouter):
-                stats = module.end_global_batch()
-                if stats is not None:
-                    out[module.layer_number] = stats
+    for router, red in zip(routers, reduced):
+        stats = router.end_global_batch(red)
+        if stats is not None:
+            out[router.layer_index] = stats
     return out
