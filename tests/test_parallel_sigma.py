@@ -1,6 +1,6 @@
 """Sigma under expert parallelism (Megatron's alltoall and allgather dispatchers, alone and with
 TP=2 + SP on 4 ranks; alltoall under TP needs the CPU backend's uneven gather/reduce-scatter) and progressive sparsification across a resume: the layout must not change
-the losses (1e-5), and the top-k switch happens at its step inside one run and after a resume on
+the losses (1e-5), nor does PP=2 with full recompute, and the top-k switch happens at its step inside one run and after a resume on
 either side of it.
 
 Every run starts from one checkpoint (``--finetune``: with EP each rank initializes only its own
@@ -51,6 +51,11 @@ def runs(tmp_path_factory):
                                      SIGMA + A2A + ITERS + start + EP2 + TP2_SP, nproc=4)
     r["tp2_ep2_allgather"] = torchrun("tp2_ep2_allgather", str(tmp),
                                       SIGMA + AG + ITERS + start + EP2 + TP2_SP, nproc=4)
+    # DP=1 (8 micro-batches) with PP=2 and full recompute (the no-grad first pass must not add
+    # to the statistics; the per-layer logs come from both stages).
+    r["pp2_recompute"] = torchrun("pp2_recompute", str(tmp), SIGMA + A2A + ITERS + start + [
+        "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     r["resume_before"] = torchrun("resume_before", str(tmp), SIGMA + A2A + ITERS +
                                   ["--load", ck, "--ckpt-step", "2"])
     r["resume_after"] = torchrun("resume_after", str(tmp), SIGMA + A2A + ITERS +
@@ -59,14 +64,14 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["ep2_alltoall", "ep2_allgather", "tp2_ep2_alltoall",
-                                    "tp2_ep2_allgather"])
+                                    "tp2_ep2_allgather", "pp2_recompute"])
 def test_expert_parallel_layouts_do_not_change_losses(runs, layout):
     ref = require_ok(runs["ref"])
     assert len({round(v, 4) for v in ref.losses.values()}) == len(STEPS)  # it trains
     assert_close_curves(require_ok(runs[layout]), ref, STEPS)
 
 
-@pytest.mark.parametrize("layout", ["ep2_allgather", "tp2_ep2_alltoall"])
+@pytest.mark.parametrize("layout", ["ep2_allgather", "tp2_ep2_alltoall", "pp2_recompute"])
 def test_load_balance_logs_agree_across_layouts(runs, layout):
     """Global statistics: the same per-layer LBL and max-load deviation in every layout."""
     run, ref = require_ok(runs[layout]), require_ok(runs["ref"])
