@@ -114,3 +114,18 @@ def test_sigma_valid_flags_pass():
     args = parse(SIGMA + ["--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "3"])
     validate_extension_args(args)
     assert list(sigma_config_from_args(args).initial_topks()) == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--sigma-preset", "nope"], "megatron-ext: --sigma-preset=nope: no such preset"),
+    (SIGMA + ["--expert-model-parallel-size", "3"],
+     "megatron-ext: --num-experts=4 is not divisible by --expert-model-parallel-size=3"),
+])
+def test_entry_point_reports_bad_sigma_flags_without_traceback(extra, message):
+    proc = subprocess.run(
+        [sys.executable, PRETRAIN, *TINY_GPT, "--train-iters", "1", *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -49,6 +49,16 @@ def main(argv=None) -> None:
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
 
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.training.arguments import validate_sigma_args
+
+    try:
+        # The Sigma layout first (experts vs EP, top-k vs experts, the schedule vs the model):
+        # a message naming our flag rather than one of Megatron's assertions.
+        validate_sigma_args(parse_args(extra_args_provider=add_extension_args))
+    except ValueError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
     args = parse_and_validate_args(extra_args_provider=add_extension_args)
     try:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
