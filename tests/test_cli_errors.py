@@ -12,6 +12,12 @@ import pytest
 from multirank import PRETRAIN, ROOT, TINY_GPT
 
 
+# The Sigma family's fixed flags (the entry point adds them; parse() here does not) + 4 experts.
+SIGMA = ["--model-family", "sigma", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
+         "--moe-router-topk", "1", "--qk-layernorm", "--moe-router-pre-softmax", "--moe-router-dtype", "fp32",
+         "--moe-router-load-balancing-type", "none"]
+
+
 def parse(extra):
     from megatron.training.arguments import parse_args
 
@@ -29,7 +35,17 @@ def parse(extra):
     (["--model-family", "stem", "--stem-layers", "0,2"], "layer 0 is never"),
     (["--model-family", "stem", "--stem-layers", "2,4"], "4 out of range; STEM layers must be in 1..3"),
     (["--model-family", "stem", "--stem-layers", "2,a"], "comma-separated"),
-    (["--model-family", "sigma"], "not available yet"),
+    (["--model-family", "sigma"], "--num-experts=None: the Sigma family needs"),
+    (SIGMA + ["--expert-model-parallel-size", "3"],
+     "--num-experts=4 is not divisible by --expert-model-parallel-size=3"),
+    (SIGMA + ["--moe-router-topk", "5"], r"--moe-router-topk=5: must be in 1..4"),
+    (SIGMA + ["--sigma-topk-schedule", "[2,2,2,2,2]", "--sigma-sparsify-at", "2"],
+     "--sigma-topk-schedule has 5 entries but the model has 4 layers"),
+    (SIGMA + ["--sigma-topk-schedule", "[2]", "--sigma-sparsify-at", "0.5"],
+     "is a fraction of training: it needs --train-iters"),
+    ([f for f in SIGMA if f != "--qk-layernorm"], "needs --qk-layernorm"),
+    (SIGMA[:-1] + ["aux_loss"], "needs --moe-router-load-balancing-type none"),
+    (SIGMA + ["--sigma-lbl-coeff", "-1"], "--sigma-lbl-coeff=-1.0: must be >= 0"),
     (["--model-family", "structmoe", "--calculate-per-token-loss"], "--structmoe-aux-loss-coeff 0"),
     (["--model-family", "stem", "--stem-table-placement", "cpu", "--save", "/tmp/ck"],
      "--stem-table-placement cpu --stem-table-sharding replicated does not support --save/--load"),
@@ -89,4 +105,27 @@ def test_entry_point_reports_bad_flags_without_traceback():
         env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
     assert proc.returncode != 0
     assert "megatron-ext: --stem-layers=0,2: layer 0 is never a STEM layer" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sigma_valid_flags_pass():
+    from megatron_ext.training.arguments import sigma_config_from_args, validate_extension_args
+
+    args = parse(SIGMA + ["--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "3"])
+    validate_extension_args(args)
+    assert list(sigma_config_from_args(args).initial_topks()) == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--sigma-preset", "nope"], "megatron-ext: --sigma-preset=nope: no such preset"),
+    (SIGMA + ["--expert-model-parallel-size", "3"],
+     "megatron-ext: --num-experts=4 is not divisible by --expert-model-parallel-size=3"),
+])
+def test_entry_point_reports_bad_sigma_flags_without_traceback(extra, message):
+    proc = subprocess.run(
+        [sys.executable, PRETRAIN, *TINY_GPT, "--train-iters", "1", *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

@@ -71,6 +71,12 @@ PATCHES: List[Patch] = [
     Patch("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
           "gloo all_to_all_single needs split sizes as host lists; the GPU path only moves "
           "tensors with is_cuda, which is false here."),
+    Patch("megatron.core.tensor_parallel.mappings._gather_along_first_dim / "
+          "_reduce_scatter_along_first_dim with split sizes",
+          "the alltoall MoE dispatcher under TP gathers and reduce-scatters tokens in uneven "
+          "per-rank chunks; gloo's all_gather needs equal sizes and gloo has no reduce_scatter. "
+          "Uneven chunks are padded to the largest for the gather, and the reduce-scatter is an "
+          "all-reduce of which each rank keeps its chunk (same sums)."),
     Patch("logging filter on megatron.core.tensor_parallel.random",
           "with one CPU generator, dropout inside an RNG fork changes the 'CPU' state and "
           "Megatron warns on every fork."),
@@ -291,6 +297,7 @@ def _patch_megatron() -> None:
         return tensor
 
     _set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    _patch_uneven_sequence_parallel_collectives()
     try:
         import megatron.core.transformer.moe.token_dispatcher as td
 
@@ -312,6 +319,35 @@ def _patch_megatron() -> None:
 
     _set(minit, "initialize_megatron", initialize_megatron)
     _set(mtraining, "initialize_megatron", initialize_megatron)
+
+
+def _patch_uneven_sequence_parallel_collectives() -> None:
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    original_gather = mappings._gather_along_first_dim
+    original_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        padded = input_.new_zeros((rows,) + tuple(input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
+                                       use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[:group.rank()])
+        return total[start:start + input_split_sizes[group.rank()]].clone()
+
+    _set(mappings, "_gather_along_first_dim", gather_along_first_dim)
+    _set(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_along_first_dim)
 
 
 _mode: _CudaToCpuMode | None = None

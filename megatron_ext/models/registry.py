@@ -69,7 +69,16 @@ def _structmoe_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = 
                       vp_stage=vp_stage)
 
 
+def _sigma_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    from megatron_ext.models.specs import sigma_block_spec
+    from megatron_ext.training.arguments import sigma_config_from_args
+
+    return sigma_block_spec(config, sigma_config_from_args(args), use_te, vp_stage=vp_stage)
+
+
 register_family(Family("gpt", "dense SwiGLU GPT (the baseline)", _gpt_block_spec, False))
 register_family(Family("stem", "STEM: token-indexed up-projection tables", _stem_block_spec, True))
 register_family(Family("structmoe", "StructMoE: routed low-rank experts inside the dense MLP",
                        _structmoe_block_spec, False))
+register_family(Family("sigma", "Sigma MoE: every layer MoE, top-1, global-batch LBL",
+                       _sigma_block_spec, False))

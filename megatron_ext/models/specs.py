@@ -58,11 +58,15 @@ def _swap_norm(spec, new):
     return new if spec is WrappedTorchNorm else spec
 
 
-def dense_layer_spec(use_te: bool, qk_layernorm: bool = False) -> ModuleSpec:
-    """Upstream's dense GPT layer spec; the local one with sequence-parallel-capable torch norms."""
+def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
+                     num_experts: Optional[int] = None,
+                     moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """Upstream's GPT layer spec (dense, or upstream's MoE layer when ``num_experts`` is given);
+    the local one with sequence-parallel-capable torch norms."""
+    moe = dict(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm) if num_experts else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = dataclasses.replace(
@@ -127,6 +131,43 @@ def structmoe_layer_spec(dense: ModuleSpec, structmoe) -> ModuleSpec:
     from megatron_ext.structmoe.mlp import StructMoEMLP
 
     return with_mlp(dense, StructMoEMLP.as_mlp_submodule, structmoe=structmoe)
+
+
+def sigma_layer_spec(moe_spec: ModuleSpec, sigma, layer_index: int) -> ModuleSpec:
+    """A Sigma layer: upstream's MoE layer spec (experts, dispatchers) with ``SigmaMoELayer`` (a
+    top-k per layer) and ``SigmaRouter`` (global-batch / Top-1 load balancing)."""
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from megatron_ext.sigma.layer import SigmaMoELayer
+    from megatron_ext.sigma.router import SigmaRouter
+
+    mlp = moe_spec.submodules.mlp
+    moe_sub = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
+    if not isinstance(moe_sub, MoESubmodules):
+        raise TypeError(f"cannot derive the experts builder from the MoE spec {mlp!r}")
+    submodules = dataclasses.replace(
+        copy.deepcopy(moe_spec.submodules),
+        mlp=functools.partial(
+            SigmaMoELayer,
+            submodules=dataclasses.replace(moe_sub, shared_experts=None,
+                                           router=functools.partial(SigmaRouter, sigma=sigma)),
+            sigma=sigma, layer_index=layer_index),
+    )
+    return ModuleSpec(module=moe_spec.module, params=dict(moe_spec.params), submodules=submodules)
+
+
+def sigma_block_spec(config: TransformerConfig, sigma, use_te: bool,
+                     vp_stage: Optional[int] = None,
+                     pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Every layer a Sigma MoE layer (no dense FFN anywhere, as in the report's Sec. 2.1)."""
+    moe = dense_layer_spec(use_te, qk_layernorm=config.qk_layernorm,
+                           num_experts=config.num_moe_experts,
+                           moe_grouped_gemm=bool(config.moe_grouped_gemm))
+    layer_specs = [sigma_layer_spec(moe, sigma, i) for i in range(config.num_layers)]
+    return TransformerBlockSubmodules(
+        layer_specs=slice_for_stage(config, layer_specs, vp_stage, pp_rank),
+        layer_norm=final_norm_impl(use_te),
+    )
 
 
 LayerFn = Callable[[int, ModuleSpec], ModuleSpec]

@@ -20,6 +20,7 @@ from megatron_ext.stem.config import (
     StemConfig,
     parse_layers,
 )
+from megatron_ext.sigma.config import LBLS as SIGMA_LBLS
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
 from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
 from megatron_ext.structmoe.config import INITS as SMOE_INITS
@@ -31,7 +32,8 @@ FAMILIES = ("gpt", "stem", "structmoe", "sigma")  # the flag's choices; models/r
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron-ext")
     group.add_argument("--model-family", choices=FAMILIES, default="gpt",
-                       help="gpt: dense SwiGLU baseline; stem: token-indexed up-projection tables")
+                       help="gpt: dense SwiGLU baseline; stem: token-indexed up-projection tables; "
+                            "structmoe: routed low-rank experts; sigma: Sigma MoE (every layer MoE)")
     group.add_argument("--ext-data-manifest", default=None,
                        help="manifest.json written by megatron_ext.training.data_prep; checked "
                             "against the tokenizer at start-up (found automatically next to a "
@@ -92,7 +94,79 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     smoe.add_argument("--structmoe-aux-loss-coeff", type=float, default=0.01,
                       help="coefficient of the Switch load-balancing loss on the router (0: off; "
                            "routing fractions are logged either way)")
+
+    sigma = parser.add_argument_group(
+        "megatron-ext Sigma MoE (experts, target top-k and EP are Megatron's --num-experts, "
+        "--moe-ffn-hidden-size, --moe-router-topk, --expert-model-parallel-size)")
+    sigma.add_argument("--sigma-preset", default=None,
+                       help="a Sigma preset from launch/presets (sigma_moe_tiny: the report's "
+                            "Sigma-MoE-Tiny; sigma_cpu: a small CPU model) or a JSON path; its "
+                            "flags come first, flags given on the command line win")
+    sigma.add_argument("--sigma-lbl", choices=SIGMA_LBLS, default="global",
+                       help="global: global-batch LBL (Eq. 1); top1: Top-1 LBL (Eqs. 2-4); "
+                            "none: no load-balancing loss (statistics are still logged)")
+    sigma.add_argument("--sigma-lbl-coeff", type=float, default=1e-3,
+                       help="coefficient of the load-balancing loss (the report: 1e-3)")
+    sigma.add_argument("--sigma-top1-lbl-temperature", type=float, default=1.0,
+                       help="tau of the temperature-scaled softmax of the Top-1 LBL (Eq. 3)")
+    sigma.add_argument("--sigma-topk-schedule", default=None,
+                       help="top-k of the first layers before --sigma-sparsify-at, e.g. "
+                            "\"[8,8,6,6,4,4,2,2]\" (other layers use --moe-router-topk)")
+    sigma.add_argument("--sigma-sparsify-at", default=None,
+                       help="when every layer switches to --moe-router-topk: a fraction of "
+                            "--train-iters (0.9) or a step (1000; steps after it use the target)")
+    sigma.add_argument("--sigma-dump-router-grads", default=None, metavar="DIR",
+                       help="after each step's gradients are final, rank 0 writes every router's "
+                            "weight gradient and global-batch statistics to DIR/step_N.pt "
+                            "(inspection and tests)")
     return parser
+
+
+def sigma_config_from_args(args):
+    from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk_schedule
+
+    if args.model_family != "sigma":
+        return None
+    return SigmaConfig(
+        num_layers=args.num_layers, num_experts=args.num_experts, topk=args.moe_router_topk,
+        ep_size=args.expert_model_parallel_size, lbl=args.sigma_lbl,
+        lbl_coeff=args.sigma_lbl_coeff, top1_temperature=args.sigma_top1_lbl_temperature,
+        topk_schedule=parse_topk_schedule(args.sigma_topk_schedule),
+        sparsify_at=parse_sparsify_at(args.sigma_sparsify_at))
+
+
+def validate_sigma_args(args) -> None:
+    """The Sigma layer's fixed choices (Sec. 2 of the report) and a layout that can work."""
+    sigma = sigma_config_from_args(args)
+    if sigma is None:
+        return
+    sigma.switch_iteration(args.train_iters)  # a fraction needs --train-iters
+    required = [
+        (args.moe_ffn_hidden_size is not None, "--moe-ffn-hidden-size (the expert width)"),
+        (args.swiglu, "--swiglu (SwiGLU experts)"),
+        (args.normalization == "RMSNorm", "--normalization RMSNorm"),
+        (args.qk_layernorm, "--qk-layernorm (QK-norm)"),
+        (args.moe_router_pre_softmax, "--moe-router-pre-softmax (top-1 gates must carry the "
+                                      "router's gradient)"),
+        (args.moe_router_dtype == "fp32", "--moe-router-dtype fp32 (FP32 router)"),
+        (args.moe_router_score_function == "softmax", "--moe-router-score-function softmax"),
+        (not args.add_bias_linear, "--disable-bias-linear (Sigma layers have no biases)"),
+        (args.moe_router_load_balancing_type in ("none", ["none"]),
+         "--moe-router-load-balancing-type none (Sigma's --sigma-lbl replaces upstream's losses)"),
+        (args.moe_shared_expert_intermediate_size is None,
+         "no --moe-shared-expert-intermediate-size (Sigma has no shared expert)"),
+        (args.moe_expert_capacity_factor is None, "no --moe-expert-capacity-factor (dropless)"),
+    ]
+    for ok, flag in required:
+        if not ok:
+            raise ValueError(f"--model-family=sigma needs {flag}")
+    if sigma.topk_schedule is not None and args.moe_token_dispatcher_type == "flex":
+        raise ValueError("--sigma-topk-schedule with --moe-token-dispatcher-type flex: the flex "
+                         "dispatcher sizes its buffers once for one top-k; use alltoall or "
+                         "allgather")
+    if sigma.lbl != "none" and sigma.lbl_coeff > 0 and args.calculate_per_token_loss:
+        raise ValueError("--calculate-per-token-loss with Sigma's load-balancing loss is not "
+                         "supported: drop the flag or pass --sigma-lbl none")
 
 
 def structmoe_config_from_args(args):
@@ -160,6 +234,7 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     if smoe is not None and smoe.aux_loss_coeff > 0 and args.calculate_per_token_loss:
         raise ValueError("--calculate-per-token-loss with StructMoE's load-balancing loss is not "
                          "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
+    validate_sigma_args(args)
     stem = stem_config_from_args(args)
     if stem is not None:
         stem.stem_layers(args.num_layers)  # raises for out-of-range layers

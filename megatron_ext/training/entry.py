@@ -28,7 +28,12 @@ def main(argv=None) -> None:
     upstream_fixes.install()
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
-    sys.argv = [sys.argv[0]] + _default_transformer_impl(sys.argv[1:])
+    from megatron_ext.sigma.presets import expand_argv
+
+    try:
+        sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(sys.argv[1:]))
+    except ValueError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
 
     from megatron.core.enums import ModelType
     from megatron.training import get_tokenizer, pretrain
@@ -44,6 +49,16 @@ def main(argv=None) -> None:
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
 
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.training.arguments import validate_sigma_args
+
+    try:
+        # The Sigma layout first (experts vs EP, top-k vs experts, the schedule vs the model):
+        # a message naming our flag rather than one of Megatron's assertions.
+        validate_sigma_args(parse_args(extra_args_provider=add_extension_args))
+    except ValueError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
     args = parse_and_validate_args(extra_args_provider=add_extension_args)
     try:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
@@ -58,6 +73,10 @@ def main(argv=None) -> None:
         from megatron_ext.structmoe.balance import install_reporting
 
         install_reporting()
+    if args.model_family == "sigma":
+        from megatron_ext.sigma.monitor import install_reporting as install_sigma_reporting
+
+        install_sigma_reporting()
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)

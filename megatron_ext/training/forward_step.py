@@ -47,5 +47,12 @@ def forward_step(data_iterator, model):
 
         set_aux_loss_scale(get_model_config(model), get_num_microbatches(),
                            args.context_parallel_size)
+    if args.model_family == "sigma":
+        # Progressive sparsification: every layer's top-k for this step (a function of the step).
+        from megatron_ext.sigma.schedule import apply_schedule
+        from megatron_ext.training.arguments import sigma_config_from_args
+
+        apply_schedule(get_attr_wrapped_model(model, "sigma_layers"), sigma_config_from_args(args),
+                       args.curr_iteration, args.train_iters)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

@@ -12,7 +12,11 @@ from megatron_ext.models.gpt import TokenIdsGPTModel
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import stage_has_token_layers, te_available
 from megatron_ext.structmoe.config import layer_budget
-from megatron_ext.training.arguments import stem_config_from_args, structmoe_config_from_args
+from megatron_ext.training.arguments import (
+    sigma_config_from_args,
+    stem_config_from_args,
+    structmoe_config_from_args,
+)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
@@ -76,4 +80,22 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
         budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
                               bool(config.gated_linear_unit))
         print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
+    sigma = sigma_config_from_args(args)
+    if sigma is not None:
+        from megatron_ext.sigma import monitor
+        from megatron_ext.sigma.budget import SigmaBudget
+        from megatron_ext.sigma.schedule import sigma_layers
+
+        budget = SigmaBudget.from_config(config, args.padded_vocab_size,
+                                         tied=not args.untie_embeddings_and_output_weights)
+        print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
+        print_rank_0(f"> Sigma top-k per layer: {list(sigma.initial_topks())}, after step "
+                     f"{sigma.switch_iteration(args.train_iters)}: {list(sigma.target_topks())}"
+                     if sigma.topk_schedule else
+                     f"> Sigma top-k per layer: {list(sigma.target_topks())}")
+        # A plain list attribute (not submodules): the forward step applies the schedule to it.
+        model.sigma_layers = sigma_layers(model)
+        # Close each global batch in the routers once its gradients are final (megatron.training
+        # keeps a finalize function the model builder set).
+        config.finalize_model_grads_func = monitor.finalize_model_grads
     return model

@@ -1,0 +1,158 @@
+"""Sigma's router: upstream's top-k router plus the global-batch and Top-1 load-balancing losses.
+
+Extends ``megatron.core.transformer.moe.router.TopKRouter``. Routing itself is upstream's (FP32
+gating with ``--moe-router-dtype fp32``, pre-softmax top-k so that with top-1 the gate is the
+softmax probability and the router learns from the LM loss); upstream's own aux losses are off
+(``--moe-router-load-balancing-type none``). What upstream lacks, added here:
+
+* global-batch statistics accumulated over the micro-batches of one global batch and all-reduced
+  once per step over the TP x DP x CP group (:meth:`end_global_batch`, called after the gradients
+  of the step are finalized);
+* a gradient of Eq. 1 / Eqs. 2-4 whose scale does not depend on DP size or micro-batch count
+  (see ``sigma/lbl.py`` for exactly what it is). Upstream's ``global_aux_loss`` (0.19.2,
+  ``router.py`` ``_apply_global_aux_loss``) normalizes each rank's probabilities by the token count
+  of the whole DP group (``get_tokens_per_expert_and_token_count(..., tp_dp_cp_group)``) and then
+  the data-parallel gradient reduction averages over DP, so its gradient is the global one divided
+  by the DP size; here each rank's term is normalized by its own share of the batch, so the
+  DP average gives exactly the global gradient.
+
+The loss is attached with upstream's ``MoEAuxLossAutoScaler`` like every Megatron aux loss, so its
+gradient gets the LM loss's factor (loss scale, micro-batches, CP) that Megatron sets per step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Optional
+
+import torch
+
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_ext.sigma.config import SigmaConfig
+from megatron_ext.sigma.lbl import BatchStats, acc_size, coefficients
+
+_ROUTERS: "weakref.WeakSet[SigmaRouter]" = weakref.WeakSet()
+
+
+def live_routers():
+    """Every Sigma router of this process, by layer number."""
+    return sorted(_ROUTERS, key=lambda r: (r.layer_index if r.layer_index is not None else -1))
+
+
+def _buffer_device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+class SigmaRouter(TopKRouter):
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, *,
+                 sigma: SigmaConfig):
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.sigma = sigma
+        self.layer_index: Optional[int] = None  # 0-based global layer (set by SigmaMoELayer)
+        e = config.num_moe_experts
+        dev = _buffer_device()
+        # Statistics of the previous global batch: the gradient weights of this step. Persistent
+        # (identical on every rank), so a resumed run continues with the same weights.
+        self.register_buffer("sigma_prev_f", torch.zeros(e, dtype=torch.float32, device=dev))
+        self.register_buffer("sigma_prev_fhat", torch.zeros(e, dtype=torch.float32, device=dev))
+        self.register_buffer("sigma_prev_pbar", torch.zeros(1, dtype=torch.float32, device=dev))
+        # This rank's sums over the micro-batches of the current global batch (lbl.ACC_FIELDS).
+        self.register_buffer("sigma_acc", torch.zeros(acc_size(e), dtype=torch.float32,
+                                                      device=dev), persistent=False)
+        self.last_stats: Optional[BatchStats] = None  # the finished global batch (for logs)
+        self._forwards = 0  # training forwards since the last end of a global batch
+        _ROUTERS.add(self)
+
+    def set_topk(self, topk: int) -> None:
+        self.topk = topk
+
+    # -- forward ---------------------------------------------------------------------------------
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        if self.training and torch.is_grad_enabled():
+            if padding_mask is not None:
+                raise NotImplementedError("Sigma load balancing does not support padding masks")
+            probs = self._accumulate_and_attach(logits.reshape(-1, self.num_experts).float(),
+                                                routing_map, probs)
+        return probs, routing_map
+
+    def _accumulate_and_attach(self, logits: torch.Tensor, routing_map: torch.Tensor,
+                               probs: torch.Tensor) -> torch.Tensor:
+        e = self.num_experts
+        n_local = logits.shape[0]
+        self._forwards += 1
+        scores = torch.softmax(logits, dim=-1)  # P of Eq. 1 (per token)
+        lbl = self.sigma.lbl
+        acc = self.sigma_acc
+        with torch.no_grad():
+            acc[:e] += routing_map.sum(dim=0).to(acc.dtype)
+            acc[e:2 * e] += scores.sum(dim=0)
+            acc[3 * e + 1] += n_local
+        q = None
+        if lbl == "top1":
+            q = torch.softmax(logits / self.sigma.top1_temperature, dim=-1)  # Eq. 3
+            qmax = q.max(dim=-1).values  # Eq. 4
+            with torch.no_grad():
+                acc[2 * e:3 * e] += q.sum(dim=0)
+                acc[3 * e] += qmax.sum()
+        if lbl == "none" or self.sigma.lbl_coeff == 0:
+            return probs
+        # This rank's share of the global-batch loss, normalized by its own share of the tokens
+        # (n_local tokens of one of tp_cp_size sequence shards): summed over TP/CP shards and
+        # averaged over micro-batches and DP ranks (as Megatron does with every gradient) it gives
+        # the gradient of the loss over the whole global batch.
+        denom = n_local * self.tp_cp_group.size()
+        if lbl == "global":
+            term = torch.sum(e * self.sigma_prev_f * scores.sum(dim=0)) / denom  # N_E f'_i P_i
+        else:
+            coef = coefficients(self.sigma_prev_f, self.sigma_prev_fhat, self.sigma_prev_pbar)
+            term = (torch.sum(coef.w_fhat * q.sum(dim=0)) + coef.w_pbar * qmax.sum()) / denom
+        return MoEAuxLossAutoScaler.apply(probs, self.sigma.lbl_coeff * term)
+
+    # -- end of a global batch -------------------------------------------------------------------
+    def end_global_batch(self, reduced: Optional[torch.Tensor] = None) -> Optional[BatchStats]:
+        """All-reduce this step's sums over TP x DP x CP (unless ``reduced`` holds them already),
+        keep the global statistics as next step's gradient weights and for the logs, and clear
+        the sums. Collective over the router's TP x DP x CP group; call once per optimizer step
+        on every rank."""
+        acc = self.sigma_acc
+        if reduced is None:
+            reduced = acc.clone()
+            if self.tp_dp_cp_group is not None and self.tp_dp_cp_group.size() > 1:
+                torch.distributed.all_reduce(reduced, group=self.tp_dp_cp_group)
+        stats = BatchStats.from_acc(reduced, self.num_experts, self.topk)
+        acc.zero_()
+        forwards, self._forwards = self._forwards, 0
+        if forwards == 0:  # no training forward in this step (the same on every rank)
+            return None
+        with torch.no_grad():
+            self.sigma_prev_f.copy_(stats.f)
+            if self.sigma.lbl == "top1":
+                self.sigma_prev_fhat.copy_(stats.fhat)
+                self.sigma_prev_pbar.copy_(stats.pbar.reshape(1))
+        self.last_stats = stats
+        return stats
+
+
+def end_global_batch(model_chunks) -> Dict[int, BatchStats]:
+    """Close the global batch in every Sigma router of ``model_chunks`` (all ranks)."""
+    routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, SigmaRouter)]
+    if not routers:
+        return {}
+    # One all-reduce for all layers (they share the TP x DP x CP group).
+    group = routers[0].tp_dp_cp_group
+    if any(r.tp_dp_cp_group is not group for r in routers):
+        reduced = [None] * len(routers)
+    else:
+        flat = torch.cat([r.sigma_acc for r in routers])
+        if group is not None and group.size() > 1:
+            torch.distributed.all_reduce(flat, group=group)
+        reduced = list(flat.split([r.sigma_acc.numel() for r in routers]))
+    out = {}
+    for router, red in zip(routers, reduced):
+        stats = router.end_global_batch(red)
+        if stats is not None:
+            out[router.layer_index] = stats
+    return out

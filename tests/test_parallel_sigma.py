@@ -1,0 +1,119 @@
+"""Sigma under expert parallelism (Megatron's alltoall and allgather dispatchers, alone and with
+TP=2 + SP on 4 ranks; alltoall under TP needs the CPU backend's uneven gather/reduce-scatter) and progressive sparsification across a resume: the layout must not change
+the losses (1e-5), nor does PP=2 with full recompute, and the top-k switch happens at its step inside one run and after a resume on
+either side of it.
+
+Every run starts from one checkpoint (``--finetune``: with EP each rank initializes only its own
+experts, so fresh initializations would differ). fp32, CPU, gloo, global-batch LBL on (coefficient
+0.01). 32 experts of width 16 and 16 tokens per micro-batch per rank (8 per rank under TP=2 + SP):
+in every micro-batch at least half of the experts get no token from a rank, so the dispatchers
+run with empty experts and zero-sized splits. Layers 0 and 1 route to 2 experts for steps 1-3
+(``--sigma-topk-schedule [2,2] --sigma-sparsify-at 3``), every layer to 1 from step 4 on, so the
+dispatchers' buffers change size inside the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
+
+SIGMA = TINY_GPT + [
+    "--model-family", "sigma", "--num-experts", "32", "--moe-ffn-hidden-size", "16",
+    "--group-query-attention", "--num-query-groups", "2",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+    "--sigma-lbl", "global", "--sigma-lbl-coeff", "0.01",
+    "--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "3",
+]
+ITERS = ["--train-iters", "6"]
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+AG = ["--moe-token-dispatcher-type", "allgather"]
+EP2 = ["--expert-model-parallel-size", "2"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+STEPS = [1, 2, 3, 4, 5, 6]
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sigma_parallel")
+    init = str(tmp / "init")
+    ck = str(tmp / "ck")
+    r = {"init": torchrun("init", str(tmp), SIGMA + A2A + [
+        "--train-iters", "1", "--lr-warmup-iters", "0", "--save", init, "--save-interval", "1"])}
+    require_ok(r["init"])
+    start = ["--load", init, "--finetune"]
+    r["ref"] = torchrun("ref", str(tmp), SIGMA + A2A + ITERS + start +
+                        ["--save", ck, "--save-interval", "2"])  # DP=2, EP=1
+    r["ep2_alltoall"] = torchrun("ep2_alltoall", str(tmp), SIGMA + A2A + ITERS + start + EP2)
+    r["ep2_allgather"] = torchrun("ep2_allgather", str(tmp), SIGMA + AG + ITERS + start + EP2)
+    r["tp2_ep2_alltoall"] = torchrun("tp2_ep2_alltoall", str(tmp),
+                                     SIGMA + A2A + ITERS + start + EP2 + TP2_SP, nproc=4)
+    r["tp2_ep2_allgather"] = torchrun("tp2_ep2_allgather", str(tmp),
+                                      SIGMA + AG + ITERS + start + EP2 + TP2_SP, nproc=4)
+    # DP=1 (8 micro-batches) with PP=2 and full recompute (the no-grad first pass must not add
+    # to the statistics; the per-layer logs come from both stages).
+    r["pp2_recompute"] = torchrun("pp2_recompute", str(tmp), SIGMA + A2A + ITERS + start + [
+        "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    r["resume_before"] = torchrun("resume_before", str(tmp), SIGMA + A2A + ITERS +
+                                  ["--load", ck, "--ckpt-step", "2"])
+    r["resume_after"] = torchrun("resume_after", str(tmp), SIGMA + A2A + ITERS +
+                                 ["--load", ck, "--ckpt-step", "4"])
+    return r
+
+
+@pytest.mark.parametrize("layout", ["ep2_alltoall", "ep2_allgather", "tp2_ep2_alltoall",
+                                    "tp2_ep2_allgather", "pp2_recompute"])
+def test_expert_parallel_layouts_do_not_change_losses(runs, layout):
+    ref = require_ok(runs["ref"])
+    assert len({round(v, 4) for v in ref.losses.values()}) == len(STEPS)  # it trains
+    assert_close_curves(require_ok(runs[layout]), ref, STEPS)
+
+
+@pytest.mark.parametrize("layout", ["ep2_allgather", "tp2_ep2_alltoall", "pp2_recompute"])
+def test_load_balance_logs_agree_across_layouts(runs, layout):
+    """Global statistics: the same per-layer LBL and max-load deviation in every layout."""
+    run, ref = require_ok(runs[layout]), require_ok(runs["ref"])
+    for layer in range(LAYERS):
+        for tag in (f"sigma/global_lbl_layer_{layer}", f"sigma/load_deviation_max_layer_{layer}",
+                    f"sigma/f_cv_layer_{layer}", f"sigma/p_cv_layer_{layer}"):
+            got, want = dict(run.scalars[tag]), dict(ref.scalars[tag])
+            assert sorted(got) == STEPS
+            for step in STEPS:
+                assert abs(got[step] - want[step]) < 1e-5, (tag, step, got[step], want[step])
+
+
+def topk_log(run, layer):
+    return dict(run.scalars[f"sigma/topk_layer_{layer}"])
+
+
+def test_topk_switches_at_its_step(runs):
+    ref = require_ok(runs["ref"])
+    assert topk_log(ref, 0) == {1: 2, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1}
+    assert topk_log(ref, 1) == topk_log(ref, 0)
+    assert topk_log(ref, 2) == {s: 1 for s in STEPS}
+    assert "Sigma top-k per layer: [2, 2, 1, 1], after step 3: [1, 1, 1, 1]" in ref.log
+
+
+@pytest.mark.parametrize("name,first", [("resume_before", 3), ("resume_after", 5)])
+def test_resume_across_the_switch(runs, name, first):
+    """Resumed before the switch (from step 2) and after it (from step 4): same top-k per step and
+    the uninterrupted run's losses."""
+    run, ref = require_ok(runs[name]), require_ok(runs["ref"])
+    steps = list(range(first, 7))
+    assert sorted(run.losses) == steps
+    assert_close_curves(run, ref, steps)
+    assert {s: v for s, v in topk_log(run, 0).items()} == {s: topk_log(ref, 0)[s] for s in steps}
+
+
+def test_build_prints_parameter_counts(runs):
+    log = require_ok(runs["init"]).log
+    line = next(l for l in log.splitlines() if "Sigma MoE parameters" in l)
+    from megatron_ext.sigma.budget import SigmaBudget
+
+    # 4 layers, hidden 64, 4 heads of 16 in 2 groups, 32 experts of 16, vocab 1000 padded to 1024
+    b = SigmaBudget(4, 64, 4, 2, 16, 32, 16, 1024, tied_embeddings=False)
+    assert f"total {b.total:,}" in line
+    assert f"active per token {b.active([1, 1, 1, 1]):,}" in line
+    assert f"before the sparsification switch {b.active([2, 2, 1, 1]):,}" in line
