@@ -216,7 +216,48 @@ class StemMLP(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> ShardedStateDict:
-        """fc1/fc2 as in Megatron's MLP; the table sharded along its columns (axis 1) over TP."""
+        """fc1/fc2 as in Megatron's MLP; the table sharded along its columns (axis 1) over TP.
+        A managed table is saved under the same key and global shape, in row blocks gathered
+        from their owners (``stem/checkpoint.py``; collective over the data-parallel group)."""
         tables = {} if self.managed else {"table": 1}
-        return mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, tables,
-                                      gated_fc1=self.variant == "dagger")
+        sharded = mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, tables,
+                                         gated_fc1=self.variant == "dagger")
+        if self.managed:
+            from megatron_ext.stem import checkpoint
+
+            owner, index = self._owner()
+            self.checkpoint_blocks = {}
+            for block, (rows,) in checkpoint.gather_blocks(owner, [owner.shards[index]], True):
+                # The checkpoint's dtype is the model's, as for an ordinary table parameter.
+                tensor = checkpoint.block_sharded_tensor(
+                    f"{prefix}table", rows.to(self.config.params_dtype), block, self.vocab_size,
+                    sharded_offsets, self.tp_rank, self.tp_size)
+                self.checkpoint_blocks[block] = tensor
+                sharded[f"{prefix}table.block{block}"] = tensor
+        return sharded
+
+    def _owner(self):
+        owner = getattr(self, "managed_by", None)
+        if owner is None:
+            raise RuntimeError("managed STEM table without its StemTables (model_provider sets "
+                               "model.stem_tables)")
+        return owner
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """Managed tables: the loaded row blocks go to their owners (collective over the
+        data-parallel group; every rank loads its layers in the same order)."""
+        if self.managed:
+            from megatron_ext.stem import checkpoint
+
+            marker = f"{prefix}table.block"
+            keys = [k for k in list(state_dict) if k.startswith(marker)]
+            if keys:
+                owner, index = self._owner()
+                loaded = {int(k[len(marker):]): [state_dict.pop(k)] for k in keys}
+                checkpoint.scatter_blocks(owner, loaded, [owner.shards[index]])
+            elif f"{prefix}table" in state_dict:  # a whole table (a non-distributed dict)
+                raise RuntimeError(f"{prefix}table: managed STEM tables load from torch_dist "
+                                   "checkpoints only")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)

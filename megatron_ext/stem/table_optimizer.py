@@ -21,6 +21,7 @@ this optimizer whenever the model has managed tables.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import List, Optional
 
@@ -151,6 +152,95 @@ class StemTablesOptimizer(ChainedOptimizer):
         return success
 
 
+    # -- checkpoints (stem/checkpoint.py) -------------------------------------------------------
+    def _layer_sources(self):
+        """Per chunk: its layers and, per name, the per-shard tensors saved under that name."""
+        out, base = [], 0
+        for t in self.tables:
+            n = len(t.shards)
+            sources = {"exp_avg": self.row_adam.exp_avg[base: base + n],
+                       "exp_avg_sq": self.row_adam.exp_avg_sq[base: base + n]}
+            if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
+                sources["fp32_param"] = t.shards  # the master copy of a 16-bit model
+            if self.row_adam.mode == "sparse":
+                sources["stem_row_steps"] = [r.unsqueeze(1)
+                                             for r in self.row_adam.row_steps[base: base + n]]
+            out.append((t, sources))
+            base += n
+        return out
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Megatron's optimizer state, plus the tables' moments (and the sparse optimizer's row
+        steps, and the fp32 rows of a 16-bit model) in the table checkpoint's row blocks, keyed
+        ``optimizer.state.<name>.<table key>``. Collective over the data-parallel group."""
+        from megatron_ext.stem import checkpoint
+
+        inner = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        if not self.tables:
+            return {"model_optim": inner, "stem_tables": {}}
+        self.row_adam.materialize()
+        tensors = {}
+        for t, sources in self._layer_sources():
+            for layer in t.layers:
+                if getattr(layer, "checkpoint_blocks", None) is None:
+                    raise RuntimeError("the model's sharded_state_dict must be built before the "
+                                       "STEM table optimizer's")
+            for name in sources:
+                dtype = torch.float64 if name == "stem_row_steps" else torch.float32
+                gathered = checkpoint.gather_blocks(t, [x.to(dtype) for x in sources[name]],
+                                                    catch_up=False)
+                for block, per_layer in gathered:
+                    for layer, rows in zip(t.layers, per_layer):
+                        model_block = layer.checkpoint_blocks[block]
+                        key = f"optimizer.state.{name}.{model_block.key}"
+                        data = rows[:, 0].clone() if name == "stem_row_steps" else rows
+                        tensors[f"{key}.block{block}"] = checkpoint.block_sharded_tensor(
+                            key, data, block, layer.vocab_size, _prepend_offsets(model_block),
+                            layer.tp_rank, layer.tp_size)
+        common = {"mode": self.row_adam.mode, "step_count": self.row_adam.step_count,
+                  "decay_product": getattr(self.row_adam, "decay_product", 1.0),
+                  "tensors": tensors}
+        return {"model_optim": inner, "stem_tables": common}
+
+    def load_state_dict(self, state_dict):
+        from megatron_ext.stem import checkpoint
+
+        if "model_optim" not in state_dict:
+            raise RuntimeError("this optimizer state has no STEM table state (saved by a run with "
+                               "ordinary STEM tables?): load it with --no-load-optim")
+        super().load_state_dict(state_dict["model_optim"])
+        saved = state_dict["stem_tables"]
+        if not self.tables:
+            return
+        if saved.get("mode") != self.row_adam.mode:
+            raise ValueError(f"the checkpoint's STEM table optimizer is --stem-optimizer "
+                             f"{saved.get('mode')}, this run's is {self.row_adam.mode}: the "
+                             "moments and step counts mean different things; resume with the "
+                             "same mode or pass --no-load-optim")
+        self.row_adam.step_count = int(saved["step_count"])
+        tensors = saved["tensors"]
+        for t, sources in self._layer_sources():
+            for name, targets in sources.items():
+                per_block = {}
+                for k, layer in enumerate(t.layers):
+                    for block, model_block in layer.checkpoint_blocks.items():
+                        key = f"optimizer.state.{name}.{model_block.key}.block{block}"
+                        per_block.setdefault(block, [None] * len(t.layers))[k] = tensors[key]
+                # Row steps: the sources are [rows, 1] views of the step counters.
+                checkpoint.scatter_blocks(t, per_block, targets)
+        if self.row_adam.mode == "sparse":
+            self.row_adam.decay_product = float(saved["decay_product"])
+            for marks in self.row_adam.row_marks:
+                marks.fill_(self.row_adam.decay_product)
+
+
+def _prepend_offsets(sharded_tensor) -> tuple:
+    """The ``sharded_offsets`` (layer axes prepended by the block) a ShardedTensor was built with."""
+    p = sharded_tensor.prepend_axis_num
+    return tuple((axis, sharded_tensor.global_offset[axis], sharded_tensor.axis_fragmentations[axis])
+                 for axis in range(p))
+
+
 _ACTIVE: List[StemTablesOptimizer] = []
 
 
@@ -217,12 +307,15 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     tables = sum(t.host_bytes() for t in optimizer.tables)
     moments = 2 * tables
+    # Launchers and NCCL may pin a rank to a few cores; the CPU optimizer's threads share them.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
             f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
             f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel, "
-            f"{torch.get_num_threads()} CPU threads)")
+            f"{torch.get_num_threads()} CPU threads, {cores} cores in this process's affinity "
+            f"mask)")
 
 
 def install() -> None:

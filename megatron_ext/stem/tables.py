@@ -45,6 +45,9 @@ class StemTables:
     def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
                  device: Optional[torch.device] = None, prefetch_group=None):
         self.layers = list(layers)
+        self.vocab_size = vocab_size
+        for index, layer in enumerate(self.layers):  # checkpoints reach the rows through this
+            layer.managed_by = (self, index)
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
         cuda = torch.cuda.is_available()

@@ -252,8 +252,9 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
                      f"{stem.sharding}")
             unsupported = [
                 (args.recompute_granularity is not None, "--recompute-granularity"),
-                (args.save is not None or args.load is not None, "--save/--load (checkpoints of "
-                 "host-resident or vocab-sharded tables are not implemented yet)"),
+                ((args.save is not None or args.load is not None)
+                 and args.ckpt_format != "torch_dist",
+                 f"--ckpt-format {args.ckpt_format} (their checkpoints are torch_dist)"),
                 (args.calculate_per_token_loss, "--calculate-per-token-loss"),
                 (args.context_parallel_size > 1, "--context-parallel-size > 1"),
                 (args.fp16, "--fp16 (use --bf16)"),

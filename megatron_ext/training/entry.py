@@ -65,6 +65,10 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     stem = stem_config_from_args(args)
+    if stem is not None:
+        from megatron_ext.stem.checkpoint import install_shape_check
+
+        install_shape_check()
     if stem is not None and stem.managed_tables:
         from megatron_ext.stem import table_optimizer
 
