@@ -47,8 +47,10 @@ def parse(extra):
     (SIGMA[:-1] + ["aux_loss"], "needs --moe-router-load-balancing-type none"),
     (SIGMA + ["--sigma-lbl-coeff", "-1"], "--sigma-lbl-coeff=-1.0: must be >= 0"),
     (["--model-family", "structmoe", "--calculate-per-token-loss"], "--structmoe-aux-loss-coeff 0"),
-    (["--model-family", "stem", "--stem-table-placement", "cpu", "--save", "/tmp/ck"],
-     "--stem-table-placement cpu --stem-table-sharding replicated does not support --save/--load"),
+    (["--model-family", "stem", "--stem-table-placement", "cpu", "--save", "/tmp/ck",
+      "--ckpt-format", "torch"],
+     "--stem-table-placement cpu --stem-table-sharding replicated does not support "
+     "--ckpt-format torch"),
     (["--model-family", "stem", "--stem-table-sharding", "vocab", "--recompute-granularity",
       "full", "--recompute-method", "uniform"], "does not support --recompute-granularity"),
     (["--model-family", "structmoe", "--structmoe-aux-loss-coeff", "-1"],
