@@ -257,7 +257,6 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
                  f"--ckpt-format {args.ckpt_format} (their checkpoints are torch_dist)"),
                 (args.calculate_per_token_loss, "--calculate-per-token-loss"),
                 (args.context_parallel_size > 1, "--context-parallel-size > 1"),
-                (args.fp16, "--fp16 (use --bf16)"),
             ]
             for bad, flag in unsupported:
                 if bad:
