@@ -19,3 +19,14 @@ def mcore_single_rank():
     from megatron_ext.compat.standalone import init_single_rank
 
     yield init_single_rank()
+
+
+@pytest.fixture(autouse=True)
+def fresh_aux_loss_scale():
+    """Megatron keeps the aux-loss gradient scale in a class attribute whose shape is fixed by the
+    first ``set_loss_scale`` of the process; every test starts and ends without one."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    yield
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
