@@ -59,10 +59,12 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
       const float step = (float)(lr / (1.0 - std::pow(b1, k)));
       const float inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(b2, k)));
       const float decay = (float)(O[j] * (1.0 - lr * wd));
-      float* pr = P + r * width;
-      float* mr = M + r * width;
-      float* vr = V + r * width;
-      const float* gr = G + j * width;
+      // No aliasing between a row's parameter, moments and gradient: without this promise the
+      // compiler keeps the loop scalar (2.5x slower on the development machine).
+      float* __restrict__ pr = P + r * width;
+      float* __restrict__ mr = M + r * width;
+      float* __restrict__ vr = V + r * width;
+      const float* __restrict__ gr = G + j * width;
       if (j + 1 < end) {  // the next row's start: the hardware prefetcher picks up from there
         const int64_t nr = R[j + 1] * width;
         for (int64_t c = 0; c < width && c < 256; c += 16) {
@@ -71,6 +73,7 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
           __builtin_prefetch(V + nr + c, 1);
         }
       }
+      #pragma omp simd
       for (int64_t c = 0; c < width; ++c) {
         const float gc = gr[c];
         const float mc = fb1 * mr[c] + c1 * gc;
@@ -107,8 +110,9 @@ template <typename T>
 static void gather_into(const float* S, const int64_t* I, T* O, int64_t n, int64_t width) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const float* sr = S + I[j] * width;
-      T* orow = O + j * width;
+      const float* __restrict__ sr = S + I[j] * width;
+      T* __restrict__ orow = O + j * width;
+      #pragma omp simd
       for (int64_t c = 0; c < width; ++c) orow[c] = static_cast<T>(sr[c]);
     }
   });
@@ -141,7 +145,7 @@ def load():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _MODULE = load_inline(name="megatron_ext_row_adam_v2", cpp_sources=[_SOURCE],
+            _MODULE = load_inline(name="megatron_ext_row_adam_v3", cpp_sources=[_SOURCE],
                                   functions=["sparse_adamw_", "scale_rows_", "gather_rows_"],
                                   extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                   verbose=False)
