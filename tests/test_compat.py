@@ -85,3 +85,16 @@ def test_active_without_cuda():
         print("ACTIVE")
     """)
     assert "ACTIVE" in stdout
+
+
+def test_initial_weights_do_not_depend_on_the_micro_batch_size(tmp_path):
+    """Same global batch (8 sequences) as 4 micro-batches of 2 or 2 of 4: the first loss is the
+    loss of the same initial model on the same tokens (Megatron's JIT warm-up draws tensors of
+    micro-batch size from the generator the CPU backend maps 'CUDA' onto)."""
+    from multirank import TINY_GPT, require_ok, torchrun
+
+    flags = TINY_GPT + ["--train-iters", "2"]
+    two = require_ok(torchrun("mbs2", str(tmp_path), flags, nproc=1))
+    four = require_ok(torchrun("mbs4", str(tmp_path), flags + ["--micro-batch-size", "4"],
+                               nproc=1))
+    assert abs(two.losses[1] - four.losses[1]) <= 1e-5

@@ -14,8 +14,9 @@ Every patch is listed in :data:`PATCHES` with the reason it is needed. The appro
   equivalents. The "CUDA" RNG maps onto the CPU default generator, so Megatron's
   model-parallel RNG tracker (``tensor_parallel.random``) forks the generator that CPU dropout
   actually uses.
-* A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``
-  and the MoE dispatcher's split sizes become host lists for gloo's all-to-all.
+* A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``,
+  the JIT warm-up leaves the generator as it found it, and the MoE dispatcher's split sizes
+  become host lists for gloo's all-to-all.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ PATCHES: List[Patch] = [
           "they reach torch.cuda.default_generators through _lazy_call, which does not exist on CPU."),
     Patch("megatron.training.initialize.initialize_megatron(allow_no_cuda=True)",
           "pretrain() calls it without the flag and it asserts CUDA."),
+    Patch("megatron.training.initialize._warmup_jit_function keeps the generator state",
+          "its warm-up tensors are drawn from the 'CUDA' generator, i.e. the CPU one here, before "
+          "the model is built, and their sizes depend on the micro-batch size and TP: without "
+          "restoring the state the initial weights would depend on both (on a GPU they do not)."),
     Patch("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
           "gloo all_to_all_single needs split sizes as host lists; the GPU path only moves "
           "tensors with is_cuda, which is false here."),
@@ -319,6 +324,18 @@ def _patch_megatron() -> None:
 
     _set(minit, "initialize_megatron", initialize_megatron)
     _set(mtraining, "initialize_megatron", initialize_megatron)
+
+    original_warmup = minit._warmup_jit_function
+
+    @functools.wraps(original_warmup)
+    def warmup_jit_function(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return original_warmup(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    _set(minit, "_warmup_jit_function", warmup_jit_function)
 
 
 def _patch_uneven_sequence_parallel_collectives() -> None:
