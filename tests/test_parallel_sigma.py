@@ -73,15 +73,28 @@ def test_expert_parallel_layouts_do_not_change_losses(runs, layout):
 
 @pytest.mark.parametrize("layout", ["ep2_allgather", "tp2_ep2_alltoall", "pp2_recompute"])
 def test_load_balance_logs_agree_across_layouts(runs, layout):
-    """Global statistics: the same per-layer LBL and max-load deviation in every layout."""
+    """Global statistics: the same per-layer LBL and max-load deviation in every layout.
+
+    The token counts (max-load deviation, CV of f) are discrete: under TP the router's inputs
+    differ in the last bits (other reduction order), so a token whose two best logits nearly tie
+    may go to the other expert, which moves N_E f by N_E / (k T) = 0.25 here. The TP layout may
+    therefore differ in what depends on f (LBL, deviation, CV of f) in one (layer, step); the CV
+    of the probabilities P must always agree. (Seen once in CI: one flip at layer 1, step 3,
+    while the losses still agreed to 1e-6.)"""
     run, ref = require_ok(runs[layout]), require_ok(runs["ref"])
+    count_mismatches = set()
     for layer in range(LAYERS):
         for tag in (f"sigma/global_lbl_layer_{layer}", f"sigma/load_deviation_max_layer_{layer}",
                     f"sigma/f_cv_layer_{layer}", f"sigma/p_cv_layer_{layer}"):
             got, want = dict(run.scalars[tag]), dict(ref.scalars[tag])
             assert sorted(got) == STEPS
+            counts = "p_cv" not in tag  # the LBL, the deviation and CV(f) contain f
             for step in STEPS:
+                if counts and "tp2" in layout and abs(got[step] - want[step]) >= 1e-5:
+                    count_mismatches.add((layer, step))
+                    continue
                 assert abs(got[step] - want[step]) < 1e-5, (tag, step, got[step], want[step])
+    assert len(count_mismatches) <= 1, count_mismatches
 
 
 def topk_log(run, layer):
