@@ -1,0 +1,116 @@
+"""Logits of a Megatron checkpoint on given tokens, under any TP/PP/EP layout (for verifying a
+conversion against the Hugging Face model).
+
+    torchrun --nproc_per_node=N -m megatron_ext.convert.megatron_logits \\
+        --logits-tokens TOKENS.pt --logits-out LOGITS.pt  <the run's Megatron flags> \\
+        --load CKPT_DIR [--ckpt-step N]
+
+``TOKENS.pt`` holds an int64 ``[batch, seq]`` tensor (``seq`` = ``--seq-length``); ``LOGITS.pt``
+gets the fp32 ``[batch, seq, padded_vocab]`` logits, written by the rank that holds the last
+pipeline stage with TP rank 0 and DP rank 0. Uses megatron.training's own initialisation, model
+builder (our ``model_provider``), checkpoint loader and pipeline schedule (forward only), so what
+it runs is the trained model, not a re-implementation. Sigma layers route with the top-k of the
+checkpoint's iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+
+def _split_argv(argv: Sequence[str]) -> Tuple[str, str, List[str]]:
+    own = {"--logits-tokens": None, "--logits-out": None}
+    rest, it = [], iter(argv)
+    for a in it:
+        if a in own:
+            own[a] = next(it, None)
+        else:
+            rest.append(a)
+    missing = [k for k, v in own.items() if v is None]
+    if missing:
+        raise SystemExit(f"megatron_logits: {' and '.join(missing)} required")
+    return own["--logits-tokens"], own["--logits-out"], rest
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    tokens_path, out_path, rest = _split_argv(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    from megatron_ext.compat import cpu, upstream_fixes
+
+    cpu.install()
+    upstream_fixes.install()
+    from megatron_ext.sigma.presets import expand_argv
+    from megatron_ext.training.entry import _default_transformer_impl
+
+    sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(rest)) + [
+        "--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
+
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.training import get_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import get_model
+
+    from megatron_ext.training.arguments import add_extension_args, sigma_config_from_args
+    from megatron_ext.training.model_provider import model_provider
+
+    # megatron.training 0.19 parses the arguments before initialising (as ``pretrain`` callers do).
+    parse_and_validate_args(extra_args_provider=add_extension_args)
+    initialize_megatron()
+    args = get_args()
+    if args.load is None:
+        raise SystemExit("megatron_logits: --load CKPT_DIR required")
+    model = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+    iteration, _ = load_checkpoint(model, None, None)
+    for m in model:
+        m.eval()
+    if args.model_family == "sigma":
+        from megatron_ext.sigma.schedule import apply_schedule
+
+        for m in model:
+            apply_schedule(m.sigma_layers, sigma_config_from_args(args), iteration,
+                           args.train_iters)
+
+    tokens = torch.load(tokens_path).to(torch.int64)
+    b, s = tokens.shape
+    if s != args.seq_length:
+        raise SystemExit(f"megatron_logits: tokens have length {s}, --seq-length is "
+                         f"{args.seq_length}")
+    device = torch.cuda.current_device()
+    tokens = tokens.to(device)
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    captured = []
+
+    def loss_func(output_tensor):
+        captured.append(output_tensor.detach())
+        zero = output_tensor.sum() * 0.0
+        return zero, torch.ones((), dtype=torch.int, device=device), {}
+
+    def forward_step(data_iterator, model_chunk):
+        # attention_mask None: causal attention (as in training with the default data flags).
+        return model_chunk(tokens, position_ids, None), loss_func
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[iter([None])] * len(model),
+            model=model, num_microbatches=1, seq_length=s, micro_batch_size=b,
+            forward_only=True)
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        logits = gather_from_tensor_model_parallel_region(captured[-1].float())
+        if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0 \
+                and mpu.get_expert_model_parallel_rank() == 0:
+            torch.save(logits.cpu(), out_path)
+            print(f"megatron_logits: iteration {iteration}, logits {tuple(logits.shape)} -> "
+                  f"{out_path}", flush=True)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

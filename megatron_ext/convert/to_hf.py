@@ -1,0 +1,588 @@
+"""``python -m megatron_ext.convert to-hf --load CKPT_DIR --out HF_DIR``: Megatron -> Hugging Face.
+
+Reads a ``torch_dist`` checkpoint of any TP/PP/EP/DP layout (tensors are stored under their global
+shapes; STEM tables managed on the host or sharded by vocabulary are saved under the same key and
+shape as ordinary ones, ``stem/checkpoint.py``) tensor by tensor, and writes a Hugging Face
+directory: ``config.json``, ``generation_config.json``, sharded safetensors with
+``model.safetensors.index.json``, the tokenizer, and for families without a native Hugging Face
+class the self-contained ``configuration_megatron_ext.py`` / ``modeling_megatron_ext.py``.
+
+Which class each family becomes, the tensor names and the math: ``docs/convert.md``.
+
+Nothing is half-written: the directory is built beside ``--out`` under a temporary name and renamed
+when complete. Every model tensor of the checkpoint must be consumed and every expected one present,
+else the conversion stops before writing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
+from megatron_ext.convert.layout import split_gated_fc1, split_qkv
+
+HF_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
+HF_CODE_FILES = ("configuration_megatron_ext.py", "modeling_megatron_ext.py")
+AUTO_MAP = {"AutoConfig": "configuration_megatron_ext.MegatronExtConfig",
+            "AutoModelForCausalLM": "modeling_megatron_ext.MegatronExtForCausalLM"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Per-layer entries that are training state, not weights: Sigma's previous-global-batch
+# statistics (the Top-1 / global LBL gradient uses them; inference does not).
+TRAINING_STATE = re.compile(r"\.router\.sigma_prev_[a-z]+$")
+
+
+def log(msg: str) -> None:
+    print(f"[to-hf] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the checkpoint holds
+
+
+@dataclasses.dataclass
+class ModelDescription:
+    family: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    padded_vocab: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    gated: bool
+    act: str          # "silu" | "gelu"
+    qk_norm: bool
+    mlp_layers: List[dict]
+    iteration: Optional[int]
+
+    @property
+    def native(self) -> Optional[str]:
+        """The native Hugging Face architecture, or None for the exported code."""
+        types = {m["type"] for m in self.mlp_layers}
+        if types == {"dense"} and self.gated and self.act == "silu":
+            return "Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"
+        if types == {"moe"} and self.qk_norm and self.gated and self.act == "silu" and \
+                len({(m["top_k"], m["num_experts"], m["intermediate_size"])
+                     for m in self.mlp_layers}) == 1:
+            return "Qwen3MoeForCausalLM"
+        return None
+
+
+def _refuse(cond: bool, msg: str) -> None:
+    if cond:
+        raise CheckpointError(msg)
+
+
+def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescription:
+    """The architecture from the checkpoint's args (and tensor shapes where they are the truth)."""
+    a = ck.args
+    family = getattr(a, "model_family", "gpt")
+    _refuse(getattr(a, "normalization", "RMSNorm") != "RMSNorm",
+            f"--normalization {a.normalization}: only RMSNorm models convert")
+    _refuse(getattr(a, "position_embedding_type", "rope") != "rope",
+            f"--position-embedding-type {a.position_embedding_type}: only RoPE models convert")
+    _refuse(getattr(a, "add_bias_linear", False) or getattr(a, "add_qkv_bias", False),
+            "linear biases (no --disable-bias-linear / --add-qkv-bias) are not supported")
+    _refuse(getattr(a, "rotary_percent", 1.0) != 1.0,
+            f"--rotary-percent {a.rotary_percent}: partial RoPE is not supported")
+    _refuse(bool(getattr(a, "use_rope_scaling", False)),
+            "--use-rope-scaling (Llama-3.1 RoPE scaling) is not supported yet")
+    _refuse(bool(getattr(a, "rotary_interleaved", False)),
+            "--rotary-interleaved is not supported (Hugging Face rotates halves)")
+    _refuse(bool(getattr(a, "apply_residual_connection_post_layernorm", False)),
+            "--apply-residual-connection-post-layernorm is not supported")
+    _refuse(getattr(a, "multi_latent_attention", False), "MLA is not supported")
+    _refuse(bool(getattr(a, "layernorm_zero_centered_gamma", False)),
+            "--apply-layernorm-1p (zero-centred norm weights) is not supported")
+    _refuse(bool(getattr(a, "qk_l2_norm", False)), "--qk-l2-norm is not supported")
+    _refuse(getattr(a, "rope_type", None) not in (None, "rope"),
+            f"--rope-type {getattr(a, 'rope_type', None)}: only plain RoPE converts")
+    _refuse(bool(getattr(a, "mtp_num_layers", None)), "multi-token prediction is not supported")
+    gated = bool(getattr(a, "swiglu", False))
+    act = "silu" if gated else "gelu"
+    _refuse(not gated and (getattr(a, "squared_relu", False) or
+                           getattr(a, "openai_gelu", False) or getattr(a, "onnx_safe", False)),
+            "only SwiGLU and exact GELU activations are supported")
+    heads = a.num_attention_heads
+    groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
+    head_dim = a.kv_channels or a.hidden_size // heads
+    n = a.num_layers
+    padded = ck.shape("embedding.word_embeddings.weight")[0]
+    true_vocab = vocab if vocab is not None else padded
+    _refuse(true_vocab > padded, f"--vocab-size {true_vocab} exceeds the checkpoint's "
+            f"embedding rows ({padded})")
+    ffn = a.ffn_hidden_size
+    if family == "gpt":
+        _refuse(getattr(a, "num_experts", None) is not None,
+                "upstream MoE (gpt with --num-experts) is not supported; use --model-family sigma")
+        mlp = [{"type": "dense", "intermediate_size": ffn} for _ in range(n)]
+    elif family == "stem":
+        from megatron_ext.training.arguments import stem_config_from_args
+
+        stem = stem_config_from_args(a)
+        layers = set(stem.stem_layers(n))
+        mlp = [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
+               else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
+    elif family == "structmoe":
+        from megatron_ext.structmoe.config import layer_budget
+        from megatron_ext.training.arguments import structmoe_config_from_args
+
+        s = structmoe_config_from_args(a)
+        d = layer_budget(s, a.hidden_size, ffn, gated).ffn
+        mlp = [{"type": "structmoe", "intermediate_size": d, "num_experts": s.num_experts,
+                "rank": s.rank, "top_k": s.topk, "fusion": s.fusion} for _ in range(n)]
+    elif family == "sigma":
+        from megatron_ext.training.arguments import sigma_config_from_args
+
+        sigma = sigma_config_from_args(a)
+        # The top-k every layer routes with at this iteration (progressive sparsification).
+        topks = sigma.topks_at(ck.iteration or 0, getattr(a, "train_iters", None))
+        _refuse(bool(getattr(a, "moe_router_enable_expert_bias", False)),
+                "--moe-router-enable-expert-bias is not supported")
+        _refuse(getattr(a, "moe_shared_expert_intermediate_size", None) is not None,
+                "shared experts are not supported")
+        mlp = [{"type": "moe", "num_experts": a.num_experts, "top_k": int(topks[i]),
+                "intermediate_size": a.moe_ffn_hidden_size} for i in range(n)]
+    else:
+        raise CheckpointError(f"--model-family {family!r}: unknown family")
+    return ModelDescription(
+        family=family, num_layers=n, hidden=a.hidden_size, num_heads=heads, num_groups=groups,
+        head_dim=head_dim, padded_vocab=padded, vocab=true_vocab, eps=float(a.layernorm_epsilon),
+        rope_theta=float(a.rotary_base), max_positions=a.max_position_embeddings,
+        tied=not a.untie_embeddings_and_output_weights, gated=gated, act=act,
+        qk_norm=bool(a.qk_layernorm), mlp_layers=mlp, iteration=ck.iteration)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tensor plan: Hugging Face name -> how to compute it from the checkpoint
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    shape: Tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
+class Plan:
+    """Every Hugging Face tensor with the checkpoint tensors it reads; validated up front."""
+
+    def __init__(self, ck: MegatronCheckpoint, desc: ModelDescription):
+        self.ck, self.desc = ck, desc
+        self.jobs: List[Job] = []
+        self.used: Set[str] = set()
+        self.missing: List[str] = []
+        self.bad_shape: List[str] = []
+        self._cache: Dict[Tuple[int, str], torch.Tensor] = {}
+
+    # -- checkpoint access (records use, checks presence and shape) -------------------------
+
+    def _need(self, key: str, index: Optional[int], shape: Tuple[int, ...]) -> bool:
+        if not self.ck.has(key):
+            self.missing.append(key if index is None else f"{key} (layer {index})")
+            return False
+        self.used.add(key)
+        have = self.ck.shape(key)
+        if index is not None:
+            have = have[1:]
+            if self.ck.shape(key)[0] != self.desc.num_layers:
+                self.bad_shape.append(f"{key}: {self.ck.shape(key)}, first axis != "
+                                      f"{self.desc.num_layers} layers")
+        if tuple(have) != tuple(shape):
+            self.bad_shape.append(f"{key}: checkpoint {tuple(have)}, expected {tuple(shape)}")
+            return False
+        return True
+
+    def layer(self, i: int, names: Sequence[str], shape: Tuple[int, ...]):
+        """A reader of layer ``i``'s tensor, under the first of ``names`` the checkpoint has
+        (the local and Transformer Engine specs name the layer norms differently)."""
+        for name in names:
+            try:
+                key, index = self.ck.layer_key(i, name)
+            except KeyError:
+                continue
+            if self._need(key, index, shape):
+                return lambda key=key, index=index: self.ck.read(key, index)
+            return None
+        self.missing.append(f"decoder.layers.{i}.{names[0]}")
+        return None
+
+    def whole(self, key: str, shape: Tuple[int, ...]):
+        if self._need(key, None, shape):
+            return lambda: self.ck.read(key)
+        return None
+
+    def add(self, name: str, shape: Tuple[int, ...], make) -> None:
+        if make is not None:
+            self.jobs.append(Job(name, tuple(shape), make))
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def build(self) -> "Plan":
+        d = self.desc
+        h, V, P = d.hidden, d.vocab, d.padded_vocab
+        rows = lambda f: (lambda: f()[:V])  # noqa: E731 - drop Megatron's padded vocab rows
+        emb = self.whole("embedding.word_embeddings.weight", (P, h))
+        self.add("model.embed_tokens.weight", (V, h), emb and rows(emb))
+        for i in range(d.num_layers):
+            self._attention(i)
+            self._mlp(i, d.mlp_layers[i])
+        self.add("model.norm.weight", (h,), self.whole("decoder.final_layernorm.weight", (h,)))
+        if not d.tied:
+            out = self.whole("output_layer.weight", (P, h))
+            self.add("lm_head.weight", (V, h), out and rows(out))
+        self._check()
+        return self
+
+    def _split(self, key: Tuple[int, str], read, fn, part: int):
+        """Part ``part`` of ``fn(read())``, computing ``fn`` once for all parts of a tensor."""
+        def make():
+            if key not in self._cache:
+                self._cache[key] = fn(read())
+            parts = self._cache[key]
+            if part == len(parts) - 1:
+                del self._cache[key]
+            return parts[part]
+        return make
+
+    def _attention(self, i: int) -> None:
+        d = self.desc
+        h, nh, ng, hd = d.hidden, d.num_heads, d.num_groups, d.head_dim
+        p = f"model.layers.{i}."
+        self.add(p + "input_layernorm.weight", (h,), self.layer(
+            i, ["self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"], (h,)))
+        qkv = self.layer(i, ["self_attention.linear_qkv.weight"], ((nh + 2 * ng) * hd, h))
+        if qkv is not None:
+            fn = lambda t: split_qkv(t, nh, ng, hd)  # noqa: E731
+            for j, (name, rows) in enumerate((("q", nh), ("k", ng), ("v", ng))):
+                self.add(p + f"self_attn.{name}_proj.weight", (rows * hd, h),
+                         self._split((i, "qkv"), qkv, fn, j))
+        self.add(p + "self_attn.o_proj.weight", (h, nh * hd),
+                 self.layer(i, ["self_attention.linear_proj.weight"], (h, nh * hd)))
+        if d.qk_norm:
+            for name in ("q", "k"):
+                self.add(p + f"self_attn.{name}_norm.weight", (hd,),
+                         self.layer(i, [f"self_attention.{name}_layernorm.weight"], (hd,)))
+        self.add(p + "post_attention_layernorm.weight", (h,), self.layer(
+            i, ["mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"], (h,)))
+
+    def _fc(self, i: int, prefix: str, width: int, halves: Sequence[str]) -> None:
+        """``linear_fc1`` as one or two (gate, up) Hugging Face projections, and ``linear_fc2``."""
+        h = self.desc.hidden
+        p = f"model.layers.{i}.mlp."
+        fc1 = self.layer(i, [f"{prefix}linear_fc1.weight"], (len(halves) * width, h))
+        if len(halves) == 2:
+            for j, name in enumerate(halves):
+                self.add(p + f"{name}.weight", (width, h),
+                         fc1 and self._split((i, prefix + "fc1"), fc1, split_gated_fc1, j))
+        else:
+            self.add(p + f"{halves[0]}.weight", (width, h), fc1)
+
+    def _mlp(self, i: int, m: dict) -> None:
+        d = self.desc
+        h, V, P = d.hidden, d.vocab, d.padded_vocab
+        p = f"model.layers.{i}.mlp."
+        kind, f = m["type"], m.get("intermediate_size")
+        if kind == "dense":
+            self._fc(i, "mlp.", f, ("gate_proj", "up_proj") if d.gated else ("up_proj",))
+        elif kind == "stem":
+            halves = {"up": ("gate_proj",), "gate": ("up_proj",),
+                      "dagger": ("gate_proj", "up_proj")}[m["variant"]]
+            self._fc(i, "mlp.", f, halves)
+            table = self.layer(i, ["mlp.table"], (P, f))
+            self.add(p + "stem_table.weight", (V, f), table and (lambda t=table: t()[:V]))
+        elif kind == "structmoe":
+            L, r = m["num_experts"], m["rank"]
+            self._fc(i, "mlp.", f, ("gate_proj", "up_proj") if d.gated else ("up_proj",))
+            self.add(p + "router.weight", (L, h), self.layer(i, ["mlp.router"], (L, h)))
+            self.add(p + "lore_a", (L, h, r), self.layer(i, ["mlp.lore_a"], (L, h, r)))
+            self.add(p + "lore_b", (L, r, f), self.layer(i, ["mlp.lore_b"], (L, r, f)))
+        elif kind == "moe":
+            E = m["num_experts"]
+            self.add(p + "gate.weight", (E, h), self.layer(i, ["mlp.router.weight"], (E, h)))
+            fc1 = self.layer(i, ["mlp.experts.experts.linear_fc1.weight"], (E, 2 * f, h))
+            fc2 = self.layer(i, ["mlp.experts.experts.linear_fc2.weight"], (E, h, f))
+            for e in range(E):
+                q = p + f"experts.{e}."
+                if fc1 is not None:
+                    fn = lambda t: [part for w in t for part in split_gated_fc1(w)]  # noqa: E731
+                    self.add(q + "gate_proj.weight", (f, h),
+                             self._split((i, "experts_fc1"), fc1, fn, 2 * e))
+                    self.add(q + "up_proj.weight", (f, h),
+                             self._split((i, "experts_fc1"), fc1, fn, 2 * e + 1))
+                if fc2 is not None:
+                    self.add(q + "down_proj.weight", (h, f),
+                             self._split((i, "experts_fc2"), fc2, lambda t: list(t), e))
+            return
+        else:
+            raise CheckpointError(f"layer {i}: unknown MLP type {kind!r}")
+        self.add(p + "down_proj.weight", (h, f), self.layer(i, ["mlp.linear_fc2.weight"], (h, f)))
+
+    def _check(self) -> None:
+        extra = sorted(k for k in self.ck.tensor_keys()
+                       if k not in self.used and not TRAINING_STATE.search(k))
+        problems = []
+        if self.missing:
+            problems.append("missing tensors: " + ", ".join(self.missing[:20]) +
+                            (f" (+{len(self.missing) - 20} more)" if len(self.missing) > 20
+                             else ""))
+        if self.bad_shape:
+            problems.append("wrong shapes: " + "; ".join(self.bad_shape[:20]))
+        if extra:
+            problems.append("tensors this conversion does not know (a different model or an "
+                            "unsupported option): " + ", ".join(extra[:20]) +
+                            (f" (+{len(extra) - 20} more)" if len(extra) > 20 else ""))
+        if problems:
+            raise CheckpointError(
+                f"{self.ck.dir} does not match the {self.desc.family} model its args describe "
+                f"({self.desc.num_layers} layers, hidden {self.desc.hidden}):\n  " +
+                "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+class ShardWriter:
+    """Safetensors shards of at most ``max_bytes`` each (a larger tensor gets its own shard),
+    written as tensors arrive so that memory holds one shard at a time."""
+
+    def __init__(self, directory: str, max_bytes: int):
+        self.dir, self.max_bytes = directory, max_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: List[Tuple[str, List[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = f"part-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, os.path.join(self.dir, path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Name the shards ``model-0000i-of-0000n.safetensors`` and write the index."""
+        self.flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.dir, path), os.path.join(self.dir, final))
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def hf_config(desc: ModelDescription, dtype: torch.dtype, tokens: Dict[str, Optional[int]]):
+    """The Hugging Face config object of the target class."""
+    common = dict(
+        vocab_size=desc.vocab, hidden_size=desc.hidden, num_hidden_layers=desc.num_layers,
+        num_attention_heads=desc.num_heads, num_key_value_heads=desc.num_groups,
+        head_dim=desc.head_dim, rms_norm_eps=desc.eps, max_position_embeddings=desc.max_positions,
+        tie_word_embeddings=desc.tied, **{k: v for k, v in tokens.items() if v is not None})
+    rope = {"rope_type": "default", "rope_theta": desc.rope_theta}
+    native = desc.native
+    if native in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        from transformers import LlamaConfig, Qwen3Config
+
+        cls = LlamaConfig if native == "LlamaForCausalLM" else Qwen3Config
+        extra = dict(attention_bias=False) if native == "Qwen3ForCausalLM" else \
+            dict(attention_bias=False, mlp_bias=False)
+        cfg = cls(intermediate_size=desc.mlp_layers[0]["intermediate_size"], hidden_act="silu",
+                  rope_parameters=rope, **extra, **common)
+    elif native == "Qwen3MoeForCausalLM":
+        from transformers import Qwen3MoeConfig
+
+        m = desc.mlp_layers[0]
+        # Sigma routes with softmax-then-top-k and uses the raw probabilities as weights:
+        # Qwen3-MoE with norm_topk_prob=False is exactly that.
+        cfg = Qwen3MoeConfig(
+            intermediate_size=m["intermediate_size"], moe_intermediate_size=m["intermediate_size"],
+            num_experts=m["num_experts"], num_experts_per_tok=m["top_k"], norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", attention_bias=False,
+            rope_parameters=rope, output_router_logits=False, **common)
+    else:
+        sys.path.insert(0, HF_CODE_DIR)
+        try:
+            from configuration_megatron_ext import MegatronExtConfig
+        finally:
+            sys.path.remove(HF_CODE_DIR)
+        cfg = MegatronExtConfig(
+            hidden_act=desc.act, gated_mlp=desc.gated, qk_norm=desc.qk_norm,
+            rope_theta=desc.rope_theta, mlp_layers=desc.mlp_layers, **common)
+        cfg.auto_map = dict(AUTO_MAP)
+    cfg.architectures = [native or "MegatronExtForCausalLM"]
+    cfg.dtype = dtype
+    return cfg
+
+
+def tokenizer_info(ck: MegatronCheckpoint, tokenizer_dir: Optional[str], vocab: Optional[int]):
+    """(true vocabulary size, HF tokenizer or None) from the checkpoint's tokenizer flags."""
+    a = ck.args
+    path = tokenizer_dir or (getattr(a, "tokenizer_model", None)
+                             if getattr(a, "tokenizer_type", None) == "HuggingFaceTokenizer"
+                             else None)
+    tok = None
+    if path is not None:
+        if not os.path.isdir(path):
+            raise CheckpointError(f"tokenizer {path}: not a directory (the checkpoint was trained "
+                                  "with it; pass --tokenizer DIR where it is on this machine)")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+    if vocab is None:
+        if tok is not None:
+            vocab = len(tok)
+        elif getattr(a, "tokenizer_type", None) == "NullTokenizer" and a.vocab_size:
+            vocab = int(a.vocab_size)
+        else:
+            raise CheckpointError(
+                f"cannot tell the true vocabulary size of tokenizer type {a.tokenizer_type!r}: "
+                "pass --vocab-size N (and --tokenizer DIR for the tokenizer files)")
+    return vocab, tok
+
+
+def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto",
+            max_shard_size: str = "2GB", tokenizer: Optional[str] = None,
+            vocab_size: Optional[int] = None, overwrite: bool = False,
+            progress: bool = True) -> str:
+    """Convert and return ``out``. See the module docstring."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise CheckpointError(f"{out} exists; choose a new --out (or pass --overwrite)")
+    ck = MegatronCheckpoint(load, step)
+    vocab, tok = tokenizer_info(ck, tokenizer, vocab_size)
+    desc = describe(ck, vocab)
+    plan = Plan(ck, desc).build()
+    target = DTYPES[dtype] if dtype != "auto" else ck.dtype("embedding.word_embeddings.weight")
+    log(f"{ck.dir} (iteration {ck.iteration}): {desc.family}, {desc.num_layers} layers, hidden "
+        f"{desc.hidden}, vocab {desc.vocab} (padded {desc.padded_vocab}) -> "
+        f"{desc.native or 'MegatronExtForCausalLM (exported code)'}, {target}")
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    if eos is None and getattr(ck.args, "tokenizer_type", None) == "NullTokenizer":
+        eos = desc.vocab - 1  # Megatron's NullTokenizer: end of document is the last id
+    tokens = {"eos_token_id": eos, "bos_token_id": getattr(tok, "bos_token_id", None),
+              "pad_token_id": getattr(tok, "pad_token_id", None)}
+    config = hf_config(desc, target, tokens)
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    try:
+        writer = ShardWriter(tmp, parse_size(max_shard_size))
+        jobs = plan.jobs
+        bar = _progress(len(jobs), progress)
+        start = time.time()
+        for job in jobs:
+            t = job.make()
+            if tuple(t.shape) != job.shape:  # the plan and the tensor disagree: a bug, not input
+                raise RuntimeError(f"{job.name}: made {tuple(t.shape)}, planned {job.shape}")
+            writer.add(job.name, t.to(target))
+            bar.update(1)
+        bar.close()
+        writer.finish()
+        config.save_pretrained(tmp)
+        from transformers import GenerationConfig
+
+        GenerationConfig(**{k: v for k, v in tokens.items() if v is not None}).save_pretrained(tmp)
+        if desc.native is None:
+            for name in HF_CODE_FILES:
+                shutil.copyfile(os.path.join(HF_CODE_DIR, name), os.path.join(tmp, name))
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "megatron_ext_conversion.json"), "w") as f:
+            json.dump({"source": ck.dir, "iteration": ck.iteration, "family": desc.family,
+                       "architecture": config.architectures[0], "padded_vocab": desc.padded_vocab,
+                       "mlp_layers": desc.mlp_layers}, f, indent=2)
+        if os.path.exists(out):  # --overwrite
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out}: {len(jobs)} tensors, {writer.total_bytes / 2**20:.1f} MiB in "
+        f"{len(writer.files)} shard(s), {time.time() - start:.1f} s")
+    return out
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--max-shard-size {text!r}: expected e.g. 2GB, 500MB, 1GiB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="to-hf", unit="tensor", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.convert to-hf",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="Megatron --save directory or one iter_* folder")
+    p.add_argument("--out", required=True, help="Hugging Face directory to create")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: the latest)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="weights' dtype (auto: the checkpoint's)")
+    p.add_argument("--max-shard-size", default="2GB")
+    p.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer directory (default: the checkpoint's "
+                        "--tokenizer-model for HuggingFaceTokenizer)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="true vocabulary size (default: from the tokenizer)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        convert(a.load, a.out, step=a.ckpt_step, dtype=a.dtype, max_shard_size=a.max_shard_size,
+                tokenizer=a.tokenizer, vocab_size=a.vocab_size, overwrite=a.overwrite,
+                progress=not a.no_progress)
+    except (CheckpointError, ValueError) as e:
+        print(f"to-hf: error: {e}", file=sys.stderr)
+        return 2
+    return 0
