@@ -1,0 +1,72 @@
+"""Helpers for the conversion tests: train a checkpoint, get Megatron's logits for it under a
+layout, convert it, and get the Hugging Face model's logits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_ext.compat.standalone import free_port
+from multirank import ROOT, TINY_GPT, require_ok, torchrun
+
+VOCAB = 1000  # TINY_GPT's --vocab-size (Megatron pads it to 1024)
+SEQ = 64
+
+
+def tokens(seed: int = 0, batch: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+
+
+def train(workdir: str, name: str, flags: Sequence[str], nproc: int = 2, iters: int = 2,
+          extra: Sequence[str] = ()) -> str:
+    """A short training run that saves its last iteration; returns the --save directory."""
+    save = os.path.join(workdir, name, "ckpt")
+    require_ok(torchrun(name, workdir, list(TINY_GPT) + list(flags) + [
+        "--train-iters", str(iters), "--save", save, "--save-interval", str(iters), *extra],
+        nproc=nproc))
+    return save
+
+
+def megatron_logits(workdir: str, name: str, flags: Sequence[str], load: str, ids: torch.Tensor,
+                    nproc: int = 2, step: Optional[int] = None) -> torch.Tensor:
+    """``megatron_ext.convert.megatron_logits`` under torchrun: ``[b, s, V]`` fp32 (true vocab)."""
+    out_dir = os.path.join(workdir, name)
+    os.makedirs(out_dir, exist_ok=True)
+    tok_path, out_path = os.path.join(out_dir, "tokens.pt"), os.path.join(out_dir, "logits.pt")
+    torch.save(ids, tok_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "-m", "megatron_ext.convert.megatron_logits",
+           "--logits-tokens", tok_path, "--logits-out", out_path, *TINY_GPT, *flags,
+           "--load", load, *(["--ckpt-step", str(step)] if step is not None else [])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(out_dir, "log.txt"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + log)
+    assert proc.returncode == 0, f"{name} failed:\n{log[-6000:]}"
+    return torch.load(out_path)[..., :VOCAB]
+
+
+def to_hf(load: str, out: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.convert", "to-hf", "--load", load,
+                           "--out", out, "--no-progress", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"to-hf failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def hf_model(path: str, remote: bool):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote,
+                                                dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
