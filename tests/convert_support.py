@@ -17,6 +17,19 @@ VOCAB = 1000  # TINY_GPT's --vocab-size (Megatron pads it to 1024)
 SEQ = 64
 
 
+TIED = "--tied"  # in a test's flags: drop TINY_GPT's --untie-embeddings-and-output-weights
+
+
+def base(flags: Sequence[str]) -> list:
+    """TINY_GPT + ``flags``, with tied embeddings when ``flags`` holds :data:`TIED`."""
+    flags = list(flags)
+    gpt = list(TINY_GPT)
+    if TIED in flags:
+        flags.remove(TIED)
+        gpt.remove("--untie-embeddings-and-output-weights")
+    return gpt + flags
+
+
 def tokens(seed: int = 0, batch: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, SEQ), generator=g)
@@ -26,7 +39,7 @@ def train(workdir: str, name: str, flags: Sequence[str], nproc: int = 2, iters: 
           extra: Sequence[str] = ()) -> str:
     """A short training run that saves its last iteration; returns the --save directory."""
     save = os.path.join(workdir, name, "ckpt")
-    require_ok(torchrun(name, workdir, list(TINY_GPT) + list(flags) + [
+    require_ok(torchrun(name, workdir, base(flags) + [
         "--train-iters", str(iters), "--save", save, "--save-interval", str(iters), *extra],
         nproc=nproc))
     return save
@@ -41,7 +54,7 @@ def megatron_logits(workdir: str, name: str, flags: Sequence[str], load: str, id
     torch.save(ids, tok_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "-m", "megatron_ext.convert.megatron_logits",
-           "--logits-tokens", tok_path, "--logits-out", out_path, *TINY_GPT, *flags,
+           "--logits-tokens", tok_path, "--logits-out", out_path, *base(flags),
            "--load", load, *(["--ckpt-step", str(step)] if step is not None else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
