@@ -36,3 +36,43 @@ def timed(step: Callable[[], None], reset: Callable[[], None], reps: int,
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def add_run_args(parser, gpu_reps: int, cpu_reps: int) -> None:
+    """The flags every step benchmark takes: dtype, repetitions, warm-up, JSON output."""
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                        help="default: bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--reps", type=int, default=None,
+                        help=f"default: {gpu_reps} on GPU, {cpu_reps} on CPU")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.set_defaults(_gpu_reps=gpu_reps, _cpu_reps=cpu_reps)
+
+
+class RunSetup:
+    """Single-rank Megatron state and the run settings resolved from :func:`add_run_args`."""
+
+    def __init__(self, args, quiet: bool = True):
+        import logging
+        import warnings
+
+        from megatron_ext.compat.standalone import init_single_rank
+
+        if quiet:
+            warnings.filterwarnings("ignore")
+            logging.getLogger("megatron").setLevel(logging.WARNING)
+        init_single_rank()
+        gpu = torch.cuda.is_available()
+        self.dtype_name = args.dtype or ("bf16" if gpu else "fp32")
+        self.dtype = torch.bfloat16 if self.dtype_name == "bf16" else torch.float32
+        self.reps = args.reps or (args._gpu_reps if gpu else args._cpu_reps)
+        self.warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
+        self.device = torch.device("cuda" if gpu else "cpu")
+        self.json_path = args.json
+
+    def write_json(self, summary) -> None:
+        if self.json_path:
+            import json
+
+            with open(self.json_path, "w") as f:
+                json.dump(summary, f, indent=2)

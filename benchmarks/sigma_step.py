@@ -21,7 +21,6 @@ drift in machine load hits both; medians are reported. Goal: at most +2% for Sig
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import timed, wrap_ddp  # noqa: E402
+from common import RunSetup, add_run_args, timed, wrap_ddp  # noqa: E402
 
 
 def build(args, dtype, router: str):
@@ -82,27 +81,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096 if gpu else 512)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                        help="default: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--reps", type=int, default=None, help="default: 10 on GPU, 3 on CPU")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add_run_args(parser, gpu_reps=10, cpu_reps=3)
     args = parser.parse_args()
 
-    import logging
-    import warnings
-
-    from megatron_ext.compat.standalone import init_single_rank
     from megatron_ext.sigma.router import end_global_batch
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    init_single_rank()
-    dtype_name = args.dtype or ("bf16" if gpu else "fp32")
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    reps = args.reps or (10 if gpu else 3)
-    warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
-    device = torch.device("cuda" if gpu else "cpu")
+    run = RunSetup(args)
+    dtype_name, dtype, reps, warmup, device = (run.dtype_name, run.dtype, run.reps,
+                                               run.warmup, run.device)
 
     models = {}
     for name in ("upstream", "sigma"):
@@ -171,9 +157,7 @@ def main() -> None:
           f"{router_ms['upstream']:.3f} ms; x {args.layers} layers = "
           f"{100 * args.layers * (router_ms['sigma'] - router_ms['upstream']) / (1e3 * medians['upstream']):+.2f}% "
           "of the upstream step")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    run.write_json(summary)
 
 
 if __name__ == "__main__":

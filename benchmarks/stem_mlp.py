@@ -12,7 +12,6 @@ row gather). Prints the per-iteration times, their ratio and achieved GEMM throu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import timed, wrap_ddp  # noqa: E402
+from common import RunSetup, add_run_args, timed, wrap_ddp  # noqa: E402
 
 
 def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype):
@@ -74,22 +73,15 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                        help="default: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--reps", type=int, default=None, help="default: 20 on GPU, 3 on CPU")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add_run_args(parser, gpu_reps=20, cpu_reps=3)
     args = parser.parse_args()
 
-    from megatron_ext.compat.standalone import init_single_rank
-
-    init_single_rank()
     gpu = torch.cuda.is_available()
-    dtype_name = args.dtype or ("bf16" if gpu else "fp32")
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    reps = args.reps or (20 if gpu else 3)
-    warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
-    device = torch.device("cuda" if gpu else "cpu")
+    if args.warmup is None and gpu:
+        args.warmup = 5
+    run = RunSetup(args, quiet=False)
+    dtype_name, dtype, reps, warmup, device = (run.dtype_name, run.dtype, run.reps,
+                                               run.warmup, run.device)
     torch.manual_seed(0)
 
     dense, stem = build(args.hidden, args.ffn, args.vocab, dtype)
@@ -130,9 +122,7 @@ def main() -> None:
     print(f"  STEM (up)    : {summary['stem_ms']:10.1f} ms  "
           f"({summary['stem_gemm_tflops']:.3f} TFLOP/s in GEMMs)")
     print(f"  speed-up     : {summary['speedup']:.3f}x  (ideal 1.5x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    run.write_json(summary)
 
 
 if __name__ == "__main__":

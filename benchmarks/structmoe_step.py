@@ -19,7 +19,6 @@ on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import timed, wrap_ddp  # noqa: E402
+from common import RunSetup, add_run_args, timed, wrap_ddp  # noqa: E402
 
 BACKENDS = ("dense-masked", "grouped", "reference")
 
@@ -83,27 +82,14 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256 if gpu else 32000)
     parser.add_argument("--backends", nargs="+", choices=BACKENDS,
                         default=list(BACKENDS) if not gpu else ["dense-masked", "grouped"])
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                        help="default: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--reps", type=int, default=None, help="default: 10 on GPU, 2 on CPU")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add_run_args(parser, gpu_reps=10, cpu_reps=2)
     args = parser.parse_args()
 
-    import logging
-    import warnings
-
-    from megatron_ext.compat.standalone import init_single_rank
     from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    init_single_rank()
-    dtype_name = args.dtype or ("bf16" if gpu else "fp32")
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    reps = args.reps or (10 if gpu else 2)
-    warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
-    device = torch.device("cuda" if gpu else "cpu")
+    run = RunSetup(args)
+    dtype_name, dtype, reps, warmup, device = (run.dtype_name, run.dtype, run.reps,
+                                               run.warmup, run.device)
 
     budget = layer_budget(StructMoEConfig(num_experts=args.experts, rank=args.rank,
                                           topk=args.topk), args.hidden, args.ffn, gated=False)
@@ -141,9 +127,7 @@ def main() -> None:
     for name, ms in summary["step_ms"].items():
         extra = "" if name == "dense" else f"  ({summary['overhead_pct'][name]:+.2f}% vs dense)"
         print(f"  {name:13s}: {ms:10.1f} ms  params {counts[name]:,}{extra}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    run.write_json(summary)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from convert_support import TIED, hf_logits, hf_model, megatron_logits, to_hf, tokens, train
 

@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
