@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_sigma_balance"))
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "runs", "main", "data"))
+    parser.add_argument("--lbls", nargs="+", default=["none", "global", "top1"],
+                        choices=["none", "global", "top1"])
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="--sigma-top1-lbl-temperature of the top1 runs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.iters <= args.tail:
@@ -47,12 +51,13 @@ def main() -> None:
     manifest = data_prep.prepare(data_prep.DataPrepConfig(out=args.data_dir))
     data_args = data_prep.megatron_data_args(manifest)
     results = {}
-    for lbl in ("none", "global", "top1"):
+    for lbl in args.lbls:
         tb = os.path.join(args.out, lbl, "tb")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", os.path.join(ROOT, "launch", "pretrain.py"),
                "--sigma-preset", "sigma_cpu", "--sigma-lbl", lbl,
                "--sigma-lbl-coeff", str(args.coeff),
+               "--sigma-top1-lbl-temperature", str(args.temperature),
                "--micro-batch-size", "4", "--global-batch-size", "16",
                "--train-iters", str(args.iters), "--lr", "1e-3", "--min-lr", "1e-4",
                "--lr-decay-style", "cosine", "--lr-warmup-iters", "10", "--weight-decay", "0.1",
@@ -83,7 +88,7 @@ def main() -> None:
         results[lbl]["lm loss"] = tail("lm loss")
     header = "| LBL | " + " | ".join(n for n, _ in METRICS) + " | LM loss |"
     print(f"\nlast {args.tail} of {args.iters} iterations, mean over layers; coefficient "
-          f"{args.coeff:g}\n\n{header}\n|" + " --- |" * (len(METRICS) + 2))
+          f"{args.coeff:g}, Top-1 temperature {args.temperature:g}\n\n{header}\n|" + " --- |" * (len(METRICS) + 2))
     for lbl, r in results.items():
         print(f"| {lbl} | " + " | ".join(f"{r[n]:.3f}" for n, _ in METRICS)
               + f" | {r['lm loss']:.4f} |")
