@@ -87,6 +87,23 @@ def test_logits_match_megatron(case, tmp_path):
     # Converted models generate (greedy, with the KV cache).
     out_ids = hf.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
     assert out_ids.shape == (1, 12)
+    if case == "stem_up_managed":
+        _lm_eval(hf, tmp_path)
+
+
+def _lm_eval(model, tmp_path):
+    """A converted model with exported code (STEM) runs in lm-eval's HFLM on the synthetic task,
+    and lm-eval's accuracy is the one computed by hand from the model's log-probabilities."""
+    import test_lm_eval_hf as lm
+
+    if lm.LM_EVAL_MISSING:
+        pytest.skip(lm.LM_EVAL_MISSING)
+    from megatron_ext.convert.evaluate import evaluate_hf
+
+    tok = lm.tiny_tokenizer()
+    out = evaluate_hf(model, tok, [lm.TASK], lm.write_include_path(tmp_path), batch_size=4)
+    acc, _ = lm.reference_accuracy(model, tok)
+    assert out["results"][lm.TASK]["acc,none"] == pytest.approx(acc)
 
 
 def test_sigma_before_and_after_the_switch(tmp_path):

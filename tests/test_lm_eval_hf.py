@@ -50,25 +50,27 @@ def one_thread():
 def include_path(tmp_path):
     """The task YAML with the data file's absolute path: ``datasets`` opens ``data_files``
     relative to the current directory, so a path relative to the YAML would not be found."""
-    with open(os.path.join(TASK_DIR, f"{TASK}.yaml.in")) as f:
-        text = f.read().replace("@DATA_DIR@", TASK_DIR)
-    text = text.replace("@CACHE_DIR@", str(tmp_path / "datasets_cache"))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / f"{TASK}.yaml").write_text(text)
-    return str(tmp_path / "tasks")
+    return write_include_path(tmp_path)
 
 
-def tiny_llama_and_tokenizer():
+def tiny_tokenizer():
+    """A word-level tokenizer of 14 ids (fits any model with a vocabulary of 14 or more)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
     vocab = {t: i for i, t in enumerate(specials + list("abcdefghij"))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                     eos_token="</s>", pad_token="<pad>")
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_llama_and_tokenizer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_tok = tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
                       pad_token_id=3)
@@ -104,6 +106,16 @@ def test_simple_evaluate_on_in_memory_llama(offline, include_path):
     assert out["n-samples"][TASK]["effective"] == n
     # lm-eval scored our model with our tokenizer: its accuracy is the hand-computed one.
     assert res["acc,none"] == pytest.approx(acc)
+
+
+def write_include_path(tmp_path) -> str:
+    """The include_path fixture as a function (for tests in other files)."""
+    with open(os.path.join(TASK_DIR, f"{TASK}.yaml.in")) as f:
+        text = f.read().replace("@DATA_DIR@", TASK_DIR)
+    text = text.replace("@CACHE_DIR@", str(tmp_path / "datasets_cache"))
+    os.makedirs(tmp_path / "tasks", exist_ok=True)
+    (tmp_path / "tasks" / f"{TASK}.yaml").write_text(text)
+    return str(tmp_path / "tasks")
 
 
 def test_unknown_task_is_refused(include_path):
