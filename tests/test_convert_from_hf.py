@@ -372,7 +372,7 @@ def _refused(capsys, hf: str, save: str, *args: str) -> str:
      "rope_type='linear'"),
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, [],
      "architectures=['MistralForCausalLM']"),
-    ({"rope_parameters": dict(LLAMA3_ROPE, factor=32.0)}, [], "--rope-scaling-factor"),
+    ({"rope_parameters": dict(LLAMA3_ROPE, low_freq_factor=2.0)}, [], "low_freq_factor"),
     ({}, ["--stem-layers", "0,2"], "layer 0 is never a STEM layer"),
     ({}, ["--stem-layers", "1,4"], "4 out of range"),
     ({}, ["--stem-variant", "dagger", "--stem-layers", "1", "--stem-init-scale", "2"],
@@ -388,12 +388,14 @@ def test_bad_inputs_are_refused(imported, tmp_path, capsys, changes, args, match
 def test_llama3_rope_scaling_maps_to_megatron(imported, tmp_path):
     from megatron_ext.convert.from_hf import describe_hf, model_flags
 
+    # Llama 3.2 uses factor 32: it reaches GPTModel through --rope-scaling-factor.
     hf = _write_config(str(imported["root"] / "llama"), str(tmp_path / "hf"),
-                       rope_parameters=LLAMA3_ROPE)
+                       rope_parameters=dict(LLAMA3_ROPE, factor=32.0))
     m = describe_hf(hf)
     assert m.llama3_rope and m.rope_theta == 500000
     flags = model_flags(m, None, 128)
     assert "--use-rope-scaling" in flags and flags[flags.index("--rotary-base") + 1] == "500000"
+    assert flags[flags.index("--rope-scaling-factor") + 1] == "32"
 
 
 def test_existing_target_and_failures_leave_nothing(imported, tmp_path, capsys):

@@ -234,3 +234,25 @@ def test_peak_memory_well_below_model_size(tmp_path):
     # The sampler sees the whole model when it is held at once (so it can see the difference).
     assert peaks["whole"] > 0.8 * model_bytes
     assert peaks["stream"] < 0.35 * model_bytes, mib
+
+
+def test_llama3_rope_scaling_maps_to_the_same_frequencies(tmp_path):
+    """A checkpoint trained with --use-rope-scaling --rope-scaling-factor 32 (Llama 3.2) becomes
+    a Llama with rope_type llama3, whose frequencies equal upstream's RotaryEmbedding's."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    args = args_for(**SHAPE)
+    args.use_rope_scaling, args.rope_scaling_factor, args.rotary_base = True, 32.0, 500000
+    ck = write_checkpoint(str(tmp_path / "ck"), args, llama_tensors(**SHAPE))
+    out = to_hf.convert(ck, str(tmp_path / "hf"), progress=False)
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["factor"] == 32
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    head_dim = SHAPE["hidden"] // SHAPE["heads"]
+    megatron = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, rotary_base=500000,
+                               rope_scaling=True, rope_scaling_factor=32.0, use_cpu_initialization=True)
+    plain = 1.0 / (500000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    assert not torch.allclose(megatron.inv_freq.cpu(), plain)  # the scaling does something
+    torch.testing.assert_close(hf_inv.float(), megatron.inv_freq.float().cpu())

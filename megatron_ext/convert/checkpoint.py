@@ -49,8 +49,14 @@ def resolve_checkpoint_dir(path: str, step: Optional[int] = None) -> Tuple[str, 
                 "latest_checkpointed_iteration.txt")
         with open(tracker) as f:
             text = f.read().strip()
+        if text == "release":  # Megatron's release checkpoints (e.g. written by from-hf)
+            folder = os.path.join(path, "release")
+            if not os.path.isdir(folder):
+                raise CheckpointError(f"{folder}: the tracker says 'release' but it is missing")
+            return folder, None
         if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', "
+                                  f"found {text!r}")
         step = int(text)
     folder = os.path.join(path, f"iter_{step:07d}")
     if not os.path.isdir(folder):

@@ -58,11 +58,11 @@ from megatron_ext.stem.config import RATIOS, VARIANTS
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Llama 3.x RoPE scaling maps to Megatron's --use-rope-scaling only with these values: our
-# model_provider does not pass --rope-scaling-factor to GPTModel (whose default is 8.0), and
-# GPTModel leaves the other parameters of upstream's apply_rope_scaling at these defaults.
+# Llama 3.x RoPE scaling maps to Megatron's --use-rope-scaling --rope-scaling-factor F; GPTModel
+# leaves the other parameters of upstream's apply_rope_scaling at these values.
 LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
+LLAMA3_FIXED = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 INFO_FILE = "from_hf.json"
 TABLE_CHUNK_ROWS = 4096  # vocabulary rows per step of a STEM table's initialisation
 
@@ -94,6 +94,7 @@ class HFModel:
     eps: float
     rope_theta: int
     llama3_rope: bool
+    rope_factor: Optional[float]
     max_positions: int
     tied: bool
     qk_norm: bool
@@ -148,12 +149,12 @@ def describe_hf(hf_dir: str) -> HFModel:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     llama3 = rope_type == "llama3"
     if llama3:
-        given = {k: rope.get(k) for k in LLAMA3_ROPE}
+        given = {k: rope.get(k) for k in LLAMA3_FIXED}
         bad = {k: v for k, v in given.items() if v is None or float(v) != float(LLAMA3_ROPE[k])}
-        _refuse(bool(bad),
-                f"config.json: rope_parameters (llama3 scaling) {bad}: Megatron's llama3 RoPE "
-                f"scaling (--use-rope-scaling) imports only with {LLAMA3_ROPE} (our model "
-                "provider does not pass --rope-scaling-factor to GPTModel, whose default is 8)")
+        _refuse(bool(bad) or rope.get("factor") is None,
+                f"config.json: rope_parameters (llama3 scaling) {bad or rope}: Megatron's llama3 "
+                "RoPE scaling (--use-rope-scaling --rope-scaling-factor) imports only with "
+                f"{ {k: LLAMA3_ROPE[k] for k in LLAMA3_FIXED} } and a factor")
     else:
         _refuse(rope_type != "default",
                 f"config.json: rope_parameters.rope_type={rope_type!r}: only the default RoPE "
@@ -172,6 +173,7 @@ def describe_hf(hf_dir: str) -> HFModel:
         ffn=int(cfg.intermediate_size), num_heads=heads, num_groups=groups,
         head_dim=int(head_dim), vocab=int(cfg.vocab_size), eps=float(cfg.rms_norm_eps),
         rope_theta=int(theta), llama3_rope=llama3,
+        rope_factor=float(rope["factor"]) if llama3 else None,
         max_positions=int(cfg.max_position_embeddings),
         tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         qk_norm=arch == "Qwen3ForCausalLM", dtype=str(dtype) if dtype else None)
@@ -352,7 +354,7 @@ def model_flags(m: HFModel, stem: Optional[StemInsertion], divisible_by: int) ->
               "--norm-epsilon", repr(m.eps), "--position-embedding-type", "rope",
               "--rotary-base", str(m.rope_theta)]
     if m.llama3_rope:
-        flags += ["--use-rope-scaling"]
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{m.rope_factor:g}"]
     if not m.tied:
         flags += ["--untie-embeddings-and-output-weights"]
     if m.qk_norm:

@@ -70,6 +70,7 @@ class ModelDescription:
     qk_norm: bool
     mlp_layers: List[dict]
     iteration: Optional[int]
+    rope_scaling_factor: Optional[float] = None  # Llama-3 RoPE scaling (--use-rope-scaling)
 
     @property
     def native(self) -> Optional[str]:
@@ -101,8 +102,6 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
             "linear biases (no --disable-bias-linear / --add-qkv-bias) are not supported")
     _refuse(getattr(a, "rotary_percent", 1.0) != 1.0,
             f"--rotary-percent {a.rotary_percent}: partial RoPE is not supported")
-    _refuse(bool(getattr(a, "use_rope_scaling", False)),
-            "--use-rope-scaling (Llama-3.1 RoPE scaling) is not supported yet")
     _refuse(bool(getattr(a, "rotary_interleaved", False)),
             "--rotary-interleaved is not supported (Hugging Face rotates halves)")
     _refuse(bool(getattr(a, "apply_residual_connection_post_layernorm", False)),
@@ -166,7 +165,9 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
         head_dim=head_dim, padded_vocab=padded, vocab=true_vocab, eps=float(a.layernorm_epsilon),
         rope_theta=float(a.rotary_base), max_positions=a.max_position_embeddings,
         tied=not a.untie_embeddings_and_output_weights, gated=gated, act=act,
-        qk_norm=bool(a.qk_layernorm), mlp_layers=mlp, iteration=ck.iteration)
+        qk_norm=bool(a.qk_layernorm), mlp_layers=mlp, iteration=ck.iteration,
+        rope_scaling_factor=float(getattr(a, "rope_scaling_factor", 8.0))
+        if getattr(a, "use_rope_scaling", False) else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +413,14 @@ def hf_config(desc: ModelDescription, dtype: torch.dtype, tokens: Dict[str, Opti
         tie_word_embeddings=desc.tied, **{k: v for k, v in tokens.items() if v is not None})
     rope = {"rope_type": "default", "rope_theta": desc.rope_theta}
     native = desc.native
+    if desc.rope_scaling_factor is not None:
+        if native not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+            raise CheckpointError("--use-rope-scaling converts for dense models only (the "
+                                  "exported code has no RoPE scaling)")
+        # Upstream's RotaryEmbedding._apply_scaling: Llama 3's rule with these fixed parameters.
+        rope = {"rope_type": "llama3", "rope_theta": desc.rope_theta,
+                "factor": desc.rope_scaling_factor, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if native in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         from transformers import LlamaConfig, Qwen3Config
 

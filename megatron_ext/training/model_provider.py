@@ -48,6 +48,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
