@@ -36,14 +36,14 @@ CUSTOM = "MegatronExtForCausalLM"
 
 # name: (model flags, training layout flags, {evaluation layout: flags}, architecture)
 CASES = {
-    "dense_gqa": (GQA, TP2, {"pp2": PP2}, "LlamaForCausalLM"),
+    "dense_gqa": (GQA, TP2, {"tp2": TP2, "pp2": PP2}, "LlamaForCausalLM"),
     # QK-norm makes the dense model a Qwen3; tied embeddings are shared by both PP stages.
     "dense_qknorm_tied": (GQA + ["--qk-layernorm", TIED], PP2, {"tp2": TP2},
                           "Qwen3ForCausalLM"),
     "stem_up_managed": (STEM + GQA, MANAGED, {"tp2": TP2, "pp2": PP2}, CUSTOM),
     "stem_dagger": (STEM + ["--stem-variant", "dagger"], TP2, {"pp2": PP2}, CUSTOM),
     "stem_gate": (STEM + ["--stem-variant", "gate"], PP2, {"tp2": TP2}, CUSTOM),
-    "structmoe": (SMOE + GQA, TP2, {"pp2": PP2}, CUSTOM),
+    "structmoe": (SMOE + GQA, TP2, {"tp2": TP2, "pp2": PP2}, CUSTOM),
 }
 TOL = 1e-4
 
