@@ -364,19 +364,12 @@ def test_generate_left_padded_batch_matches_single_prompts():
 
 @pytest.fixture
 def private_hf_modules(tmp_path, monkeypatch):
-    """Remote code is copied into ``HF_MODULES_CACHE`` and imported as the package
-    ``transformers_modules``: give this test its own cache and its own copy of that package, and
-    leave the process as it was (other tests may load remote code from the default cache)."""
-    import transformers.dynamic_module_utils as dynamic
-
+    """Remote code is copied into the default ``HF_MODULES_CACHE`` and imported as the package
+    ``transformers_modules``, as for a user (each test saves under its own directory name, so
+    copies do not collide). Swapping that cache per test broke the import once another test had
+    already loaded remote code in this process (``transformers_modules`` stays imported)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
-        monkeypatch.delitem(sys.modules, name)
     yield
-    for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
-        del sys.modules[name]  # monkeypatch then puts back what was there before
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
