@@ -43,9 +43,7 @@ import io
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -54,10 +52,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_ext.convert.layout import merge_gated_fc1, merge_qkv
+from megatron_ext.convert.output import DTYPES, progress as progress_bar, staged_directory
 from megatron_ext.stem.config import RATIOS, VARIANTS
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Llama 3.x RoPE scaling maps to Megatron's --use-rope-scaling --rope-scaling-factor F; GPTModel
 # leaves the other parameters of upstream's apply_rope_scaling at these values.
 LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -522,7 +520,8 @@ def megatron_sources(m: HFModel, w: HFWeights, stem: Optional[StemInsertion],
                 dest.zero_()
                 return
             proj = "up_proj" if stem.variant == "up" else "gate_proj"
-            bar = _progress(m.vocab, f"layer {i} STEM table", progress, leave=False)
+            bar = progress_bar(m.vocab, f"layer {i} STEM table", progress, unit="row",
+                               leave=False)
             fill_stem_table(dest, w.get(f"model.layers.{i}.mlp.{proj}.weight"),
                             w.get(f"model.layers.{i}.post_attention_layernorm.weight"),
                             w.get("model.embed_tokens.weight"), m.eps, stem.init_scale, bar)
@@ -566,7 +565,7 @@ def fill_model(model, sources: Dict[str, Callable[[torch.Tensor], None]], progre
     if missing or unknown:  # the model provider and this mapping disagree: a bug, not input
         raise RuntimeError(f"Megatron model keys without a source: {missing}; sources without "
                            f"a key: {unknown}")
-    bar = _progress(len(sources), "from-hf", progress)
+    bar = progress_bar(len(sources), "from-hf", progress)
     with torch.no_grad():
         for key, fill in sources.items():
             dest = state[key]
@@ -615,37 +614,29 @@ def convert(hf_dir: str, save: str, stem_layers: Optional[str] = None,
         f"(padded {padded}), {'tied' if m.tied else 'untied'} embeddings"
         + (f"; STEM ({stem.variant}) layers {stem.layers}" if stem else ""))
 
-    parent = os.path.dirname(save)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save)}.partial-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
     try:
-        flags = conversion_flags(m, stem, divisible_by, dtype, tmp)
-        log("building the Megatron model (megatron.training, one process, TP=PP=1)")
-        with _quiet(verbose):
-            args, model = build_megatron_model(flags)
-        _refuse(args.padded_vocab_size != padded,
-                f"Megatron padded the vocabulary to {args.padded_vocab_size}, expected {padded}")
-        log(f"filling {sum(p.numel() for p in model[0].parameters()) / 1e6:.1f} M parameters "
-            "from the Hugging Face tensors")
-        n = fill_model(model, megatron_sources(m, weights, stem, progress), progress)
-        t = time.time()
-        log(f"saving the torch_dist checkpoint "
-            f"({'release' if iteration is None else f'iteration {iteration}'})")
-        with _quiet(verbose):
-            save_megatron(model, iteration)
-        log(f"saved in {time.time() - t:.1f} s")
-        info = describe_result(hf_dir, save, m, stem, divisible_by, padded, iteration, dtype)
-        with open(os.path.join(tmp, INFO_FILE), "w") as f:
-            json.dump(info, f, indent=2)
-        if os.path.isdir(save):  # an empty directory
-            os.rmdir(save)
-        os.replace(tmp, save)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with staged_directory(save) as tmp:
+            flags = conversion_flags(m, stem, divisible_by, dtype, tmp)
+            log("building the Megatron model (megatron.training, one process, TP=PP=1)")
+            with _quiet(verbose):
+                args, model = build_megatron_model(flags)
+            _refuse(args.padded_vocab_size != padded, "Megatron padded the vocabulary to "
+                    f"{args.padded_vocab_size}, expected {padded}")
+            log(f"filling {sum(p.numel() for p in model[0].parameters()) / 1e6:.1f} M "
+                "parameters from the Hugging Face tensors")
+            n = fill_model(model, megatron_sources(m, weights, stem, progress), progress)
+            t = time.time()
+            log(f"saving the torch_dist checkpoint "
+                f"({'release' if iteration is None else f'iteration {iteration}'})")
+            with _quiet(verbose):
+                save_megatron(model, iteration)
+            log(f"saved in {time.time() - t:.1f} s")
+            info = describe_result(hf_dir, save, m, stem, divisible_by, padded, iteration,
+                                   dtype)
+            with open(os.path.join(tmp, INFO_FILE), "w") as f:
+                json.dump(info, f, indent=2)
+            if os.path.isdir(save):  # an empty directory
+                os.rmdir(save)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -704,23 +695,6 @@ def describe_result(hf_dir, save, m: HFModel, stem: Optional[StemInsertion], div
                        f"padding); the training run must pad its {train_vocab}-token "
                        f"vocabulary to the same size: {notes}"),
     }
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool, leave: bool = True):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="row" if "table" in desc else "tensor",
-                file=sys.stderr, leave=leave)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

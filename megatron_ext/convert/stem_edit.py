@@ -30,18 +30,18 @@ import dataclasses
 import hashlib
 import json
 import operator
-import os
 import re
 import shutil
 import struct
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+
+from megatron_ext.convert.output import progress as progress_bar, staged_directory
 
 Token = Union[int, str]
 STEM_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.stem_table\.weight$")
@@ -384,19 +384,12 @@ def _load_tokenizer(model_dir: Path):
     return Tokenizer.from_file(str(path))
 
 
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="stem-edit", unit="B", unit_scale=True, file=sys.stderr,
-                disable=not enabled)
-
-
 def _copy_dir(src: Path, dst: Path, progress: bool) -> None:
     """Every file of ``src`` except the edit records, as bytes (the shards included: the edit
     patches rows in the copy)."""
     entries = [p for p in sorted(src.iterdir()) if p.name not in (EDITS_JSON, EDITS_ROWS)]
     total = sum(p.stat().st_size for p in entries if p.is_file())
-    with _progress(total, progress) as bar:
+    with progress_bar(total, "stem-edit", progress, unit="B", unit_scale=True) as bar:
         for p in entries:
             if p.is_dir():
                 shutil.copytree(p, dst / p.name)
@@ -440,16 +433,10 @@ def _build(out_dir, work) -> None:
     if out.exists() or out.is_symlink():
         raise FileExistsError(f"{out} exists: stem-edit writes a new directory (remove it or "
                               "pick another --out)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        work(tmp)
+    with staged_directory(str(out)) as tmp:
+        work(Path(tmp))
         if out.exists():
             raise FileExistsError(f"{out} appeared while stem-edit was writing it")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _source_dir(model_dir, out_dir) -> Path:

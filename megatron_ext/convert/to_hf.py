@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -31,12 +30,12 @@ import torch
 
 from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
 from megatron_ext.convert.layout import split_gated_fc1, split_qkv
+from megatron_ext.convert.output import DTYPES, progress as progress_bar, staged_directory
 
 HF_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 HF_CODE_FILES = ("configuration_megatron_ext.py", "modeling_megatron_ext.py")
 AUTO_MAP = {"AutoConfig": "configuration_megatron_ext.MegatronExtConfig",
             "AutoModelForCausalLM": "modeling_megatron_ext.MegatronExtForCausalLM"}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Per-layer entries that are training state, not weights: Sigma's previous-global-batch
 # statistics (the Top-1 / global LBL gradient uses them; inference does not).
@@ -441,11 +440,8 @@ def hf_config(desc: ModelDescription, dtype: torch.dtype, tokens: Dict[str, Opti
             decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", attention_bias=False,
             rope_parameters=rope, output_router_logits=False, **common)
     else:
-        sys.path.insert(0, HF_CODE_DIR)
-        try:
-            from configuration_megatron_ext import MegatronExtConfig
-        finally:
-            sys.path.remove(HF_CODE_DIR)
+        from megatron_ext.convert.hf_code.configuration_megatron_ext import MegatronExtConfig
+
         cfg = MegatronExtConfig(
             hidden_act=desc.act, gated_mlp=desc.gated, qk_norm=desc.qk_norm,
             rope_theta=desc.rope_theta, mlp_layers=desc.mlp_layers, **common)
@@ -504,21 +500,17 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
               "pad_token_id": getattr(tok, "pad_token_id", None)}
     config = hf_config(desc, target, tokens)
 
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
-    try:
+    with staged_directory(out) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         jobs = plan.jobs
-        bar = _progress(len(jobs), progress)
         start = time.time()
-        for job in jobs:
-            t = job.make()
-            if tuple(t.shape) != job.shape:  # the plan and the tensor disagree: a bug, not input
-                raise RuntimeError(f"{job.name}: made {tuple(t.shape)}, planned {job.shape}")
-            writer.add(job.name, t.to(target))
-            bar.update(1)
-        bar.close()
+        with progress_bar(len(jobs), "to-hf", progress) as bar:
+            for job in jobs:
+                t = job.make()
+                if tuple(t.shape) != job.shape:  # the plan and the tensor disagree: a bug
+                    raise RuntimeError(f"{job.name}: made {tuple(t.shape)}, planned {job.shape}")
+                writer.add(job.name, t.to(target))
+                bar.update(1)
         writer.finish()
         config.save_pretrained(tmp)
         from transformers import GenerationConfig
@@ -535,10 +527,6 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
                        "mlp_layers": desc.mlp_layers}, f, indent=2)
         if os.path.exists(out):  # --overwrite
             shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {out}: {len(jobs)} tensors, {writer.total_bytes / 2**20:.1f} MiB in "
         f"{len(writer.files)} shard(s), {time.time() - start:.1f} s")
     return out
@@ -552,22 +540,6 @@ def parse_size(text: str) -> int:
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     return int(float(m.group(1)) * scale)
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="to-hf", unit="tensor", file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
