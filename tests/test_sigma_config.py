@@ -62,7 +62,7 @@ def test_bad_layouts_are_refused(kw, match):
 
 
 def test_preset_expansion_and_family_flags(tmp_path):
-    from megatron_ext.sigma.presets import expand_argv, load_preset
+    from megatron_ext.training.presets import expand_argv, load_preset
 
     argv = expand_argv(["--sigma-preset", "sigma_cpu", "--num-layers", "6"])
     assert argv.index("--num-layers") < len(argv) - 1
@@ -85,7 +85,7 @@ def test_sigma_moe_tiny_counts_match_the_report():
     does not give the vocabulary: with a 150k vocabulary (untied) the total is ~19.8B."""
     from megatron_ext.sigma.budget import SigmaBudget
     from megatron_ext.sigma.config import SigmaConfig, parse_topk_schedule
-    from megatron_ext.sigma.presets import load_preset
+    from megatron_ext.training.presets import load_preset
 
     p = load_preset("sigma_moe_tiny")
     b = SigmaBudget(p["num-layers"], p["hidden-size"], p["num-attention-heads"],

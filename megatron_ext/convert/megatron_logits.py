@@ -41,7 +41,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     cpu.install()
     upstream_fixes.install()
-    from megatron_ext.sigma.presets import expand_argv
+    from megatron_ext.training.presets import expand_argv
     from megatron_ext.training.entry import _default_transformer_impl
 
     sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(rest)) + [

@@ -39,6 +39,23 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "against the tokenizer at start-up (found automatically next to a "
                             "--data-path prefix)")
 
+    launch = parser.add_argument_group("megatron-ext launch")
+    launch.add_argument("--preset", default=None,
+                        help="a model preset from launch/presets (e.g. stem_1b, dense_350m, "
+                             "structmoe_0p9b, sigma_moe_tiny) or a JSON path; its flags come "
+                             "first, flags given on the command line win")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print parameters, FLOPs and a per-rank memory estimate for these "
+                             "flags and exit without building the model (no torchrun needed)")
+    launch.add_argument("--dry-run-world-size", type=int, default=None,
+                        help="GPUs (ranks) the dry run assumes (default: $WORLD_SIZE or 1)")
+    launch.add_argument("--dry-run-json", default=None, metavar="PATH",
+                        help="also write the dry run's numbers as JSON to PATH")
+    launch.add_argument("--ext-run-report", default=None, metavar="PATH",
+                        help="rank 0 writes a JSON run report (iteration times, tokens, FLOPs per "
+                             "token, peak memory per rank) to PATH at the end of training "
+                             "(launch/scaling.py reads it)")
+
     stem = parser.add_argument_group("megatron-ext STEM")
     stem.add_argument("--stem-ratio", choices=RATIOS, default="1/3",
                       help="STEM layers: 1/3 -> (i+1)%%3==0, 1/2 -> (i+1)%%2==0, full -> all but 0")
@@ -99,9 +116,8 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "megatron-ext Sigma MoE (experts, target top-k and EP are Megatron's --num-experts, "
         "--moe-ffn-hidden-size, --moe-router-topk, --expert-model-parallel-size)")
     sigma.add_argument("--sigma-preset", default=None,
-                       help="a Sigma preset from launch/presets (sigma_moe_tiny: the report's "
-                            "Sigma-MoE-Tiny; sigma_cpu: a small CPU model) or a JSON path; its "
-                            "flags come first, flags given on the command line win")
+                       help="the older spelling of --preset (sigma_moe_tiny: the report's "
+                            "Sigma-MoE-Tiny; sigma_cpu: a small CPU model)")
     sigma.add_argument("--sigma-lbl", choices=SIGMA_LBLS, default="global",
                        help="global: global-batch LBL (Eq. 1); top1: Top-1 LBL (Eqs. 2-4); "
                             "none: no load-balancing loss (statistics are still logged)")

@@ -28,12 +28,18 @@ def main(argv=None) -> None:
     upstream_fixes.install()
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
-    from megatron_ext.sigma.presets import expand_argv
+    from megatron_ext.training.presets import expand_argv
 
     try:
-        sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(sys.argv[1:]))
+        raw_argv = list(sys.argv[1:])
+        sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(raw_argv))
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
+    if "--dry-run" in sys.argv[1:]:
+        # Numbers only: no process group, no model (megatron_ext/training/dry_run.py).
+        from megatron_ext.training.dry_run import main as dry_run_main
+
+        raise SystemExit(dry_run_main(sys.argv[1:], raw_argv))
 
     from megatron.core.enums import ModelType
     from megatron.training import get_tokenizer, pretrain
@@ -81,6 +87,10 @@ def main(argv=None) -> None:
         from megatron_ext.sigma.monitor import install_reporting as install_sigma_reporting
 
         install_sigma_reporting()
+    if args.ext_run_report:
+        from megatron_ext.training.run_report import install as install_run_report
+
+        install_run_report(args.ext_run_report)
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)
