@@ -32,14 +32,16 @@ def main(argv=None) -> None:
 
     try:
         raw_argv = list(sys.argv[1:])
-        sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(raw_argv))
+        expanded = expand_argv(raw_argv)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
-    if "--dry-run" in sys.argv[1:]:
-        # Numbers only: no process group, no model (megatron_ext/training/dry_run.py).
+    if "--dry-run" in expanded:
+        # Numbers only: no process group, no model (megatron_ext/training/dry_run.py). Megatron's
+        # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
         from megatron_ext.training.dry_run import main as dry_run_main
 
-        raise SystemExit(dry_run_main(sys.argv[1:], raw_argv))
+        raise SystemExit(dry_run_main(expanded, raw_argv))
+    sys.argv = [sys.argv[0]] + _default_transformer_impl(expanded)
 
     from megatron.core.enums import ModelType
     from megatron.training import get_tokenizer, pretrain

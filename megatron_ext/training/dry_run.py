@@ -1,0 +1,168 @@
+"""``launch/pretrain.py --dry-run``: what a run would hold, without a process group or a model.
+
+Megatron's own parser and ``validate_args`` read the flags (so a layout Megatron refuses is
+refused here too, with its message), for ``--dry-run-world-size`` ranks; the numbers come from
+``training/estimate.py``. Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
+or ``--vocab-size``, through Megatron's ``NullTokenizer`` so the padding is Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from megatron_ext.training.presets import flag_value, has_flag, preset_tokenizer
+
+
+def _without(argv: Sequence[str], flag: str) -> List[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out
+
+
+def dry_run_argv(argv: Sequence[str], raw_argv: Sequence[str]) -> List[str]:
+    """``argv`` with what a dry run needs: a tokenizer (the vocabulary as a NullTokenizer), a
+    micro batch (1 unless given)."""
+    argv = list(argv)
+    if not has_flag(argv, "--tokenizer-type"):
+        vocab = flag_value(raw_argv, "--vocab-size")
+        vocab = int(vocab) if vocab is not None else preset_tokenizer(raw_argv).get("vocab_size")
+        if vocab is None:
+            raise ValueError("--dry-run needs the vocabulary: give --vocab-size V (the "
+                             "tokenizer's vocabulary), a preset with a \"tokenizer\" entry, or "
+                             "--tokenizer-type/--tokenizer-model")
+        # NullTokenizer adds an end-of-document id: V - 1 gives a V-token vocabulary.
+        argv = _without(argv, "--vocab-size") + ["--tokenizer-type", "NullTokenizer",
+                                                 "--vocab-size", str(int(vocab) - 1)]
+    if not has_flag(argv, "--micro-batch-size"):
+        argv += ["--micro-batch-size", "1"]
+    return argv
+
+
+def parse_for_dry_run(argv: Sequence[str], raw_argv: Sequence[str], world_size: int):
+    """Megatron's parsed and validated arguments for ``world_size`` ranks (rank 0)."""
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_ext.training.arguments import add_extension_args, validate_extension_args
+
+    sys.argv = [sys.argv[0]] + dry_run_argv(argv, raw_argv)
+    quiet = logging.getLogger("megatron")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:  # validate_args prints every argument: keep the dry run's output to its numbers
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_and_validate_args(extra_args_provider=add_extension_args)
+    finally:
+        quiet.setLevel(level)
+    validate_extension_args(args)
+    return args
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:8.2f} GiB"
+
+
+def _count(n: float) -> str:
+    if n >= 1e9:
+        return f"{n:,.0f} ({n / 1e9:.2f}B)"
+    return f"{n:,.0f} ({n / 1e6:.2f}M)"
+
+
+LABELS = {
+    "weights": "weights", "gradients": "gradients (DDP buffer)",
+    "optimizer": "optimizer states", "activations": "activations",
+    "stem_tables": "STEM tables (fp32)", "stem_adam_moments": "STEM Adam moments",
+    "stem_table_gradients": "STEM row gradients (dense optimizer)",
+    "stem_fetched_rows": "STEM fetched-row buffers",
+}
+
+
+def report(est, preset: Optional[str]) -> str:
+    m, lay = est.model, est.layout
+    head = f"{m.family}" + (f" (preset {preset})" if preset else "")
+    lines = [
+        f"megatron-ext dry run: {head}, {lay.world_size} ranks = TP {lay.tp} x PP {lay.pp} x "
+        f"CP {lay.cp} x DP {lay.dp} (EP {lay.ep}, expert TP {lay.etp}); micro batch "
+        f"{lay.micro_batch}, global batch {lay.global_batch} ({lay.microbatches} micro-batches "
+        f"per step per DP rank), sequence {m.seq_length}, vocabulary {m.vocab:,} (padded)",
+        "parameters",
+        f"  total                          {_count(est.total_params)}",
+    ]
+    if est.stem_table_params:
+        lines.append(f"    of which STEM tables         {_count(est.stem_table_params)}")
+    lines.append(f"  active per token               {_count(est.active_params)}")
+    if est.active_params_target != est.active_params:
+        lines.append(f"    after the sparsification switch {_count(est.active_params_target)}")
+    lines += [
+        f"    without embedding/output     {_count(est.active_params_without_embeddings)}",
+        f"  paper-style active (Table 3)   {_count(est.paper_active_params)} (whole input "
+        "embedding counted)",
+        "training FLOPs per token (forward + backward)",
+        f"  total                          {est.flops['total']:.4g}  (attention linear "
+        f"{est.flops['attention_linear']:.3g}, attention core {est.flops['attention_core']:.3g}, "
+        f"MLP {est.flops['mlp']:.3g}, output layer {est.flops['output_layer']:.3g})",
+    ]
+    if est.flops_target["total"] != est.flops["total"]:
+        lines.append(f"    after the sparsification switch {est.flops_target['total']:.4g}")
+    lines += [
+        f"  paper ROI denominator          {est.paper_gflops_per_token:.3f} GFLOPs per token "
+        "(2 x paper-style active parameters, STEM Table 3)",
+        f"memory per rank (busiest: pipeline stage {est.busiest_stage}, TP rank 0; "
+        f"{_count(sum(est.rank_params.values()))} parameters on it)",
+    ]
+    for key, value in est.gpu_bytes.items():
+        lines.append(f"  GPU   {LABELS.get(key, key):34s} {_gib(value)}")
+    lines.append(f"  GPU   {'total':34s} {_gib(sum(est.gpu_bytes.values()))}  (plus CUDA "
+                 "context, NCCL and allocator slack: budget 2-5 GiB)")
+    for key, value in est.host_bytes.items():
+        lines.append(f"  host  {LABELS.get(key, key):34s} {_gib(value)}")
+    if est.host_bytes:
+        lines.append(f"  host  {'total':34s} {_gib(sum(est.host_bytes.values()))}")
+    for note in est.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str], raw_argv: Sequence[str]) -> int:
+    from megatron_ext.training.estimate import estimate_from_args
+
+    size = flag_value(argv, "--dry-run-world-size") or os.environ.get("WORLD_SIZE") or "1"
+    try:
+        world_size = int(size)
+        if world_size < 1:
+            raise ValueError
+    except ValueError:
+        print(f"megatron-ext: --dry-run-world-size={size}: must be an integer >= 1",
+              file=sys.stderr)
+        return 2
+    try:
+        args = parse_for_dry_run(argv, raw_argv, world_size)
+        est = estimate_from_args(args, world_size)
+    except (ValueError, AssertionError) as exc:
+        print(f"megatron-ext: --dry-run: {exc}", file=sys.stderr)
+        return 2
+    preset = flag_value(raw_argv, "--preset") or flag_value(raw_argv, "--sigma-preset")
+    print(report(est, preset), flush=True)
+    if args.dry_run_json:
+        path = args.dry_run_json
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(est.as_dict(), preset=preset), f, indent=2)
+        os.replace(tmp, path)
+    return 0

@@ -1,0 +1,242 @@
+"""The dry-run estimate (training/estimate.py) against the papers' counts, against hand-written
+formulas, and against models Megatron really builds under TP=2 x PP=2 (and EP=2 for Sigma)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.training.estimate import (
+    Layout,
+    ModelSpec,
+    estimate,
+    layer_activation_bytes,
+    rank_estimate,
+)
+from megatron_ext.training.presets import load_preset_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def spec_from_preset(name: str, **over) -> ModelSpec:
+    """The spec written out by hand from a preset's JSON (independent of Megatron's parser)."""
+    data = load_preset_file(name)
+    f, vocab = data["flags"], data["tokenizer"]["vocab_size"]
+    vocab = math.ceil(vocab / 128) * 128  # --make-vocab-size-divisible-by 128, TP=1
+    layers, heads = f["num-layers"], f["num-attention-heads"]
+    kw = dict(family=f["model-family"], num_layers=layers, hidden=f["hidden-size"],
+              ffn=f["ffn-hidden-size"], heads=heads,
+              query_groups=f.get("num-query-groups", heads),
+              head_dim=f.get("kv-channels", f["hidden-size"] // heads), vocab=vocab,
+              seq_length=f["seq-length"], gated=bool(f.get("swiglu")),
+              layernorm=f.get("normalization") == "LayerNorm", qk_norm=f["model-family"] == "sigma")
+    if kw["family"] == "stem":
+        ratio = f["stem-ratio"]
+        step = {"1/3": 3, "1/2": 2}.get(ratio)
+        kw["stem_layers"] = tuple(i for i in range(1, layers) if step is None
+                                  or (i + 1) % step == 0)
+    if kw["family"] == "structmoe":
+        from megatron_ext.structmoe.config import param_matched_ffn
+
+        n, r = f["structmoe-num-experts"], f["structmoe-rank"]
+        kw.update(smoe_ffn=param_matched_ffn(kw["hidden"], kw["ffn"], n, r, 3 if kw["gated"] else 2),
+                  smoe_experts=n, smoe_rank=r, smoe_topk=f["structmoe-topk"])
+    if kw["family"] == "sigma":
+        sched = json.loads(f["sigma-topk-schedule"])
+        kw.update(experts=f["num-experts"], expert_ffn=f["moe-ffn-hidden-size"],
+                  topks=tuple(sched) + (1,) * (layers - len(sched)), target_topks=(1,) * layers)
+    kw.update(over)
+    return ModelSpec(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the papers' numbers
+
+
+def test_stem_table3_counts():
+    """STEM paper Table 3: total / active parameters (B) and #GFLOPs (the ROI denominator)."""
+    one = lambda x: round(x / 1e9, 2)  # noqa: E731
+    d1, s1 = (estimate(spec_from_preset(p), Layout()) for p in ("dense_1b", "stem_1b"))
+    assert one(d1.total_params) == 1.50 and one(d1.paper_active_params) == 1.50
+    assert round(d1.paper_gflops_per_token, 2) == 3.00
+    assert one(s1.paper_active_params) == 1.41 and round(s1.paper_gflops_per_token, 2) == 2.83
+    assert abs(s1.total_params / 6.75e9 - 1) < 0.015  # 6.67B: the table rounds its own way
+    d350, s350 = (estimate(spec_from_preset(p), Layout()) for p in ("dense_350m", "stem_350m"))
+    assert round(d350.total_params / 1e9, 2) in (0.37, 0.38)
+    assert one(s350.paper_active_params) == 0.35 and round(s350.paper_gflops_per_token, 2) == 0.70
+    assert abs(s350.total_params / 1.14e9 - 1) < 0.03
+    # the saving is exactly the replaced up-projections: 6 h f per STEM layer and token
+    spec = spec_from_preset("stem_1b")
+    saving = d1.train_flops_per_token - s1.train_flops_per_token
+    assert saving == 6 * spec.hidden * spec.ffn * len(spec.stem_layers) == 6 * 2048 * 8192 * 5
+
+
+def test_structmoe_table1_parameter_matching():
+    for size, paper in (("0p9b", 0.9e9), ("1p6b", 1.6e9)):
+        dense = estimate(spec_from_preset(f"dense_structmoe_{size}"), Layout())
+        smoe = estimate(spec_from_preset(f"structmoe_{size}"), Layout())
+        assert abs(dense.total_params / paper - 1) < 0.03
+        assert abs(smoe.total_params / dense.total_params - 1) < 1e-4  # Eq. 8's floor
+        assert spec_from_preset(f"structmoe_{size}").smoe_ffn == 6618  # Table 1
+        assert smoe.train_flops_per_token < dense.train_flops_per_token
+
+
+def test_sigma_tiny_against_its_budget_and_the_report():
+    from megatron_ext.sigma.budget import SigmaBudget
+
+    spec = spec_from_preset("sigma_moe_tiny")
+    est = estimate(spec, Layout())
+    b = SigmaBudget(spec.num_layers, spec.hidden, spec.heads, spec.query_groups, spec.head_dim,
+                    spec.experts, spec.expert_ffn, spec.vocab, tied_embeddings=False)
+    assert est.total_params == b.total
+    emb = spec.vocab * spec.hidden + spec.hidden  # output layer, one embedding row
+    assert est.active_params - emb == b.active(spec.topks)
+    assert est.active_params_target - emb == b.active(spec.target_topks)
+    assert abs(b.active(spec.target_topks) / 0.5e9 - 1) < 0.1  # "0.5B activated"
+    assert abs(b.active(spec.topks) / 0.65e9 - 1) < 0.02  # Table 3: 0.65B before the switch
+    assert abs(est.total_params / 20e9 - 1) < 0.02
+
+
+# ---------------------------------------------------------------------------------------------
+# hand-written formulas
+
+
+def tiny(**over) -> ModelSpec:
+    kw = dict(family="gpt", num_layers=4, hidden=64, ffn=192, heads=4, query_groups=2,
+              head_dim=16, vocab=512, seq_length=32)
+    kw.update(over)
+    return ModelSpec(**kw)
+
+
+def test_dense_counts_by_hand():
+    s = tiny()
+    attn = 64 * (64 + 2 * 32) + 64 * 64
+    mlp = 3 * 64 * 192
+    total = 512 * 64 * 2 + 4 * (attn + mlp + 2 * 64) + 64
+    est = estimate(s, Layout())
+    assert est.total_params == total
+    assert est.active_params == total - 512 * 64 + 64
+    core = 12 * 32 * 64
+    assert est.train_flops_per_token == 6 * 4 * (attn + mlp) + 4 * core + 6 * 64 * 512
+
+
+def test_bias_qknorm_layernorm_counts():
+    s = tiny(bias=True, qk_norm=True, layernorm=True, gated=False)
+    per_layer = (64 * 128 + 64 * 64 + 128 + 64 + 2 * 16 * 2  # attention, biases, QK LayerNorm
+                 + 2 * 64 * 192 + 192 + 64 + 2 * 128)          # GELU MLP with biases, 2 norms
+    assert estimate(s, Layout()).total_params == 2 * 512 * 64 + 4 * per_layer + 128
+
+
+def test_memory_rules():
+    s = tiny()
+    base = Layout(world_size=8, global_batch=64)
+    dist = Layout(world_size=8, global_batch=64, distributed_optimizer=True)
+    e0, e1 = estimate(s, base), estimate(s, dist)
+    n = e0.total_params
+    assert e0.gpu_bytes["weights"] == 2 * n and e0.gpu_bytes["gradients"] == 4 * n
+    assert e0.gpu_bytes["optimizer"] == 12 * n and e1.gpu_bytes["optimizer"] == 12 * n / 8
+    fp32 = estimate(s, Layout(param_bytes=4, master_weights=False))
+    assert fp32.gpu_bytes["optimizer"] == 8 * n and fp32.gpu_bytes["weights"] == 4 * n
+    # TP halves the matrices, not the norms
+    tp = rank_estimate(s, Layout(world_size=2, tp=2), 0)
+    norms = (2 * 4 + 1) * 64
+    assert tp["params"] == (n - norms) // 2 + norms
+    # STEM tables handed to the table store leave the GPU; vocab sharding divides the rows
+    st = tiny(family="stem", stem_layers=(1, 3))
+    kept = estimate(st, Layout(world_size=4, global_batch=8))
+    moved = estimate(st, Layout(world_size=4, global_batch=8, stem_managed=True,
+                                stem_placement="cpu", stem_sharding="vocab"))
+    rows = 512 // 4
+    assert kept.gpu_bytes["weights"] - moved.gpu_bytes["weights"] == 2 * 2 * 512 * 192
+    assert moved.host_bytes["stem_tables"] == 4 * 2 * rows * 192
+    assert moved.host_bytes["stem_adam_moments"] == 8 * 2 * rows * 192
+    assert moved.host_bytes["stem_table_gradients"] == 4 * 2 * rows * 192
+    assert "stem_tables" not in kept.host_bytes
+    # pipeline: the first stage keeps min(pp, micro-batches) micro-batches
+    pp = Layout(world_size=2, pp=2, global_batch=8)
+    r0 = rank_estimate(s, pp, 0)["activation_bytes_one_microbatch"]
+    assert estimate(s, pp).gpu_bytes["activations"] >= 2 * r0
+    # full recomputation keeps much less
+    full = estimate(s, Layout(recompute="full"))
+    assert full.gpu_bytes["activations"] < e0.gpu_bytes["activations"] / 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(world_size=6, tp=4), "not divisible by TP"),
+    (dict(world_size=8, ep=3), "EP x expert-TP"),
+    (dict(world_size=8, global_batch=12, micro_batch=1), "global batch 12"),
+])
+def test_bad_layouts(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Layout(**bad)
+
+
+def test_activation_terms_scale_as_documented():
+    s = tiny(rope=False)  # the RoPE tables are the one term that does not scale with the batch
+    a = layer_activation_bytes(s, Layout(micro_batch=2, global_batch=4), 0, ())
+    b = layer_activation_bytes(s, Layout(micro_batch=4, global_batch=4), 0, ())
+    assert b == pytest.approx(2 * a)
+    flash = layer_activation_bytes(s, Layout(micro_batch=2, global_batch=4,
+                                             flash_attention=True), 0, ())
+    assert flash < a  # no s^2 scores
+
+
+# ---------------------------------------------------------------------------------------------
+# against built models (torchrun, gloo)
+
+CPU = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
+       "--distributed-backend", "gloo", "--use-cpu-initialization",
+       "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+       "--no-bias-swiglu-fusion", "--no-rope-fusion", "--eval-iters", "0",
+       "--eval-interval", "100000", "--attention-dropout", "0", "--hidden-dropout", "0",
+       "--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "8"]
+
+BUILT = {
+    "stem_tp2_pp2_bf16": ["--preset", "stem_cpu", "--bf16", "--tensor-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2"],
+    "structmoe_tp2_dp2_distopt": ["--preset", "structmoe_cpu", "--structmoe-backend", "reference",
+                                  "--tensor-model-parallel-size", "2",
+                                  "--use-distributed-optimizer"],
+    "sigma_tp2sp_pp2_ep2": ["--preset", "sigma_cpu", "--tensor-model-parallel-size", "2",
+                            "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                            "--expert-model-parallel-size", "2",
+                            "--expert-tensor-parallel-size", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT))
+def test_estimate_matches_the_built_model(name, tmp_path):
+    from megatron_ext.compat.standalone import free_port
+
+    out = tmp_path / "ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+           f"--master_port={free_port()}", os.path.join(ROOT, "tests", "dist", "estimate_check.py"),
+           "--estimate-out", str(out), *BUILT[name], *CPU]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(out / "rank*.json")))]
+    assert len(ranks) == 4
+    for r in ranks:
+        e = r["estimate"]
+        assert r["params"] == e["params"], r
+        assert r["expert_params"] == e["expert_params"], r
+        assert r["weight_bytes"] == e["weight_bytes"], r
+        assert r["grad_bytes"] == pytest.approx(e["grad_bytes"], rel=0.02), r  # bucket padding
+        assert r["optimizer_bytes"] == pytest.approx(e["optimizer_bytes"], rel=0.02), r
+        assert r["saved_bytes"] == pytest.approx(e["activation_bytes_one_microbatch"],
+                                                 rel=0.05), r
+    # The model's FLOPs: every rank's matmuls of the step, over the step's tokens. StructMoE's
+    # router and A are replicated across TP (models compute them on every TP rank).
+    measured = sum(r["step_flops"] for r in ranks) / ranks[0]["tokens_per_step"]
+    expected = ranks[0]["estimate"]["train_flops_per_token"]
+    if name.startswith("structmoe"):
+        h, L, rk, layers = 64, 4, 4, 4
+        expected += (2 - 1) * layers * 6 * (h * L + 1 * rk * h)
+    assert measured == pytest.approx(expected, rel=1e-9)
