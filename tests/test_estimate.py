@@ -230,8 +230,10 @@ def test_estimate_matches_the_built_model(name, tmp_path):
         assert r["weight_bytes"] == e["weight_bytes"], r
         assert r["grad_bytes"] == pytest.approx(e["grad_bytes"], rel=0.02), r  # bucket padding
         assert r["optimizer_bytes"] == pytest.approx(e["optimizer_bytes"], rel=0.02), r
+        # activations: dense/STEM layers are itemised exactly, the routed families within 15%
+        tolerance = 0.01 if name.startswith("stem") else 0.15
         assert r["saved_bytes"] == pytest.approx(e["activation_bytes_one_microbatch"],
-                                                 rel=0.05), r
+                                                 rel=tolerance), r
     # The model's FLOPs: every rank's matmuls of the step, over the step's tokens. StructMoE's
     # router and A are replicated across TP (models compute them on every TP rank).
     measured = sum(r["step_flops"] for r in ranks) / ranks[0]["tokens_per_step"]
@@ -240,3 +242,45 @@ def test_estimate_matches_the_built_model(name, tmp_path):
         h, L, rk, layers = 64, 4, 4, 4
         expected += (2 - 1) * layers * 6 * (h * L + 1 * rk * h)
     assert measured == pytest.approx(expected, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def dry_run(*flags, check=True):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "pretrain.py"),
+                           "--dry-run", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_dry_run_command(tmp_path):
+    out = tmp_path / "est.json"
+    proc = dry_run("--preset", "stem_1b", "--dry-run-world-size", "8", "--micro-batch-size", "1",
+                   "--use-distributed-optimizer", "--stem-table-placement", "cpu",
+                   "--stem-table-sharding", "vocab", "--dry-run-json", str(out))
+    assert "paper ROI denominator          2.829 GFLOPs" in proc.stdout
+    assert "host  STEM tables (fp32)" in proc.stdout
+    data = json.loads(out.read_text())
+    by_hand = estimate(spec_from_preset("stem_1b"), Layout())
+    assert data["total_params"] == by_hand.total_params
+    assert data["train_flops_per_token"] == by_hand.train_flops_per_token
+    assert data["layout"]["dp"] == 8 and data["layout"]["microbatches"] == 64
+    rows = math.ceil(128256 / 8)
+    assert data["host_bytes"]["stem_tables"] == 4 * rows * 8192 * 5
+    # the tables are off the GPU: its weights are the dense part only
+    assert data["gpu_bytes"]["weights"] == 2 * (by_hand.total_params - by_hand.stem_table_params)
+    # nothing else was written, no process group was needed
+    assert sorted(os.listdir(tmp_path)) == ["est.json"]
+
+
+def test_dry_run_refusals():
+    bad = dry_run("--preset", "dense_1b", "--dry-run-world-size", "8",
+                  "--tensor-model-parallel-size", "3", check=False)
+    assert bad.returncode == 2 and "megatron-ext: --dry-run:" in bad.stderr
+    novocab = dry_run("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "64", "--max-position-embeddings", "64", check=False)
+    assert novocab.returncode == 2 and "needs the vocabulary" in novocab.stderr

@@ -107,10 +107,13 @@ def report(est, preset: Optional[str]) -> str:
     if est.stem_table_params:
         lines.append(f"    of which STEM tables         {_count(est.stem_table_params)}")
     lines.append(f"  active per token               {_count(est.active_params)}")
+    lines.append(f"    without embedding/output     {_count(est.active_params_without_embeddings)}")
     if est.active_params_target != est.active_params:
-        lines.append(f"    after the sparsification switch {_count(est.active_params_target)}")
+        drop = est.active_params - est.active_params_target
+        lines.append(f"  active after the top-k switch  {_count(est.active_params_target)} "
+                     f"(without embedding/output "
+                     f"{_count(est.active_params_without_embeddings - drop)})")
     lines += [
-        f"    without embedding/output     {_count(est.active_params_without_embeddings)}",
         f"  paper-style active (Table 3)   {_count(est.paper_active_params)} (whole input "
         "embedding counted)",
         "training FLOPs per token (forward + backward)",
@@ -119,7 +122,7 @@ def report(est, preset: Optional[str]) -> str:
         f"MLP {est.flops['mlp']:.3g}, output layer {est.flops['output_layer']:.3g})",
     ]
     if est.flops_target["total"] != est.flops["total"]:
-        lines.append(f"    after the sparsification switch {est.flops_target['total']:.4g}")
+        lines.append(f"  after the top-k switch         {est.flops_target['total']:.4g}")
     lines += [
         f"  paper ROI denominator          {est.paper_gflops_per_token:.3f} GFLOPs per token "
         "(2 x paper-style active parameters, STEM Table 3)",
