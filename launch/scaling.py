@@ -370,14 +370,17 @@ def metrics_from_report(report: Dict[str, object], warmup_iters: int,
     world = int(lay["world_size"])
     tokens = sum(int(it["tokens"]) for it in measured)
     seconds = sum(float(it["seconds"]) for it in measured)
-    flops_per_token = sum(int(it["tokens"]) * float(it["train_flops_per_token"])
-                          for it in measured) / tokens
     tok_s_gpu = tokens / seconds / world
-    tflops = tok_s_gpu * flops_per_token / 1e12
+    if any(it.get("train_flops_per_token") is None for it in measured):
+        flops_per_token = tflops = None  # the estimate did not cover this run (flops_error)
+    else:
+        flops_per_token = sum(int(it["tokens"]) * float(it["train_flops_per_token"])
+                              for it in measured) / tokens
+        tflops = tok_s_gpu * flops_per_token / 1e12
     mem = report["memory"]
     return {
         "tokens_per_s_per_gpu": tok_s_gpu, "tflops_per_s_per_gpu": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "mfu": tflops / peak_tflops if peak_tflops and tflops is not None else None,
         "peak_mem_gib": mem["peak_bytes"] / GIB, "peak_mem_metric": mem["peak_metric"],
         "peak_alloc_gib": (mem["max_allocated_bytes"] / GIB
                            if mem.get("max_allocated_bytes") is not None else None),
@@ -445,6 +448,7 @@ def plot(rows: Sequence[Dict[str, object]], path: str, title: str, unit: str = "
 
     names = [str(r["layout"]) for r in rows]
     peak = next((r for r in rows if _num(r, "peak_tflops")), None)
+    metric = next((r["peak_mem_metric"] for r in rows if r.get("peak_mem_metric")), "n/a")
     peak_label = (f"of {float(peak['peak_tflops']):.3g} TFLOP/s, {peak['peak_source']}"
                   if peak else "no peak: give --peak-tflops")
     panels = [
@@ -453,8 +457,7 @@ def plot(rows: Sequence[Dict[str, object]], path: str, title: str, unit: str = "
         ("tflops_per_s_per_gpu", 1.0, f"TFLOP/s per {unit}",
          f"achieved training FLOP/s per {unit} (model FLOPs)"),
         ("mfu", 100.0, "MFU (%)", f"MFU ({peak_label})"),
-        ("peak_mem_gib", 1.0, "GiB (max over ranks)",
-         f"peak memory per rank ({rows[0].get('peak_mem_metric') or 'n/a'})" if rows else ""),
+        ("peak_mem_gib", 1.0, "GiB (max over ranks)", f"peak memory per rank ({metric})"),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(max(9.0, 1.6 * len(rows) + 5), 7.5))
     for ax, (key, scale, ylabel, panel_title) in zip(axes.flat, panels):
@@ -631,8 +634,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         row["status"] = status
         if status == "ok":
             mfu = f"{100 * row['mfu']:.2f}%" if row.get("mfu") is not None else "n/a"
+            tflops = row.get("tflops_per_s_per_gpu")
             log(f"{lay.name}: ok, {row['tokens_per_s_per_gpu']:.4g} tokens/s/GPU, "
-                f"{row['tflops_per_s_per_gpu']:.4g} TFLOP/s/GPU, MFU {mfu}, "
+                f"{'n/a' if tflops is None else f'{tflops:.4g}'} TFLOP/s/GPU, MFU {mfu}, "
                 f"{row['peak_mem_gib']:.3g} GiB, {row['iter_time_ms']:.4g} ms/iter ({wall:.0f} s)")
         else:
             log(f"{lay.name}: {status}: {row.get('error')} ({wall:.0f} s)")

@@ -166,7 +166,7 @@ def test_peak_unknown_gpu_and_given():
 
 
 def _report(times, tokens=512, flops=None, world=2):
-    flops = flops or [1.5e6] * len(times)
+    flops = [1.5e6] * len(times) if flops is None else flops
     return {
         "preset": "stem_cpu", "model_family": "stem",
         "layout": {"world_size": world, "micro_batch_size": 2, "global_batch_size": 8,
@@ -205,6 +205,11 @@ def test_metrics_startup_never_measured_and_flops_token_weighted():
     m = sh.metrics_from_report(r, 1, None)
     assert m["train_flops_per_token"] == pytest.approx((512 * 4e6 + 1024 * 2e6) / 1536)
     assert m["tflops_per_s_per_gpu"] == pytest.approx((512 * 4e6 + 1024 * 2e6) / 4.0 / 2 / 1e12)
+    # no estimate for this run (the report's flops_error): throughput only
+    r = _report([9.0, 1.0], flops=[None, None])
+    m = sh.metrics_from_report(r, 1, 0.01)
+    assert m["tokens_per_s_per_gpu"] == pytest.approx(256.0)
+    assert m["tflops_per_s_per_gpu"] is None and m["mfu"] is None
     with pytest.raises(ValueError, match="nothing left to measure"):
         sh.metrics_from_report(_report([9.0, 1.0]), 2, None)
 
@@ -222,6 +227,18 @@ def test_csv_columns_and_formatting(tmp_path):
     assert got[0]["tokens_per_s_per_gpu"] == "1234.57" and got[0]["mfu"] == ""
     assert got[1]["error"] == "no experts, sorry" and got[1]["tp"] == ""
     assert os.listdir(tmp_path) == ["s.csv"]  # no temp file left behind
+
+
+def test_plot_with_refused_rows_and_missing_numbers(tmp_path):
+    rows = [dict(layout="tp1ep2dp2", status="refused"),
+            dict(layout="tp1dp2", status="ok", tokens_per_s_per_gpu=100.0, mfu=None,
+                 peak_mem_gib=0.5, peak_mem_metric="ru_maxrss"),
+            dict(layout="tp2dp1", status="failed")]
+    path = str(tmp_path / "p.png")
+    sh.plot(rows, path, "title", unit="rank")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["p.png"]
 
 
 def test_last_error_line_prefers_the_primary_error():

@@ -136,23 +136,32 @@ def write_json_atomic(path: str, payload: Dict[str, object]) -> None:
 
 
 class FlopsPerToken:
-    """Training FLOPs per token of the model being trained, per iteration."""
+    """Training FLOPs per token of the model being trained, per iteration (None, with ``error``
+    set, where the estimate does not cover the run: the report must never stop a training)."""
 
     def __init__(self, args):
-        from megatron_ext.training import estimate
-
-        self._estimate = estimate
-        self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
+        self.at_start: Optional[float] = None
+        self.error: Optional[str] = None
         self._sigma = None
-        if getattr(args, "model_family", None) == "sigma":
-            from megatron_ext.training.arguments import sigma_config_from_args
+        try:
+            from megatron_ext.training import estimate
 
-            self._sigma = sigma_config_from_args(args)
-            self._spec = estimate.spec_from_args(args)
-            self._train_iters = args.train_iters
+            self._estimate = estimate
+            self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
+            if getattr(args, "model_family", None) == "sigma":
+                from megatron_ext.training.arguments import sigma_config_from_args
 
-    def __call__(self, iteration: int) -> float:
-        if self._sigma is None:
+                self._sigma = sigma_config_from_args(args)
+                self._spec = estimate.spec_from_args(args)
+                self._train_iters = args.train_iters
+        except Exception as exc:
+            self.at_start, self.error = None, f"{type(exc).__name__}: {exc}"
+            if _rank() == 0:
+                print(f"megatron-ext: run report without FLOPs per token ({self.error})",
+                      file=sys.stderr)
+
+    def __call__(self, iteration: int) -> Optional[float]:
+        if self._sigma is None or self.at_start is None:
             return self.at_start
         # The step that ends at `iteration` ran with `iteration - 1` completed iterations.
         topks = self._sigma.topks_at(iteration - 1, self._train_iters)
@@ -228,6 +237,7 @@ class RunReport:
             "params_dtype": str(getattr(a, "params_dtype", "")).replace("torch.", ""),
             "train_flops_per_token": self.flops.at_start,
             "flops_source": "megatron_ext.training.estimate (forward + backward, per token)",
+            "flops_error": self.flops.error,
             "iterations": self.iterations,
             "memory": memory_summary(per_rank_memory, complete=complete),
         }
@@ -235,7 +245,11 @@ class RunReport:
     def finish(self, per_rank_memory: List[List[int]], finished_by: str) -> None:
         self.written = True
         if _rank() == 0:
-            write_json_atomic(self.path, self.payload(per_rank_memory, finished_by))
+            try:
+                write_json_atomic(self.path, self.payload(per_rank_memory, finished_by))
+            except OSError as exc:  # a full disk must not turn a finished training into a crash
+                print(f"megatron-ext: run report not written to {self.path}: {exc}",
+                      file=sys.stderr)
 
     def at_exit(self) -> None:
         if self.written or self.args is None or _rank() != 0:
