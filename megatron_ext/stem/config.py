@@ -12,6 +12,7 @@ PLACEMENTS = ("gpu", "cpu")
 SHARDINGS = ("replicated", "vocab")
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/row_adam.py
+KERNELS = ("auto", "triton", "torch")       # kernels/stem_gate.py
 
 
 @dataclass
@@ -45,6 +46,9 @@ class StemConfig:
     ownership: str = "interleaved"
     optimizer: str = "dense"
     prefetch: bool = True
+    # The lookup-and-gate: ``triton`` the fused kernel (kernels/stem_gate.py), ``torch`` its
+    # plain-PyTorch reference, ``auto`` the kernel on a CUDA device with Triton.
+    kernel: str = "auto"
 
     @property
     def managed_tables(self) -> bool:
@@ -65,7 +69,8 @@ class StemConfig:
         for flag, value, allowed in (("--stem-table-placement", self.placement, PLACEMENTS),
                                      ("--stem-table-sharding", self.sharding, SHARDINGS),
                                      ("--stem-row-ownership", self.ownership, OWNERSHIPS),
-                                     ("--stem-optimizer", self.optimizer, OPTIMIZERS)):
+                                     ("--stem-optimizer", self.optimizer, OPTIMIZERS),
+                                     ("--stem-kernel", self.kernel, KERNELS)):
             if value not in allowed:
                 raise ValueError(f"{flag}={value!r}: allowed values are {', '.join(allowed)}")
         if self.layers is not None:

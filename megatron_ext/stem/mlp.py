@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.stem.config import StemConfig
+from megatron_ext_kernels import stem_gate
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
 
@@ -147,6 +148,8 @@ class StemMLP(MegatronModule):
             set_tensor_model_parallel_attributes(self.table, True, 1, 1)
         self._token_ids: Optional[torch.Tensor] = None
         self.layer_number: Optional[int] = None
+        # The fused lookup-and-gate (kernels/stem_gate.py) or its PyTorch reference below.
+        self.kernel = stem_gate.resolve(stem.kernel, self.activation_func)
 
     @classmethod
     def as_mlp_submodule(cls, submodules: MLPSubmodules, stem: StemConfig, vocab_size: int,
@@ -187,11 +190,19 @@ class StemMLP(MegatronModule):
         """``U[t]`` for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
         if not self.managed:
             return lookup_rows(self.table, token_ids)
+        rows, inverse = self._table_and_index(token_ids)
+        return torch.nn.functional.embedding(inverse, rows).to(self.config.params_dtype)
+
+    def _table_and_index(self, token_ids: torch.Tensor):
+        """What the fused kernel gathers from: the table parameter and the ids, or a managed
+        table's unique rows of this micro-batch and each token's index into them."""
+        if not self.managed:
+            return self.table, token_ids
         if self._rows is None or self._rows[1].shape != token_ids.shape:
             raise RuntimeError("managed STEM table used without rows for this micro-batch: the "
                                "forward step must call StemTables.prepare(tokens) first")
         rows, inverse = self._rows
-        return torch.nn.functional.embedding(inverse, rows).to(self.config.params_dtype)
+        return rows, inverse
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         token_ids = self._token_ids
@@ -200,11 +211,15 @@ class StemMLP(MegatronModule):
                 "StemMLP called without token ids: STEM layers must be built with "
                 "megatron_ext's layer specs and model (the ids travel in the block's `context`)")
         fc1_out, _ = self.linear_fc1(hidden_states)
-        rows = self.lookup(token_ids)
-        if rows.shape[:2] != fc1_out.shape[:2]:
+        if fc1_out.shape[:2] != token_ids.shape:
             raise RuntimeError(
                 f"STEM token ids have shape {tuple(token_ids.shape)} but the MLP input covers "
                 f"{tuple(fc1_out.shape[:2])} [sequence, batch] positions")
+        if self.kernel == "triton":
+            table, index = self._table_and_index(token_ids)
+            intermediate = stem_gate.stem_gate(fc1_out, table, index, self.variant)
+            return self.linear_fc2(intermediate)
+        rows = self.lookup(token_ids)
         if self.variant == "up":
             intermediate = self.activation_func(fc1_out) * rows
         elif self.variant == "gate":

@@ -11,6 +11,7 @@ from typing import Optional
 
 from megatron_ext.stem.config import (
     INITS,
+    KERNELS,
     OPTIMIZERS,
     OWNERSHIPS,
     PLACEMENTS,
@@ -84,6 +85,9 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     stem.add_argument("--stem-prefetch", action=argparse.BooleanOptionalAction, default=True,
                       help="cpu/vocab-sharded tables: fetch the next micro-batch's rows in the "
                            "background while the current one computes")
+    stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
+                      help="lookup-and-gate: triton = the fused kernel (kernels/stem_gate.py), "
+                           "torch = the plain-PyTorch path, auto = triton on a CUDA device")
     stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
                       help="after training, write each rank's rows of cpu/vocab-sharded tables "
                            "to DIR (inspection and tests)")
@@ -211,7 +215,8 @@ def stem_config_from_args(args) -> Optional[StemConfig]:
     return StemConfig(ratio=args.stem_ratio, layers=layers, variant=args.stem_variant,
                       init=args.stem_init, placement=args.stem_table_placement,
                       sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
-                      optimizer=args.stem_optimizer, prefetch=args.stem_prefetch)
+                      optimizer=args.stem_optimizer, prefetch=args.stem_prefetch,
+                      kernel=args.stem_kernel)
 
 
 def data_manifest_path(args) -> Optional[str]:

@@ -1,0 +1,203 @@
+"""Fused STEM lookup-and-gate: ``silu(W_g x) * U[t]`` in one kernel, forward and backward.
+
+The plain-PyTorch reference (:func:`stem_gate_reference`) is what ``StemMLP`` computes without
+the kernel: gather the rows (``F.embedding``), cast them to the model's dtype, apply the variant's
+gate. The fused path (:func:`stem_gate`, Triton kernels in ``_stem_gate_triton.py``):
+
+* forward: one pass reads ``linear_fc1``'s output and the token's table row and writes the gated
+  product; nothing but the inputs is kept for backward (the reference keeps the gathered rows and
+  the activation);
+* backward: the tokens are sorted by table row on the device (``torch.sort``, no host sync) and one
+  program per distinct row walks that row's tokens, writing their ``linear_fc1`` gradients and
+  summing their row gradients in fp32. The sum goes straight into its destination row: Megatron's
+  ``main_grad`` of an ordinary table (as ``megatron.core.tensor_parallel.layers``' gradient
+  accumulation fusion does for linear weights), the ``[U, F]`` gradient of a managed table's
+  unique rows, or, for a bare parameter without ``main_grad``, the dense gradient autograd
+  requires of it. No per-token row gradient and no ``[vocab, F]`` temporary is materialised, and
+  the result does not depend on thread scheduling (no atomics).
+
+Differences to the reference are rounding only: the kernel keeps fp32 between the activation and
+the product, where the reference rounds each op to the model's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import torch
+import torch.nn.functional as F
+
+VARIANTS = {"up": 0, "gate": 1, "dagger": 2}
+
+_triton_module = None
+
+
+def available() -> bool:
+    """Triton importable and a place to run it: a CUDA device, or Triton's interpreter on the CPU."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or interpreted()
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels():
+    global _triton_module
+    if _triton_module is None:
+        from megatron_ext_kernels import _stem_gate_triton
+
+        _triton_module = _stem_gate_triton
+    return _triton_module
+
+
+def stem_gate_reference(fc1_out: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
+                        variant: str = "up") -> torch.Tensor:
+    """Plain PyTorch: ``fc1_out [..., W]``, ``table [R, F]``, ``index [...]`` into the table rows;
+    ``W = F`` (up, gate) or ``2 F`` (dagger: ``[gate | up]`` as Megatron's gated ``linear_fc1``)."""
+    rows = F.embedding(index, table).to(fc1_out.dtype)
+    if variant == "up":
+        return F.silu(fc1_out) * rows
+    if variant == "gate":
+        return F.silu(rows) * fc1_out
+    if variant == "dagger":
+        gate, up = torch.chunk(fc1_out, 2, dim=-1)
+        return F.silu(gate) * (up + rows)
+    raise ValueError(f"unknown STEM variant {variant!r}")
+
+
+def _check(fc1_out: torch.Tensor, table: torch.Tensor, index: torch.Tensor, variant: str) -> int:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown STEM variant {variant!r}: one of {', '.join(VARIANTS)}")
+    width = table.shape[-1] * (2 if variant == "dagger" else 1)
+    if table.dim() != 2 or fc1_out.shape[-1] != width:
+        raise ValueError(f"STEM gate: linear_fc1 output width {fc1_out.shape[-1]} does not fit a "
+                         f"{variant!r} table of shape {tuple(table.shape)}")
+    if tuple(fc1_out.shape[:-1]) != tuple(index.shape):
+        raise ValueError(f"STEM gate: ids of shape {tuple(index.shape)} for linear_fc1 output of "
+                         f"shape {tuple(fc1_out.shape)}")
+    if fc1_out.device != table.device or index.device != table.device:
+        raise ValueError("STEM gate: fc1 output, table and ids must be on one device")
+    return VARIANTS[variant]
+
+
+def _blocks(n_cols: int):
+    block_f = min(1024, _next_power_of_2(n_cols))
+    return block_f, _cdiv(n_cols, block_f)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def _segments(index: torch.Tensor):
+    """Tokens sorted by row, and where each run of equal rows starts, all on the device.
+
+    ``starts`` has ``n + 1`` entries: ``starts[s]`` is the first sorted position of the ``s``-th
+    distinct row; entries past the number of distinct rows (and the last) are ``n``."""
+    n = index.numel()
+    ordered, order = torch.sort(index, stable=True)
+    head = torch.ones(n, dtype=torch.bool, device=index.device)
+    head[1:] = ordered[1:] != ordered[:-1]
+    segment = torch.cumsum(head, 0) - 1
+    starts = torch.full((n + 1,), n, dtype=torch.int64, device=index.device)
+    starts.scatter_reduce_(0, segment, torch.arange(n, device=index.device), "amin")
+    return ordered, order, starts
+
+
+class StemGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fc1_out, table, index, variant_id, dst_hint):
+        shape = fc1_out.shape
+        fc1 = fc1_out.reshape(-1, shape[-1])
+        if fc1.stride(-1) != 1:
+            fc1 = fc1.contiguous()
+        ids = index.reshape(-1)
+        tab = table if table.stride(-1) == 1 else table.contiguous()
+        n, n_cols = fc1.shape[0], tab.shape[1]
+        out = torch.empty(n, n_cols, dtype=fc1_out.dtype, device=fc1_out.device)
+        if n:
+            block_f, grid_f = _blocks(n_cols)
+            block_n = max(1, min(16, 4096 // block_f))
+            _kernels().stem_gate_fwd[(_cdiv(n, block_n), grid_f)](
+                fc1, tab, ids, out, n, n_cols, fc1.stride(0), tab.stride(0), out.stride(0),
+                VARIANT=variant_id, BLOCK_N=block_n, BLOCK_F=block_f)
+        ctx.save_for_backward(fc1, ids)
+        ctx.table = table
+        ctx.variant_id = variant_id
+        ctx.shape = shape
+        ctx.dst_hint = dst_hint
+        return out.view(*shape[:-1], n_cols)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        fc1, ids = ctx.saved_tensors
+        table = ctx.table
+        tab = table if table.stride(-1) == 1 else table.contiguous()
+        n, n_cols = fc1.shape[0], tab.shape[1]
+        grad = grad_out.reshape(n, n_cols)
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        main_grad = getattr(table, "main_grad", None) if ctx.dst_hint == "main_grad" else None
+        if main_grad is not None:
+            dst = main_grad
+        else:
+            # The gradient autograd expects of the table (dense only for a bare parameter, the
+            # unique rows' [U, F] for a managed table), accumulated in fp32.
+            dst = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+        dfc1 = torch.empty_like(fc1)
+        if n:
+            ordered, order, starts = _segments(ids)
+            block_f, grid_f = _blocks(n_cols)
+            block_t = max(1, min(16, 4096 // block_f))
+            _kernels().stem_gate_bwd[(n, grid_f)](
+                grad, fc1, tab, order, ordered, starts, dfc1, dst, n, n_cols,
+                grad.stride(0), fc1.stride(0), tab.stride(0), dfc1.stride(0), dst.stride(0),
+                VARIANT=ctx.variant_id, BLOCK_T=block_t, BLOCK_F=block_f)
+        if main_grad is not None:
+            table.grad_added_to_main_grad = True
+            # Never read: DDP's hook skips it because grad_added_to_main_grad is set.
+            grad_table = torch.empty(table.shape, dtype=table.dtype, device=table.device)
+        else:
+            grad_table = dst.to(table.dtype)
+        return dfc1.view(ctx.shape), grad_table, None, None, None
+
+
+def stem_gate(fc1_out: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
+              variant: str = "up", accumulate_main_grad: bool = True) -> torch.Tensor:
+    """Fused ``stem_gate_reference``. ``table`` is a table parameter (its row gradients go into
+    ``table.main_grad`` when Megatron's DDP has set one up and ``accumulate_main_grad``) or a
+    managed table's unique rows (``index`` = the inverse into them)."""
+    variant_id = _check(fc1_out, table, index, variant)
+    if not available():
+        raise RuntimeError("the fused STEM kernel needs Triton and a CUDA device (or "
+                           "TRITON_INTERPRET=1 on the CPU); use the PyTorch path")
+    return StemGate.apply(fc1_out, table, index, variant_id,
+                          "main_grad" if accumulate_main_grad else None)
+
+
+def resolve(kernel: str, activation=None) -> str:
+    """``--stem-kernel``: ``auto`` is the fused kernel on a CUDA device with Triton and SwiGLU's
+    SiLU, PyTorch otherwise; ``triton`` insists on the kernel (on the CPU only under
+    ``TRITON_INTERPRET=1``); ``torch`` forces the reference."""
+    silu = activation is None or activation is F.silu
+    if kernel == "torch":
+        return "torch"
+    if kernel == "auto":
+        return "triton" if (silu and torch.cuda.is_available() and available()) else "torch"
+    if kernel != "triton":
+        raise ValueError(f"--stem-kernel={kernel!r}: one of auto, triton, torch")
+    if not silu:
+        raise ValueError("--stem-kernel=triton: the fused kernel computes SiLU (SwiGLU, --swiglu); "
+                         "use --stem-kernel torch for another activation")
+    if not available():
+        raise ValueError("--stem-kernel=triton needs Triton with a CUDA device (or "
+                         "TRITON_INTERPRET=1 on the CPU)")
+    return "triton"
+
