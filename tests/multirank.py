@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron_ext.compat.standalone import free_port
 
@@ -43,8 +43,9 @@ class Run:
 
 
 def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
-             timeout: int = 600) -> Run:
-    """One training launch; its tensorboard scalars go to ``workdir/name/tb``."""
+             timeout: int = 600, env: Optional[Dict[str, str]] = None) -> Run:
+    """One training launch; its tensorboard scalars go to ``workdir/name/tb``. ``env`` is added to
+    the environment of the launch."""
     from megatron_ext.training.metrics import read_tensorboard_scalars
 
     out_dir = os.path.join(workdir, name)
@@ -53,8 +54,8 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", PRETRAIN, *flags,
            "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     log = proc.stdout + proc.stderr
     with open(os.path.join(out_dir, "log.txt"), "w") as f:

@@ -5,6 +5,7 @@ identical whatever the layout. fp32, CPU, gloo, 2 ranks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
 
@@ -16,6 +17,7 @@ PP2_RECOMPUTE = ["--pipeline-model-parallel-size", "2", "--recompute-granularity
 PP2_VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 DOPT = ["--use-distributed-optimizer"]
 FIRST5 = [1, 2, 3, 4, 5]
+INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 AFTER_RESUME = [4, 5, 6]
 
 
@@ -35,6 +37,11 @@ def runs(tmp_path_factory):
                         ["--save", ck_tp2, "--save-interval", "3"])
     r["tp2_sp"] = torchrun("tp2_sp", str(tmp), STEM + ITERS + start + TP2 +
                            ["--sequence-parallel"])
+    # The fused lookup-and-gate kernel (Triton's interpreter on the CPU), its row gradients going
+    # into Megatron DDP's main_grad, under TP=2 + SP.
+    r["tp2_sp_kernel"] = torchrun("tp2_sp_kernel", str(tmp), STEM + ITERS + start + TP2 +
+                                  ["--sequence-parallel", "--stem-kernel", "triton"],
+                                  env=INTERPRET)
     r["pp2_recompute"] = torchrun("pp2_recompute", str(tmp), STEM + ITERS + start + PP2_RECOMPUTE)
     # Interleaved 1F1B: chunks hold layers {0, 2} (dense) and {1, 3} (STEM) of the two stages.
     r["pp2_vpp"] = torchrun("pp2_vpp", str(tmp), STEM + ITERS + start + PP2_VPP)
@@ -55,7 +62,8 @@ def test_reference_trains(runs):
     assert ref.losses[6] < ref.losses[1]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2_recompute", "pp2_vpp"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_sp_kernel", "pp2_recompute",
+                                    "pp2_vpp"])
 def test_layout_does_not_change_losses(runs, layout):
     assert_close_curves(require_ok(runs[layout]), require_ok(runs["ref"]), FIRST5)
 

@@ -25,8 +25,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stem_tables")
     out = {"tmp": tmp}
 
-    def run(name, flags, nproc=2):
-        out[name] = torchrun(name, str(tmp), STEM + flags, nproc=nproc)
+    def run(name, flags, nproc=2, env=None):
+        out[name] = torchrun(name, str(tmp), STEM + flags, nproc=nproc, env=env)
 
     run("ref", ["--save", str(tmp / "ck_ref"), "--save-interval", "5"], nproc=1)  # 4 micro-b.
     run("cpu_vocab_dp2", CPU_VOCAB + ["--stem-dump-tables", str(tmp / "dump_cpu_vocab"),
@@ -48,6 +48,9 @@ def runs(tmp_path_factory):
         nproc=1)
     run("cpu_vocab_dp2_no_prefetch", CPU_VOCAB + ["--no-stem-prefetch"])
     run("cpu_replicated_dp2", ["--stem-table-placement", "cpu"])
+    # The fused lookup-and-gate kernel on the managed rows (Triton's interpreter on the CPU).
+    run("cpu_vocab_dp2_kernel", CPU_VOCAB + ["--stem-kernel", "triton"],
+        env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     run("ref_tp2_dp2", tp2, nproc=4)
     run("gpu_vocab_tp2_dp2", ["--stem-table-sharding", "vocab"] + tp2, nproc=4)
@@ -67,6 +70,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout,reference", [("cpu_vocab_dp2", "ref"),
                                               ("cpu_replicated_dp2", "ref"),
+                                              ("cpu_vocab_dp2_kernel", "ref"),
                                               ("gpu_vocab_tp2_dp2", "ref_tp2_dp2"),
                                               ("cpu_vocab_pp2_dp2", "ref_pp2_dp2")])
 def test_losses_match_the_ordinary_table(runs, layout, reference):
