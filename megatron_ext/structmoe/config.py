@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 FUSIONS = ("additive", "glu")
-BACKENDS = ("auto", "reference", "grouped", "dense-masked")
+BACKENDS = ("auto", "reference", "grouped", "dense-masked", "triton")
 INITS = ("small", "megatron")
 
 

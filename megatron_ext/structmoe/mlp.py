@@ -44,7 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.structmoe.balance import attach_and_record
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
-from megatron_ext.structmoe.routed import backend_stages, resolve_backend, route
+from megatron_ext.structmoe.routed import resolve_backend, route_codes_stages
 
 
 def small_init(fan_in: int):
@@ -108,7 +108,8 @@ class StructMoEMLP(MegatronModule):
             setattr(p, "partition_dim", 2 if parallel else -1)
             setattr(p, "partition_stride", 1)
         self.backend = resolve_backend(structmoe.backend)
-        self.codes_fn, self.expand_fn = backend_stages(self.backend)
+        # A fused backend (triton) computes the routing with the codes; the others run route().
+        self.route_codes_fn, self.expand_fn = route_codes_stages(self.backend)
         self.layer_number = None  # set by TransformerLayer (1-based, global), for logging
 
     def set_layer_number(self, layer_number: int) -> None:
@@ -137,8 +138,7 @@ class StructMoEMLP(MegatronModule):
                                                      group=self.tp_group)
         s, b, h = x.shape
         x2d = x.reshape(s * b, h)
-        routing = route(x2d, self.router, self.smoe.topk)
-        codes = self.codes_fn(x2d, self.lore_a, routing)
+        routing, codes = self.route_codes_fn(x2d, self.router, self.lore_a, self.smoe.topk)
         if self.tp_size > 1:
             codes = copy_to_tensor_model_parallel_region(codes, group=self.tp_group)
         update = self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)

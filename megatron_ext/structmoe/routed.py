@@ -16,6 +16,11 @@ Backends, numerically equal (tested against a plain reference of Eq. 5):
 * ``grouped``: sort the (token, slot) pairs by expert, then one grouped GEMM per stage
   (``torch._grouped_mm`` with on-device group offsets, so no host sync), and scatter-add back.
   ``k / L`` of dense-masked's low-rank FLOPs, at the price of a permutation.
+* ``triton``: router and codes fused in one Triton kernel, forward and backward
+  (``kernels/structmoe_routed.py``): the routing and dense-masked's codes come out of one pass
+  over ``x`` with the slot counts (no ``torch.bincount``), no permutation, no host sync; the
+  expand is dense-masked's GEMM. It computes its own routing, so it is a *fused* backend
+  (:data:`FUSED_BACKENDS`): ``route_codes(x, w_router, a, topk) -> (Routing, codes)``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Routing:
     indices: torch.Tensor  # [N, k] selected experts
     weights: torch.Tensor  # [N, k] their scores s_l(x), differentiable w.r.t. the router
     _dispatch: Optional["Dispatch"] = field(default=None, repr=False)
+    # [L] slots per expert; a fused backend passes the counts its kernel computed.
     _counts: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def tokens_per_expert(self) -> torch.Tensor:
@@ -155,6 +161,34 @@ BACKENDS = {
 }
 
 
+def triton_route_codes(x: torch.Tensor, w_router: torch.Tensor, a: torch.Tensor,
+                       topk: int) -> tuple[Routing, torch.Tensor]:
+    """Routing and dense-masked's ``[N, L r]`` codes from the fused Triton kernel."""
+    from megatron_ext_kernels.structmoe_routed import fused_route_codes
+
+    fused, codes = fused_route_codes(x, w_router, a, topk)
+    return Routing(probs=fused.probs, indices=fused.indices, weights=fused.weights,
+                   _counts=fused.counts), codes
+
+
+# Backends that compute the routing themselves: (route_codes, expand).
+FUSED_BACKENDS = {
+    "triton": (triton_route_codes, dense_masked_expand),
+}
+
+
+def check_fused_backend(backend: str) -> None:
+    """Refuse a fused backend that cannot run here, with the flag named (at build time)."""
+    if backend == "triton":
+        from megatron_ext_kernels.structmoe_routed import available
+
+        if not available():
+            raise ValueError(
+                "--structmoe-backend=triton needs Triton and a CUDA device (on the CPU only under "
+                "Triton's interpreter, environment TRITON_INTERPRET=1, slow: for tests); use "
+                "--structmoe-backend dense-masked or grouped")
+
+
 def resolve_backend(backend: str) -> str:
     """``auto``: grouped on the CPU, where it measured fastest (benchmarks/structmoe_step.py,
     docs/benchmarks.md); dense-masked on a GPU until a GPU measurement says otherwise."""
@@ -164,11 +198,29 @@ def resolve_backend(backend: str) -> str:
 
 
 def backend_stages(backend: str):
+    """``(codes, expand)`` of a backend that takes a precomputed routing."""
     try:
         return BACKENDS[backend]
     except KeyError:
+        fused = (f" ({backend} computes its own routing: route_codes_stages)"
+                 if backend in FUSED_BACKENDS else "")
         raise ValueError(f"--structmoe-backend={backend!r}: available here: "
-                         f"{', '.join(BACKENDS)}") from None
+                         f"{', '.join(BACKENDS)}{fused}") from None
+
+
+def route_codes_stages(backend: str):
+    """``(route_codes, expand)`` of any backend, ``route_codes(x, w_router, a, topk) ->
+    (Routing, codes)``: a fused backend's own, or ``route()`` followed by the backend's codes."""
+    if backend in FUSED_BACKENDS:
+        check_fused_backend(backend)
+        return FUSED_BACKENDS[backend]
+    codes_fn, expand_fn = backend_stages(backend)
+
+    def route_codes(x, w_router, a, topk):
+        routing = route(x, w_router, topk)
+        return routing, codes_fn(x, a, routing)
+
+    return route_codes, expand_fn
 
 
 def routed(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, routing: Routing,

@@ -111,7 +111,9 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            "megatron: Megatron's --init-method-std rules")
     smoe.add_argument("--structmoe-backend", choices=SMOE_BACKENDS, default="auto",
                       help="routed low-rank path: reference (Algorithm 1), grouped "
-                           "(torch._grouped_mm), dense-masked; auto: grouped on CPU, dense-masked on GPU")
+                           "(torch._grouped_mm), dense-masked, triton (router and codes fused in "
+                           "one Triton kernel; CUDA, or TRITON_INTERPRET=1 on CPU); auto: grouped "
+                           "on CPU, dense-masked on GPU")
     smoe.add_argument("--structmoe-aux-loss-coeff", type=float, default=0.01,
                       help="coefficient of the Switch load-balancing loss on the router (0: off; "
                            "routing fractions are logged either way)")
