@@ -1,0 +1,204 @@
+"""StructMoE MLP layer (routed path per backend) vs the dense SwiGLU MLP, forward + backward, in one run.
+
+    .venv/bin/python benchmarks/structmoe_kernel.py              # GPU: bf16, H=2048, D_ff=5632
+    .venv/bin/python benchmarks/structmoe_kernel.py --cpu-smoke  # CPU: tiny shape, checks the script
+
+Dense side: Megatron-Core's ``MLP`` with SwiGLU, ``D_ff = 5632``. StructMoE side: ``StructMoEMLP``
+with ``L = 16`` experts of rank 16, top-1, ``D'_ff`` from the project's parameter matching
+(Eq. 8 with three base matrices: 5319 at this shape), once per backend of the routed path:
+``triton`` (router and codes fused, kernels/structmoe_routed.py), ``dense-masked`` and ``grouped``.
+Both sides are built with the same linear layers and wrapped in Megatron's
+``DistributedDataParallel`` as in training; the aux loss is attached as in training. Each step is
+forward + backward of one micro-batch of ``--tokens`` tokens, timed with CUDA events (the grad
+buffer is zeroed outside the timing); sides are interleaved twice so drift in machine load hits
+all of them, and medians are reported. The routed update alone (router, codes, expand and their
+backward) is timed per backend too. Issue goal: the StructMoE layer at most +3% over dense.
+
+Without a GPU the script says so and exits 0; ``--cpu-smoke`` then runs a tiny shape in fp32
+(the triton backend under Triton's interpreter), wall-clock timed, to check the script runs: its
+numbers mean nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import RunSetup, add_run_args, wrap_ddp  # noqa: E402
+
+BACKENDS = ("triton", "dense-masked", "grouped")
+SMOKE = dict(hidden=64, ffn=176, tokens=64)
+
+
+def build(args, dtype):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.structmoe.config import StructMoEConfig
+    from megatron_ext.structmoe.mlp import StructMoEMLP
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=16,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bias_activation_fusion=False, gradient_accumulation_fusion=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    torch.manual_seed(1)
+    sides = {"dense": MLP.as_mlp_submodule(submodules=submodules, config=config, pg_collection=pgs,
+                                           is_mtp_layer=False, ffn_hidden_size=args.ffn)}
+    for backend in args.backends:
+        torch.manual_seed(1)
+        mlp = StructMoEMLP.as_mlp_submodule(
+            submodules=submodules, config=config, pg_collection=pgs,
+            structmoe=StructMoEConfig(num_experts=args.experts, rank=args.rank, topk=args.topk,
+                                      backend=backend))
+        mlp.set_layer_number(1)
+        sides[backend] = mlp
+    return sides
+
+
+def timed_events(step, reset, reps: int, warmup: int):
+    """Seconds of ``reps`` calls of ``step`` after ``warmup`` untimed ones, from CUDA events (one
+    synchronisation at the end, so the host runs ahead as in training); ``reset`` runs before
+    each call, outside the timed interval. On the CPU: wall clock."""
+    if not torch.cuda.is_available():
+        times = []
+        for i in range(warmup + reps):
+            reset()
+            t0 = time.perf_counter()
+            step()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+    for _ in range(warmup):
+        reset()
+        step()
+    events = []
+    for _ in range(reps):
+        reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in events]
+
+
+def time_layer(ddp, x, grad, reps, warmup):
+    def step():
+        out, _ = ddp(x)
+        out.backward(grad)
+
+    def reset():
+        ddp.zero_grad_buffer()
+        x.grad = None
+
+    return timed_events(step, reset, reps, warmup)
+
+
+def time_routed(ddp, x, reps, warmup):
+    """The routed update alone (aux loss attached as in training), forward + backward."""
+    mlp = ddp.module
+    grad = torch.randn(x.shape[0], x.shape[1], mlp.ffn_per_partition, device=x.device,
+                       dtype=x.dtype)
+
+    def step():
+        mlp.routed_update(x).backward(grad)
+
+    def reset():
+        ddp.zero_grad_buffer()
+        x.grad = None
+
+    return timed_events(step, reset, reps, warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=5632, help="dense D_ff (SwiGLU)")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--topk", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help=f"without a GPU: run a tiny shape ({SMOKE}) to check the script")
+    add_run_args(parser, gpu_reps=20, cpu_reps=2)
+    args = parser.parse_args()
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        if not args.cpu_smoke:
+            print("benchmarks/structmoe_kernel.py measures the Triton kernel on a GPU: no CUDA "
+                  "device here, nothing timed (--cpu-smoke runs a tiny shape to check the script)")
+            return
+        # Triton's interpreter is chosen when the kernels are first imported (lazily).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    if args.warmup is None and gpu:
+        args.warmup = 5
+    run = RunSetup(args)
+    dtype_name, dtype, reps, warmup, device = (run.dtype_name, run.dtype, run.reps,
+                                               run.warmup, run.device)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
+
+    sides = {name: wrap_ddp(m.to(device)) for name, m in build(args, dtype).items()}
+    budget = next(m.module.budget for n, m in sides.items() if n != "dense") \
+        if args.backends else None
+    counts = {name: sum(p.numel() for p in m.parameters()) for name, m in sides.items()}
+    # [s, b, h] with b = 1: the token count is what matters for the GEMMs.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)
+    x.requires_grad_(True)
+    grad = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)
+
+    layer, routed = {}, {}
+    for _ in range(2):
+        for name, ddp in sides.items():
+            layer.setdefault(name, []).extend(time_layer(ddp, x, grad, reps, warmup))
+            if name != "dense":
+                routed.setdefault(name, []).extend(time_routed(ddp, x, reps, warmup))
+    layer_ms = {n: 1e3 * statistics.median(t) for n, t in layer.items()}
+    routed_ms = {n: 1e3 * statistics.median(t) for n, t in routed.items()}
+    summary = {
+        "device": torch.cuda.get_device_name(0) if gpu else
+        f"cpu smoke ({torch.get_num_threads()} threads; not a speed measurement)",
+        "dtype": dtype_name, "hidden": args.hidden, "ffn": args.ffn,
+        "structmoe_ffn": budget.ffn if budget else None, "experts": args.experts,
+        "rank": args.rank, "topk": args.topk, "tokens": args.tokens, "reps": 2 * reps,
+        "params": counts, "layer_ms": layer_ms, "routed_ms": routed_ms,
+        "overhead_pct": {n: 100.0 * (layer_ms[n] / layer_ms["dense"] - 1.0)
+                         for n in args.backends},
+    }
+    print(f"StructMoE MLP vs dense SwiGLU MLP, forward + backward | {summary['device']} "
+          f"{dtype_name} | {args.tokens} tokens, H={args.hidden}, D_ff={args.ffn} -> "
+          f"D'_ff={summary['structmoe_ffn']}, L={args.experts} r={args.rank} k={args.topk}")
+    if budget:
+        print("  " + budget.describe())
+    for name, ms in layer_ms.items():
+        extra = "" if name == "dense" else (
+            f"  ({summary['overhead_pct'][name]:+.2f}% vs dense, goal <= +3%; "
+            f"routed update alone {routed_ms[name]:.3f} ms)")
+        print(f"  {name:13s}: {ms:9.3f} ms  params {counts[name]:,}{extra}")
+    run.write_json(summary)
+
+
+if __name__ == "__main__":
+    main()
