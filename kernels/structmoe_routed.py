@@ -26,7 +26,8 @@ PyTorch path keeps ``x.float()`` for an fp32 GEMM; this saves materialising ``x`
 (``4 N H`` bytes per layer). fp32 inputs give fp32 everywhere.
 
 Triton is imported lazily: importing this module needs no Triton; :func:`available` says whether
-the kernel can run here (a CUDA device, or Triton's interpreter on the CPU).
+the kernel can run here (a CUDA device, or Triton's interpreter on the CPU). :func:`offline_build`
+compiles both kernels for a GPU architecture without a GPU and reports their resource use.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-MAX_CODES = 1024  # L r above this: one program's [BLOCK_N, L r] tile no longer fits registers
+MAX_CODES = 1024  # padded L r above this: one program's code tile no longer fits registers
 
 _triton_module = None
 
@@ -67,15 +68,27 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _launch_config(lr_p: int, interpret: bool):
-    """``BLOCK_N`` keeps one program's ``[BLOCK_N, L r]`` fp32 tile at 16K elements on a GPU (64
-    tokens at the default 256 columns); small blocks under the interpreter, so that the tests'
-    few dozen tokens span several programs. Not tuned on a GPU yet."""
+def _padded(n_experts: int, rank: int):
+    """``L_P, R_P``: the kernels hold codes as ``[L_P, R_P]`` per token, powers of two, with
+    ``L_P >= 16`` (``tl.dot``'s minimum, the router's output width)."""
+    return _pow2(n_experts), _pow2(rank, floor=1)
+
+
+def _launch_config(lr_p: int, fp32: bool, interpret: bool):
+    """Block sizes and launch options of the forward and backward kernels for ``L_P R_P = lr_p``
+    padded code columns. Small blocks under the interpreter, so that the tests' few dozen tokens
+    span several programs. On a GPU, chosen from the compiled kernels' resource use (no spills,
+    shared memory within an A100's and an H100's, checked offline for sm_80 and sm_90): the
+    forward keeps its ``[BLOCK_N, lr_p]`` fp32 accumulator at 16K elements (64 tokens at the
+    default 256 columns); the backward is memory-bound, 32 tokens per program. Not timed on a
+    GPU yet."""
     if interpret:
-        return dict(BLOCK_N=16, BLOCK_H=16), {}
-    block_n = max(16, min(64, 16384 // lr_p))
-    return dict(BLOCK_N=block_n, BLOCK_H=64), dict(num_warps=8 if lr_p >= 256 else 4,
-                                                   num_stages=3)
+        return dict(BLOCK_N=16, BLOCK_H=16), {}, dict(BLOCK_N=16), {}
+    big = lr_p > 256
+    fwd = dict(BLOCK_N=max(16, min(64, 16384 // lr_p)), BLOCK_H=32 if (fp32 or lr_p > 512) else 64)
+    fwd_launch = dict(num_warps=8 if lr_p >= 256 else 4, num_stages=2 if (fp32 or big) else 3)
+    bwd = dict(BLOCK_N=16 if big else 32)
+    return fwd, fwd_launch, bwd, dict(num_warps=8 if lr_p >= 256 else 4)
 
 
 class FusedRouting(NamedTuple):
@@ -101,19 +114,19 @@ class RouteCodes(torch.autograd.Function):
         codes = torch.empty(n, lr, dtype=x.dtype, device=x.device)
         u = torch.empty(n, lr, dtype=x.dtype, device=x.device)
         counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device)
-        l_p, lr_p = _pow2(n_experts), _pow2(lr)
-        interpret = interpreted()
-        blocks, launch = _launch_config(lr_p, interpret)
+        l_p, r_p = _padded(n_experts, rank)
+        lr_p = l_p * r_p
+        blocks, launch, _, _ = _launch_config(lr_p, x.dtype == torch.float32, interpreted())
         if n > 0:
             k = _kernels()
             grid = (-(-n // blocks["BLOCK_N"]),)
             k.route_codes_fwd[grid](
                 x, w_router, a_cat, probs, indices, weights, codes, u, counts,
-                n, hidden, n_experts, rank, x.stride(0), w_router.stride(0), a_cat.stride(0),
-                codes.stride(0), TOPK=topk, L_P=l_p, LR_P=lr_p,
-                IEEE_DOT=interpret or x.dtype == torch.float32, **blocks, **launch)
+                n, hidden, x.stride(0), w_router.stride(0), a_cat.stride(0), codes.stride(0),
+                N_EXPERTS=n_experts, RANK=rank, TOPK=topk, L_P=l_p, R_P=r_p,
+                IEEE_DOT=interpreted() or x.dtype == torch.float32, **blocks, **launch)
         ctx.save_for_backward(x, w_router, a_cat, u, probs, indices, weights)
-        ctx.shape = (n_experts, rank, topk, l_p, lr_p)
+        ctx.shape = (n_experts, rank, topk, l_p, r_p)
         counts = counts.to(torch.int64)  # torch.bincount's dtype, as route()'s Routing has
         ctx.mark_non_differentiable(indices, counts)
         ctx.set_materialize_grads(False)
@@ -122,7 +135,7 @@ class RouteCodes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_probs, _g_indices, g_weights, _g_counts, g_codes):
         x, w_router, a_cat, u, probs, indices, weights = ctx.saved_tensors
-        n_experts, rank, topk, l_p, lr_p = ctx.shape
+        n_experts, rank, topk, l_p, r_p = ctx.shape
         n, hidden = x.shape
         lr = n_experts * rank
         need_x, need_w, need_a = ctx.needs_input_grad[:3]
@@ -133,18 +146,16 @@ class RouteCodes(torch.autograd.Function):
         g_probs = g_probs.float().contiguous() if g_probs is not None else None
         g_weights = g_weights.float().contiguous() if g_weights is not None else None
         if n > 0:
-            interpret = interpreted()
-            blocks, launch = _launch_config(lr_p, interpret)
-            blocks.pop("BLOCK_H")
-            launch["num_warps"] = 4
+            _, _, blocks, launch = _launch_config(l_p * r_p, x.dtype == torch.float32,
+                                                  interpreted())
             dummy = probs  # never read: its HAS_* flag is off
             k = _kernels()
             k.route_codes_bwd[(-(-n // blocks["BLOCK_N"]),)](
                 g_codes if g_codes is not None else dummy, u, probs, indices, weights,
                 g_probs if g_probs is not None else dummy,
                 g_weights if g_weights is not None else dummy,
-                g_cat, n, n_experts, rank, u.stride(0), g_cat.stride(0),
-                TOPK=topk, L_P=l_p, LR_P=lr_p, HAS_GCODES=g_codes is not None,
+                g_cat, n, u.stride(0), g_cat.stride(0), N_EXPERTS=n_experts, RANK=rank,
+                TOPK=topk, L_P=l_p, R_P=r_p, HAS_GCODES=g_codes is not None,
                 HAS_GPROBS=g_probs is not None, HAS_GWTS=g_weights is not None,
                 **blocks, **launch)
         grad_x = grad_w = grad_a = None
@@ -171,10 +182,12 @@ def _check(x: torch.Tensor, w_router: torch.Tensor, a: torch.Tensor, topk: int) 
                          f"w_router {tuple(w_router.shape)}, a {tuple(a.shape)}")
     if not 1 <= topk <= n_experts:
         raise ValueError(f"--structmoe-topk={topk}: must be in 1..{n_experts}")
-    if n_experts * rank > MAX_CODES:
-        raise ValueError(f"--structmoe-backend=triton is for small L*r (<= {MAX_CODES}); "
-                         f"--structmoe-num-experts={n_experts} x --structmoe-rank={rank} = "
-                         f"{n_experts * rank}: use --structmoe-backend dense-masked or grouped")
+    l_p, r_p = _padded(n_experts, rank)
+    if l_p * r_p > MAX_CODES:
+        raise ValueError(f"--structmoe-backend=triton is for small L*r (<= {MAX_CODES} with L "
+                         f"and r rounded up to powers of two, L to at least 16): "
+                         f"--structmoe-num-experts={n_experts} x --structmoe-rank={rank}: use "
+                         "--structmoe-backend dense-masked or grouped")
     if x.dtype != a.dtype or not x.dtype.is_floating_point:
         raise ValueError(f"StructMoE fused routing: x ({x.dtype}) and A ({a.dtype}) must share a "
                          "floating-point dtype")
@@ -192,6 +205,64 @@ def fused_route_codes(x: torch.Tensor, w_router: torch.Tensor, a: torch.Tensor,
     probs, indices, weights, counts, codes = RouteCodes.apply(
         x.contiguous(), w_router.contiguous(), a, topk)
     return FusedRouting(probs, indices, weights, counts), codes
+
+
+def offline_build(arch: int, dtype: str = "bf16", n_experts: int = 16, rank: int = 16,
+                  topk: int = 1) -> dict:
+    """Compile both kernels for ``sm_<arch>`` without a GPU, with this module's launch options
+    and the specialisation a launch gives (16-byte aligned pointers, strides and H divisible by
+    16); returns each kernel's shared memory and per-thread local memory (register spills, from
+    the cuobjdump Triton ships). Needs a process whose Triton was imported without
+    ``TRITON_INTERPRET=1`` (the interpreter replaces Triton's own jitted helpers too)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    if interpreted():
+        raise RuntimeError("offline_build needs Triton's compiler: unset TRITON_INTERPRET")
+    k = _kernels()
+    l_p, r_p = _padded(n_experts, rank)
+    fwd, fwd_launch, bwd, bwd_launch = _launch_config(l_p * r_p, dtype == "fp32", False)
+    shape = dict(N_EXPERTS=n_experts, RANK=rank, TOPK=topk, L_P=l_p, R_P=r_p)
+    builds = {
+        "route_codes_fwd": (
+            k.route_codes_fwd,
+            dict(x_ptr=dtype, wr_ptr=dtype, a_ptr=dtype, probs_ptr="fp32", idx_ptr="i64",
+                 wts_ptr="fp32", codes_ptr=dtype, u_ptr=dtype, counts_ptr="i32"),
+            ("n_tokens", "hidden", "stride_x", "stride_wr", "stride_a", "stride_c"),
+            dict(shape, IEEE_DOT=dtype == "fp32", **fwd), fwd_launch),
+        "route_codes_bwd": (
+            k.route_codes_bwd,
+            dict(gcodes_ptr=dtype, u_ptr=dtype, probs_ptr="fp32", idx_ptr="i64",
+                 wts_ptr="fp32", gprobs_ptr="fp32", gwts_ptr="fp32", gcat_ptr=dtype),
+            ("n_tokens", "stride_c", "stride_g"),
+            dict(shape, HAS_GCODES=True, HAS_GPROBS=True, HAS_GWTS=True, **bwd), bwd_launch),
+    }
+    report = {}
+    for name, (fn, ptrs, ints, consts, launch) in builds.items():
+        signature = {**{p: "*" + t for p, t in ptrs.items()}, **{i: "i32" for i in ints},
+                     **{c: "constexpr" for c in consts}}
+        names = list(signature)
+        aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+                   if a in ptrs or a.startswith("stride") or a == "hidden"}
+        compiled = triton.compile(ASTSource(fn, signature, consts, aligned),
+                                  target=GPUTarget("cuda", arch, 32), options=launch)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        report[name] = dict(shared=compiled.metadata.shared,
+                            registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                            local=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                            **{k_: v for k_, v in {**consts, **launch}.items()
+                               if k_.startswith(("BLOCK", "num_"))})
+    return report
 
 
 def route_codes_reference(x: torch.Tensor, w_router: torch.Tensor, a: torch.Tensor,
