@@ -227,6 +227,21 @@ def test_refused_where_it_cannot_run(monkeypatch):
         route_codes_stages("triton")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_flag_refused_before_building_without_cuda(monkeypatch):
+    """``--structmoe-backend triton`` without CUDA (and without the interpreter) is refused by the
+    entry point's flag checks, with the flag named, before Megatron builds anything."""
+    from test_cli_errors import parse
+
+    from megatron_ext.training.arguments import validate_extension_args
+
+    args = parse(["--model-family", "structmoe", "--structmoe-backend", "triton"])
+    validate_extension_args(args)  # under the interpreter: accepted
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="--structmoe-backend=triton needs Triton and a CUDA"):
+        validate_extension_args(args)
+
+
 def build_mlp(backend, gated, fusion, topk):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear

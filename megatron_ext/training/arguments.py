@@ -257,6 +257,10 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     if smoe is not None and smoe.aux_loss_coeff > 0 and args.calculate_per_token_loss:
         raise ValueError("--calculate-per-token-loss with StructMoE's load-balancing loss is not "
                          "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
+    if smoe is not None:
+        from megatron_ext.structmoe.routed import check_fused_backend
+
+        check_fused_backend(smoe.backend)  # --structmoe-backend triton where it cannot run
     validate_sigma_args(args)
     stem = stem_config_from_args(args)
     if stem is not None:
