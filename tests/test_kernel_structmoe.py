@@ -6,7 +6,8 @@ router probabilities; then the whole StructMoE MLP with backend triton vs refere
 On the CPU the kernels run under Triton's interpreter (set below, before the kernel module is
 imported on first use), at small shapes. Tolerances: fp32 ``rtol = atol = 1e-5``; bf16 a max
 error of 2% of the largest magnitude of each tensor, against fp32 computed from the same
-bf16-valued inputs (the bf16 reference backend itself is measured beside it for scale).
+bf16-valued inputs (measured at these shapes: the kernel up to 1.0%, the bf16 reference backend
+up to 0.7%; a wrong mask or score is off by tens of percent).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def test_the_checks_can_fail():
     """A wrong mask, a missing score, or a dropped load-balancing gradient exceeds the tolerance."""
     x, w, a, b = leaves(SHAPES["16x16"], torch.float32, 7)
     routing, codes = triton_route_codes(x, w, a, 1)
-    n_exp, _, rank = a.shape
+    n_exp = a.shape[0]
     u = x @ a.permute(1, 0, 2).reshape(x.shape[1], -1)
     shifted = Routing(routing.probs, (routing.indices + 1) % n_exp, routing.weights)
     unscaled = Routing(routing.probs, routing.indices, torch.ones_like(routing.weights))
