@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
 
@@ -41,6 +42,11 @@ def runs(tmp_path_factory):
     r["tp2"] = torchrun("tp2", str(tmp), SMOE + ITERS + start + TP2 +
                         ["--save", ck_tp2, "--save-interval", "3"])
     r["tp2_sp"] = torchrun("tp2_sp", str(tmp), SMOE + ITERS + start + TP2 + ["--sequence-parallel"])
+    # The fused router + codes kernel (Triton's interpreter on the CPU) under TP=2 + SP.
+    r["tp2_sp_triton"] = torchrun("tp2_sp_triton", str(tmp), SMOE + ITERS + start + TP2 +
+                                  ["--sequence-parallel", "--structmoe-backend", "triton"],
+                                  env={} if torch.cuda.is_available() else
+                                  {"TRITON_INTERPRET": "1"})
     r["dp1"] = torchrun("dp1", str(tmp), SMOE + ITERS + start, nproc=1)  # 4 micro-batches
     resume = ["--load", ck_tp2, "--ckpt-step", "3"]
     r["resume_tp2"] = torchrun("resume_tp2", str(tmp), SMOE + ITERS + TP2 + resume)
@@ -59,7 +65,7 @@ def test_build_prints_the_budget(runs):
     assert "params 24,576 vs dense 24,576" in lines[0]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "dp1"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_sp_triton", "dp1"])
 def test_layout_does_not_change_losses(runs, layout):
     ref = require_ok(runs["ref"])
     assert ref.losses[6] < ref.losses[1]
