@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from multirank import PRETRAIN, ROOT, TINY_GPT
 
@@ -61,6 +62,16 @@ def test_bad_extension_flags(extra, match):
 
     with pytest.raises(ValueError, match=match):
         validate_extension_args(parse(extra))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel runs where CUDA is")
+def test_stem_kernel_refused_without_cuda(monkeypatch):
+    from megatron_ext.training.arguments import validate_extension_args
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="--stem-kernel=triton needs Triton with a CUDA device"):
+        validate_extension_args(parse(["--model-family", "stem", "--stem-kernel", "triton"]))
+    validate_extension_args(parse(["--model-family", "stem", "--stem-kernel", "torch"]))
 
 
 def test_structmoe_width_flags():

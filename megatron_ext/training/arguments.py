@@ -271,6 +271,9 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
         if args.add_bias_linear:
             raise ValueError("--model-family=stem: pass --disable-bias-linear (STEM layers "
                              "have no biases)")
+        from megatron_ext_kernels import stem_gate
+
+        stem_gate.resolve(stem.kernel)  # --stem-kernel triton where it cannot run
         if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
             raise ValueError("--recompute-modules mlp is not supported with STEM layers; use "
                              "--recompute-granularity full")
