@@ -83,9 +83,16 @@ def _check(fc1_out: torch.Tensor, table: torch.Tensor, index: torch.Tensor, vari
     return VARIANTS[variant]
 
 
+ROWS = 4  # tokens per program tile (forward) and per step of a segment walk (backward)
+
+
 def _blocks(n_cols: int):
+    """Column block, grid width and warps. A ``[ROWS, BLOCK_F]`` tile with about 16 elements per
+    thread and tensor: at BLOCK_F = 1024 with 8 warps both kernels compile for sm_80 and sm_90
+    without register spills (``offline_build``; 4 warps spilled)."""
     block_f = min(1024, _next_power_of_2(n_cols))
-    return block_f, _cdiv(n_cols, block_f)
+    num_warps = max(1, min(8, block_f * ROWS // 512))
+    return block_f, _cdiv(n_cols, block_f), num_warps
 
 
 def _next_power_of_2(n: int) -> int:
@@ -123,11 +130,10 @@ class StemGate(torch.autograd.Function):
         n, n_cols = fc1.shape[0], tab.shape[1]
         out = torch.empty(n, n_cols, dtype=fc1_out.dtype, device=fc1_out.device)
         if n:
-            block_f, grid_f = _blocks(n_cols)
-            block_n = max(1, min(16, 4096 // block_f))
-            _kernels().stem_gate_fwd[(_cdiv(n, block_n), grid_f)](
+            block_f, grid_f, num_warps = _blocks(n_cols)
+            _kernels().stem_gate_fwd[(_cdiv(n, ROWS), grid_f)](
                 fc1, tab, ids, out, n, n_cols, fc1.stride(0), tab.stride(0), out.stride(0),
-                VARIANT=variant_id, BLOCK_N=block_n, BLOCK_F=block_f)
+                VARIANT=variant_id, BLOCK_N=ROWS, BLOCK_F=block_f, num_warps=num_warps)
         ctx.save_for_backward(fc1, ids)
         ctx.table = table
         ctx.variant_id = variant_id
@@ -154,12 +160,11 @@ class StemGate(torch.autograd.Function):
         dfc1 = torch.empty_like(fc1)
         if n:
             ordered, order, starts = _segments(ids)
-            block_f, grid_f = _blocks(n_cols)
-            block_t = max(1, min(16, 4096 // block_f))
+            block_f, grid_f, num_warps = _blocks(n_cols)
             _kernels().stem_gate_bwd[(n, grid_f)](
                 grad, fc1, tab, order, ordered, starts, dfc1, dst, n, n_cols,
                 grad.stride(0), fc1.stride(0), tab.stride(0), dfc1.stride(0), dst.stride(0),
-                VARIANT=ctx.variant_id, BLOCK_T=block_t, BLOCK_F=block_f)
+                VARIANT=ctx.variant_id, BLOCK_T=ROWS, BLOCK_F=block_f, num_warps=num_warps)
         if main_grad is not None:
             table.grad_added_to_main_grad = True
             # Never read: DDP's hook skips it because grad_added_to_main_grad is set.
@@ -201,3 +206,57 @@ def resolve(kernel: str, activation=None) -> str:
                          "TRITON_INTERPRET=1 on the CPU)")
     return "triton"
 
+
+
+def offline_build(arch: int, dtype: str = "bf16", variant: str = "up", n_cols: int = 5632) -> dict:
+    """Compile both kernels for ``sm_<arch>`` without a GPU, with the launch options ``stem_gate``
+    uses for ``n_cols`` columns (16-byte aligned pointers, as a launch specialises them); returns
+    each kernel's registers, shared memory and local memory (register spills, from the
+    ``cuobjdump`` Triton ships). Needs a process whose Triton was imported without
+    ``TRITON_INTERPRET=1``."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    if interpreted():
+        raise RuntimeError("offline_build needs Triton's compiler: unset TRITON_INTERPRET")
+    k = _kernels()
+    block_f, _, num_warps = _blocks(n_cols)
+    consts = dict(VARIANT=VARIANTS[variant], BLOCK_F=block_f)
+    builds = {
+        "stem_gate_fwd": (k.stem_gate_fwd,
+                          dict(fc1_ptr=dtype, tab_ptr=dtype, idx_ptr="i64", out_ptr=dtype),
+                          ("n_tokens", "n_cols", "stride_fc1", "stride_tab", "stride_out"),
+                          dict(consts, BLOCK_N=ROWS)),
+        "stem_gate_bwd": (k.stem_gate_bwd,
+                          dict(grad_ptr=dtype, fc1_ptr=dtype, tab_ptr=dtype, order_ptr="i64",
+                               sorted_ptr="i64", starts_ptr="i64", dfc1_ptr=dtype,
+                               dst_ptr="fp32"),
+                          ("n_tokens", "n_cols", "stride_grad", "stride_fc1", "stride_tab",
+                           "stride_dfc1", "stride_dst"),
+                          dict(consts, BLOCK_T=ROWS)),
+    }
+    report = {}
+    for name, (fn, ptrs, ints, kernel_consts) in builds.items():
+        signature = {**{p: "*" + t for p, t in ptrs.items()}, **{i: "i32" for i in ints},
+                     **{c: "constexpr" for c in kernel_consts}}
+        names = list(signature)
+        aligned = {(names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
+        compiled = triton.compile(ASTSource(fn, signature, kernel_consts, aligned),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=num_warps))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        report[name] = dict(shared=compiled.metadata.shared,
+                            registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                            local=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                            num_warps=num_warps, BLOCK_F=block_f)
+    return report

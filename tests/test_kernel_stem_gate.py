@@ -236,6 +236,31 @@ def test_stem_mlp_with_the_kernel_equals_the_pytorch_path(mcore_single_rank, var
         torch.testing.assert_close(grads_k[name], grads_t[name], rtol=1e-5, atol=1e-6)
 
 
+def test_compiles_for_the_gpu_without_spills():
+    """The GPU build, checked offline (no device needed): every variant in bf16, and dagger in
+    fp32 at a TP-split width, compile for A100 and H100 (sm_80, sm_90) with the launch options
+    ``stem_gate`` uses, without register spills. In a fresh process: this one's Triton may run
+    the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from megatron_ext_kernels.stem_gate import offline_build; "
+            "print(json.dumps([offline_build(a, d, v, n) for a in (80, 90) for d, v, n in "
+            "[('bf16', 'up', 5632), ('bf16', 'gate', 5632), ('bf16', 'dagger', 5632), "
+            "('fp32', 'dagger', 704)]]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(reports) == 8
+    for report in reports:
+        for name, use in report.items():
+            assert use["local"] == 0, f"{name} spills registers: {use}"
+            assert use["registers"] <= 128, f"{name}: {use}"  # 2 blocks of 8 warps per SM
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_paper_shape_on_gpu_without_host_sync():
