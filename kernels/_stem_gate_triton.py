@@ -70,25 +70,26 @@ def stem_gate_bwd(grad_ptr, fc1_ptr, tab_ptr, order_ptr, sorted_ptr, starts_ptr,
                   dfc1_ptr, dst_ptr, n_tokens, n_cols,
                   stride_grad, stride_fc1, stride_tab, stride_dfc1, stride_dst,
                   VARIANT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    """One program per (segment of equal ids in sorted order, BLOCK_F columns).
+    """Programs stride over the segments of equal ids in sorted order, for one block of BLOCK_F
+    columns each: program ``p`` takes segments ``p, p + P, p + 2P, ...`` (``P`` programs along
+    axis 0, a few per SM, so that the grid does not depend on the number of distinct ids, which
+    only the device knows).
 
-    Segment ``s`` covers sorted positions ``starts[s] .. starts[s+1]`` (``starts[s] == n_tokens``
-    for the unused programs beyond the number of distinct ids, which do nothing). The program loads
-    the segment's table row once, walks its tokens BLOCK_T at a time, writes each token's
-    ``linear_fc1`` gradient, sums the row gradients of the segment in fp32 and adds the sum to
-    ``dst[id]``. Every id has exactly one segment, so no two programs touch the same ``dst`` row:
-    no atomics, and the summation order is fixed (bitwise reproducible)."""
+    Segment ``s`` covers sorted positions ``starts[s] .. starts[s+1]``; ``starts[s] == n_tokens``
+    past the last distinct id. For each segment the program loads the table row once, walks the
+    segment's tokens BLOCK_T at a time, writes each token's ``linear_fc1`` gradient, sums the row
+    gradients of the segment in fp32 and adds the sum to ``dst[id]``. Every id has exactly one
+    segment, so no two programs touch the same ``dst`` row: no atomics, and the summation order
+    is fixed (bitwise reproducible)."""
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cmask = cols < n_cols
     seg = tl.program_id(0)
     start = tl.load(starts_ptr + seg)
-    end = tl.load(starts_ptr + seg + 1)
-    if start < n_tokens:
-        cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        cmask = cols < n_cols
+    while start < n_tokens:
+        end = tl.load(starts_ptr + seg + 1)
         row = tl.load(sorted_ptr + start).to(tl.int64)
         t = tl.load(tab_ptr + row * stride_tab + cols, mask=cmask, other=0.0)
         t = _rounded(t.to(tl.float32), grad_ptr.dtype.element_ty).to(tl.float32)[None, :]
-        if VARIANT == 1:
-            silu_t, dsilu_t = _silu_and_grad(t)
         acc = tl.zeros([BLOCK_F], dtype=tl.float32)
         for first in range(start, end, BLOCK_T):
             pos = first + tl.arange(0, BLOCK_T)
@@ -105,6 +106,7 @@ def stem_gate_bwd(grad_ptr, fc1_ptr, tab_ptr, order_ptr, sorted_ptr, starts_ptr,
                 tl.store(dfc1, _rounded(go * t * dsilu_a, dfc1_ptr.dtype.element_ty), mask=mask)
                 rows = go * silu_a
             elif VARIANT == 1:
+                silu_t, dsilu_t = _silu_and_grad(t)
                 tl.store(dfc1, _rounded(go * silu_t, dfc1_ptr.dtype.element_ty), mask=mask)
                 rows = go * a * dsilu_t
             else:
@@ -118,3 +120,5 @@ def stem_gate_bwd(grad_ptr, fc1_ptr, tab_ptr, order_ptr, sorted_ptr, starts_ptr,
         dst = dst_ptr + row * stride_dst + cols
         total = tl.load(dst, mask=cmask, other=0.0).to(tl.float32) + acc
         tl.store(dst, _rounded(total, dst_ptr.dtype.element_ty), mask=cmask)
+        seg += tl.num_programs(0)
+        start = tl.load(starts_ptr + seg, mask=seg < n_tokens, other=n_tokens)

@@ -7,9 +7,10 @@ gate. The fused path (:func:`stem_gate`, Triton kernels in ``_stem_gate_triton.p
 * forward: one pass reads ``linear_fc1``'s output and the token's table row and writes the gated
   product; nothing but the inputs is kept for backward (the reference keeps the gathered rows and
   the activation);
-* backward: the tokens are sorted by table row on the device (``torch.sort``, no host sync) and one
-  program per distinct row walks that row's tokens, writing their ``linear_fc1`` gradients and
-  summing their row gradients in fp32. The sum goes straight into its destination row: Megatron's
+* backward: the tokens are sorted by table row on the device (``torch.sort``, no host sync); each
+  distinct row is taken by one program (a fixed number of programs stride over them), which walks
+  that row's tokens, writing their ``linear_fc1`` gradients and summing their row gradients in
+  fp32. The sum goes straight into its destination row: Megatron's
   ``main_grad`` of an ordinary table (as ``megatron.core.tensor_parallel.layers``' gradient
   accumulation fusion does for linear weights), the ``[U, F]`` gradient of a managed table's
   unique rows, or, for a bare parameter without ``main_grad``, the dense gradient autograd
@@ -95,6 +96,16 @@ def _blocks(n_cols: int):
     return block_f, _cdiv(n_cols, block_f), num_warps
 
 
+def _segment_programs(device: torch.device) -> int:
+    """Programs along the segment axis of the backward: 4 per SM on a GPU (2 of 8 warps fit an
+    SM at once, see ``_blocks``), so that the launch does not grow with the number of tokens and
+    most programs find work. 3 under the interpreter, so that the tests' programs stride over
+    several segments."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -161,7 +172,7 @@ class StemGate(torch.autograd.Function):
         if n:
             ordered, order, starts = _segments(ids)
             block_f, grid_f, num_warps = _blocks(n_cols)
-            _kernels().stem_gate_bwd[(n, grid_f)](
+            _kernels().stem_gate_bwd[(min(n, _segment_programs(grad.device)), grid_f)](
                 grad, fc1, tab, order, ordered, starts, dfc1, dst, n, n_cols,
                 grad.stride(0), fc1.stride(0), tab.stride(0), dfc1.stride(0), dst.stride(0),
                 VARIANT=ctx.variant_id, BLOCK_T=ROWS, BLOCK_F=block_f, num_warps=num_warps)
