@@ -292,7 +292,7 @@ launch_preset_file() {  # a preset name or path -> its JSON file
 }
 
 launch_preset_vocab() {  # the preset's "tokenizer": {"vocab_size": N}, or nothing
-    sed -n 's/.*"vocab_size"[[:space:]]*:[[:space:]]*\([0-9][0-9]*\).*/\1/p' "$1" | head -n 1
+    sed -n 's/.*"vocab_size"[[:space:]]*:[[:space:]]*\([0-9][0-9]*\).*/\1/p' "$1" | sed -n 1p
 }
 
 # The environment variables launch_env_defaults may set, in the order --print-only lists them.
@@ -352,7 +352,7 @@ launch_env_defaults() {
 
 launch_gpu_from_nvidia_smi() {
     local name
-    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) || true
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sed -n 1p) || true
     case $name in
         *H100* | *H200* | *H800*) echo h100 ;;
         *A100* | *A800*) echo a100 ;;
