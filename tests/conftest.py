@@ -6,6 +6,14 @@ import os
 import sys
 
 import pytest
+import torch
+
+# The project's Triton kernels run under Triton's interpreter on a machine without CUDA
+# (tests/test_kernel_*.py). It must be switched on before anything imports Triton (transformers
+# does, in test_hf_modeling.py): ``@triton.jit`` picks compiled or interpreted when it decorates,
+# Triton's own library functions included, and compiled ones cannot be called by the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.dirname(os.path.abspath(__file__))):

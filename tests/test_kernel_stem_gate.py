@@ -1,8 +1,8 @@
 """The fused STEM lookup-and-gate kernel (kernels/stem_gate.py) against plain-PyTorch references.
 
-On the CPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
-before the kernel module is first imported; ``@triton.jit`` reads it at decoration time), at small
-shapes. On a GPU the same tests run the compiled kernels, and the ``gpu`` tests add the paper's
+On the CPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before anything imports Triton: ``@triton.jit`` reads it at decoration
+time), at small shapes. On a GPU the same tests run the compiled kernels, and the ``gpu`` tests add the paper's
 shape and a check that forward + backward never synchronise with the host.
 
 References: ``fp64`` recomputes the variant's formula and its hand-derived gradients in float64
@@ -19,10 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from megatron_ext_kernels import stem_gate as sg  # noqa: E402
+from megatron_ext_kernels import stem_gate as sg
 
 pytestmark = pytest.mark.skipif(not sg.available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,8 +3,8 @@ plain-PyTorch path: ``route()`` with the ``reference`` backend (Algorithm 1) and
 codes of ``megatron_ext/structmoe/routed.py``, forward and backward, with the Switch loss on the
 router probabilities; then the whole StructMoE MLP with backend triton vs reference.
 
-On the CPU the kernels run under Triton's interpreter (set below, before the kernel module is
-imported on first use), at small shapes. Tolerances: fp32 ``rtol = atol = 1e-5``; bf16 a max
+On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before anything imports Triton), at small shapes. Tolerances: fp32 ``rtol = atol = 1e-5``; bf16 a max
 error of 2% of the largest magnitude of each tensor, against fp32 computed from the same
 bf16-valued inputs (measured at these shapes: the kernel up to 1.0%, the bf16 reference backend
 up to 0.7%; a wrong mask or score is off by tens of percent).
@@ -17,10 +17,6 @@ import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # @triton.jit picks the interpreter at decoration time: before the lazy kernel import.
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
