@@ -52,8 +52,6 @@ def parse(extra):
       "--ckpt-format", "torch"],
      "--stem-table-placement cpu --stem-table-sharding replicated does not support "
      "--ckpt-format torch"),
-    (["--model-family", "stem", "--stem-table-sharding", "vocab", "--recompute-granularity",
-      "full", "--recompute-method", "uniform"], "does not support --recompute-granularity"),
     (["--model-family", "structmoe", "--structmoe-aux-loss-coeff", "-1"],
      "--structmoe-aux-loss-coeff=-1.0: must be >= 0"),
 ])

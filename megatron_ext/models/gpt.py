@@ -34,6 +34,15 @@ class TokenIdsGPTModel(GPTModel):
                 f"{self.table_vocab_size}): the data was tokenized with another tokenizer, or "
                 "--vocab-size/--padded-vocab-size does not match it")
 
+    def _managed_stem_layers(self):
+        """STEM MLPs of this model chunk whose rows are bound per micro-batch (managed tables)."""
+        if not hasattr(self, "_managed_stem"):
+            from megatron_ext.stem.mlp import StemMLP
+
+            self._managed_stem = [m for m in self.modules()
+                                  if isinstance(m, StemMLP) and m.managed]
+        return self._managed_stem
+
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output=None, **kwargs):
@@ -43,7 +52,10 @@ class TokenIdsGPTModel(GPTModel):
                 "batch function must give tokens to every stage (megatron_ext.training.batch)")
         self.check_token_ids(input_ids)
         extra_block_kwargs = dict(extra_block_kwargs or {})
-        extra_block_kwargs["context"] = input_ids.t().contiguous()
+        context = input_ids.t().contiguous()
+        extra_block_kwargs["context"] = context
+        for layer in self._managed_stem_layers():
+            layer.claim_rows(context)
         return super().forward(
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
             inference_context=inference_context, packed_seq_params=packed_seq_params,

@@ -143,6 +143,9 @@ class StemMLP(MegatronModule):
         if self.managed:
             self._initial_table: Optional[torch.Tensor] = table
             self._rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+            # The rows of each micro-batch in flight, by the storage of its block context (the
+            # ids), so that a recomputed layer reads its own micro-batch's rows (claim_rows).
+            self._rows_by_context = {}
         else:
             self.table = torch.nn.Parameter(table)
             set_tensor_model_parallel_attributes(self.table, True, 1, 1)
@@ -186,6 +189,26 @@ class StemMLP(MegatronModule):
         """Managed tables: this micro-batch's unique rows and the index of each token into them."""
         self._rows = (rows, inverse)
 
+    def claim_rows(self, context: torch.Tensor) -> None:
+        """Managed tables: tie the rows just bound to this micro-batch's block ``context`` (its ids
+        ``[s, b]``), called by the model once it has made the context. Megatron's full-recompute
+        checkpoint saves the context and hands a detached view of it (same storage) to the
+        recomputed layers, so under pipeline schedules, where other micro-batches' rows are bound
+        between a forward and its recompute, the recompute still finds its own rows. Contexts of
+        micro-batches in flight are alive, so their storages are distinct; an entry of a
+        finished micro-batch may be replaced by a later one reusing its memory, which is harmless.
+        Emptied each step by :meth:`release_rows`."""
+        if self._rows is not None:
+            if not torch.is_grad_enabled() and not self.training:
+                self._rows_by_context.clear()  # evaluation: no recompute, keep one entry
+            self._rows_by_context[context.untyped_storage().data_ptr()] = self._rows
+            self._rows = None
+
+    def release_rows(self) -> None:
+        """Forget every micro-batch's rows (the step's row gradients have been collected)."""
+        self._rows = None
+        self._rows_by_context.clear()
+
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``U[t]`` for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
         if not self.managed:
@@ -198,10 +221,11 @@ class StemMLP(MegatronModule):
         table's unique rows of this micro-batch and each token's index into them."""
         if not self.managed:
             return self.table, token_ids
-        if self._rows is None or self._rows[1].shape != token_ids.shape:
+        bound = self._rows_by_context.get(token_ids.untyped_storage().data_ptr(), self._rows)
+        if bound is None or bound[1].shape != token_ids.shape:
             raise RuntimeError("managed STEM table used without rows for this micro-batch: the "
                                "forward step must call StemTables.prepare(tokens) first")
-        rows, inverse = self._rows
+        rows, inverse = bound
         return rows, inverse
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):

@@ -238,6 +238,8 @@ class StemTables:
             unique = torch.empty(0, dtype=torch.long)
             summed = [torch.zeros(0, w, device=self.device) for w in widths]
         self._pending.clear()
+        for layer in self.layers:
+            layer.release_rows()
         route = self.exchange.route(unique)
         self.stats["grad_rows_out"] += route.rows_in
         self.stats["grad_rows_in"] += route.rows_out

@@ -281,7 +281,6 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
             where = (f"--stem-table-placement {stem.placement} --stem-table-sharding "
                      f"{stem.sharding}")
             unsupported = [
-                (args.recompute_granularity is not None, "--recompute-granularity"),
                 ((args.save is not None or args.load is not None)
                  and args.ckpt_format != "torch_dist",
                  f"--ckpt-format {args.ckpt_format} (their checkpoints are torch_dist)"),
