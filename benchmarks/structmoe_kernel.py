@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RunSetup, add_run_args, wrap_ddp  # noqa: E402
+from common import RunSetup, add_run_args, timed, wrap_ddp  # noqa: E402
 
 BACKENDS = ("triton", "dense-masked", "grouped")
 SMOKE = dict(hidden=64, ffn=176, tokens=64)
@@ -74,14 +73,7 @@ def timed_events(step, reset, reps: int, warmup: int):
     synchronisation at the end, so the host runs ahead as in training); ``reset`` runs before
     each call, outside the timed interval. On the CPU: wall clock."""
     if not torch.cuda.is_available():
-        times = []
-        for i in range(warmup + reps):
-            reset()
-            t0 = time.perf_counter()
-            step()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        return times
+        return timed(step, reset, reps, warmup)
     for _ in range(warmup):
         reset()
         step()

@@ -3,8 +3,13 @@
 Each fast path sits beside the plain-PyTorch reference it is tested against:
 
 * ``stem_lookup``: STEM table row lookup with a row-sparse backward into Megatron's ``main_grad``
-  (PyTorch ops; the fused Triton lookup-and-gate kernel is tested against it).
+  (PyTorch ops).
+* ``stem_gate``: the fused STEM lookup-and-gate Triton kernel (``--stem-kernel``), tested against
+  its plain-PyTorch reference ``stem_gate_reference``.
 * ``structmoe_routed``: StructMoE's router top-k and the selected experts' codes fused in one
   Triton kernel, forward and backward (``--structmoe-backend triton``), tested against
   ``route()`` and the ``reference`` backend of ``megatron_ext/structmoe/routed.py``.
+
+``_triton_runtime`` holds what both Triton modules share: whether Triton can run here, the lazy
+import of the jitted kernels, and the offline GPU build that reports their resource use.
 """

@@ -23,35 +23,16 @@ the product, where the reference rounds each op to the model's dtype.
 
 from __future__ import annotations
 
-import os
 import torch
 import torch.nn.functional as F
 
+from megatron_ext_kernels._triton_runtime import available, kernels
+from megatron_ext_kernels._triton_runtime import offline_build as _offline_build
+
 VARIANTS = {"up": 0, "gate": 1, "dagger": 2}
 
-_triton_module = None
-
-
-def available() -> bool:
-    """Triton importable and a place to run it: a CUDA device, or Triton's interpreter on the CPU."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or interpreted()
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _kernels():
-    global _triton_module
-    if _triton_module is None:
-        from megatron_ext_kernels import _stem_gate_triton
-
-        _triton_module = _stem_gate_triton
-    return _triton_module
+    return kernels("_stem_gate_triton")
 
 
 def stem_gate_reference(fc1_out: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
@@ -220,22 +201,9 @@ def resolve(kernel: str, activation=None) -> str:
 
 
 def offline_build(arch: int, dtype: str = "bf16", variant: str = "up", n_cols: int = 5632) -> dict:
-    """Compile both kernels for ``sm_<arch>`` without a GPU, with the launch options ``stem_gate``
-    uses for ``n_cols`` columns (16-byte aligned pointers, as a launch specialises them); returns
-    each kernel's registers, shared memory and local memory (register spills, from the
-    ``cuobjdump`` Triton ships). Needs a process whose Triton was imported without
-    ``TRITON_INTERPRET=1``."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
-    if interpreted():
-        raise RuntimeError("offline_build needs Triton's compiler: unset TRITON_INTERPRET")
+    """Both kernels compiled for ``sm_<arch>`` without a GPU, with the launch options
+    ``stem_gate`` uses for ``n_cols`` columns: per kernel, its registers, shared and local memory
+    (``_triton_runtime.offline_build``)."""
     k = _kernels()
     block_f, _, num_warps = _blocks(n_cols)
     consts = dict(VARIANT=VARIANTS[variant], BLOCK_F=block_f)
@@ -252,22 +220,7 @@ def offline_build(arch: int, dtype: str = "bf16", variant: str = "up", n_cols: i
                            "stride_dfc1", "stride_dst"),
                           dict(consts, BLOCK_T=ROWS)),
     }
-    report = {}
-    for name, (fn, ptrs, ints, kernel_consts) in builds.items():
-        signature = {**{p: "*" + t for p, t in ptrs.items()}, **{i: "i32" for i in ints},
-                     **{c: "constexpr" for c in kernel_consts}}
-        names = list(signature)
-        aligned = {(names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
-        compiled = triton.compile(ASTSource(fn, signature, kernel_consts, aligned),
-                                  target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=num_warps))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-        report[name] = dict(shared=compiled.metadata.shared,
-                            registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                            local=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                            num_warps=num_warps, BLOCK_F=block_f)
-    return report
+    return {name: dict(_offline_build(fn, ptrs, ints, kernel_consts, arch,
+                                      dict(num_warps=num_warps)),
+                       num_warps=num_warps, BLOCK_F=block_f)
+            for name, (fn, ptrs, ints, kernel_consts) in builds.items()}

@@ -32,36 +32,18 @@ compiles both kernels for a GPU architecture without a GPU and reports their res
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from megatron_ext_kernels._triton_runtime import available, interpreted, kernels
+from megatron_ext_kernels._triton_runtime import offline_build as _offline_build
+
 MAX_CODES = 1024  # padded L r above this: one program's code tile no longer fits registers
-
-_triton_module = None
-
-
-def available() -> bool:
-    """Triton importable and a place to run it: a CUDA device, or Triton's interpreter on the CPU."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or interpreted()
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _kernels():
-    global _triton_module
-    if _triton_module is None:
-        from megatron_ext_kernels import _structmoe_routed_triton
-
-        _triton_module = _structmoe_routed_triton
-    return _triton_module
+    return kernels("_structmoe_routed_triton")
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -209,22 +191,9 @@ def fused_route_codes(x: torch.Tensor, w_router: torch.Tensor, a: torch.Tensor,
 
 def offline_build(arch: int, dtype: str = "bf16", n_experts: int = 16, rank: int = 16,
                   topk: int = 1) -> dict:
-    """Compile both kernels for ``sm_<arch>`` without a GPU, with this module's launch options
+    """Both kernels compiled for ``sm_<arch>`` without a GPU, with this module's launch options
     and the specialisation a launch gives (16-byte aligned pointers, strides and H divisible by
-    16); returns each kernel's shared memory and per-thread local memory (register spills, from
-    the cuobjdump Triton ships). Needs a process whose Triton was imported without
-    ``TRITON_INTERPRET=1`` (the interpreter replaces Triton's own jitted helpers too)."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
-    if interpreted():
-        raise RuntimeError("offline_build needs Triton's compiler: unset TRITON_INTERPRET")
+    16): per kernel, its registers, shared and local memory (``_triton_runtime.offline_build``)."""
     k = _kernels()
     l_p, r_p = _padded(n_experts, rank)
     fwd, fwd_launch, bwd, bwd_launch = _launch_config(l_p * r_p, dtype == "fp32", False)
@@ -245,21 +214,8 @@ def offline_build(arch: int, dtype: str = "bf16", n_experts: int = 16, rank: int
     }
     report = {}
     for name, (fn, ptrs, ints, consts, launch) in builds.items():
-        signature = {**{p: "*" + t for p, t in ptrs.items()}, **{i: "i32" for i in ints},
-                     **{c: "constexpr" for c in consts}}
-        names = list(signature)
-        aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-                   if a in ptrs or a.startswith("stride") or a == "hidden"}
-        compiled = triton.compile(ASTSource(fn, signature, consts, aligned),
-                                  target=GPUTarget("cuda", arch, 32), options=launch)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-        report[name] = dict(shared=compiled.metadata.shared,
-                            registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                            local=int(re.search(r"STACK:(\d+)", usage).group(1)),
+        aligned = [a for a in ints if a.startswith("stride") or a == "hidden"]
+        report[name] = dict(_offline_build(fn, ptrs, ints, consts, arch, launch, aligned),
                             **{k_: v for k_, v in {**consts, **launch}.items()
                                if k_.startswith(("BLOCK", "num_"))})
     return report
