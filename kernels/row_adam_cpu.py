@@ -4,7 +4,7 @@ DeepSpeed's ``cpu_adam`` kernel updates one contiguous tensor with one step coun
 rows are scattered over the shard and each has its own step count, so using it means gathering
 rows into buffers and scattering them back (six copies of the touched rows) and one call per
 distinct step count: about 0.04x of its own dense throughput on the development machine. This
-kernel instead walks the touched rows in place (``at::parallel_for`` over rows, a vectorisable
+kernel instead walks the touched rows in place (an OpenMP loop over rows, a vectorisable
 loop over columns), with per-row bias correction and the per-row owed weight-decay factor.
 
 Per row ``r = rows[j]`` with new step count ``k = steps[j]``::
@@ -19,6 +19,13 @@ applied in place when a row is read) and ``gather_rows_`` (rows gathered and cas
 dtype straight into a staging buffer, with no temporaries: each large temporary costs page
 faults, which dominated the fetch time on a GPU machine).
 
+Threads and the GIL: each call runs an OpenMP team of ``threads()`` threads (``set_threads``;
+``--stem-cpu-threads``; by default the cores of this process's affinity mask shared among the
+node's local ranks), given explicitly with ``num_threads``: neither torch's intra-op thread count
+nor ``OMP_NUM_THREADS`` (which torchrun sets to 1 when it starts several ranks per node) limits
+it. The calls release the GIL, so a row step or gather running in a background thread does not
+stop the training thread from launching work.
+
 Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards);
 ``load()`` returns None when no compiler is available, and the caller falls back.
 """
@@ -26,21 +33,30 @@ Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterw
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
+#include <omp.h>
 
 void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
                    torch::Tensor g, torch::Tensor steps, torch::Tensor owed,
-                   double lr, double b1, double b2, double eps, double wd) {
+                   double lr, double b1, double b2, double eps, double wd, int64_t threads) {
   TORCH_CHECK(p.is_contiguous() && m.is_contiguous() && v.is_contiguous() && g.is_contiguous(),
               "sparse_adamw_: tensors must be contiguous");
   TORCH_CHECK(p.scalar_type() == torch::kFloat && g.scalar_type() == torch::kFloat,
               "sparse_adamw_: fp32 only");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && steps.scalar_type() == torch::kLong &&
+              owed.scalar_type() == torch::kDouble && rows.is_contiguous() &&
+              steps.is_contiguous() && owed.is_contiguous(),
+              "sparse_adamw_: contiguous int64 rows and steps, float64 owed decay");
+  TORCH_CHECK(m.sizes() == p.sizes() && v.sizes() == p.sizes() && g.dim() == 2 &&
+              g.size(0) == rows.numel() && g.size(1) == p.size(1) &&
+              steps.numel() == rows.numel() && owed.numel() == rows.numel(),
+              "sparse_adamw_: shapes");
   const int64_t n = rows.numel();
   const int64_t width = p.size(1);
   float* P = p.data_ptr<float>();
@@ -52,42 +68,41 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
   const double* O = owed.data_ptr<double>();
   const float fb1 = (float)b1, fb2 = (float)b2, c1 = (float)(1.0 - b1), c2 = (float)(1.0 - b2);
   const float feps = (float)eps;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t r = R[j];
-      const double k = (double)K[j];
-      const float step = (float)(lr / (1.0 - std::pow(b1, k)));
-      const float inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(b2, k)));
-      const float decay = (float)(O[j] * (1.0 - lr * wd));
-      // No aliasing between a row's parameter, moments and gradient: without this promise the
-      // compiler keeps the loop scalar (2.5x slower on the development machine).
-      float* __restrict__ pr = P + r * width;
-      float* __restrict__ mr = M + r * width;
-      float* __restrict__ vr = V + r * width;
-      const float* __restrict__ gr = G + j * width;
-      if (j + 1 < end) {  // the next row's start: the hardware prefetcher picks up from there
-        const int64_t nr = R[j + 1] * width;
-        for (int64_t c = 0; c < width && c < 256; c += 16) {
-          __builtin_prefetch(P + nr + c, 1);
-          __builtin_prefetch(M + nr + c, 1);
-          __builtin_prefetch(V + nr + c, 1);
-        }
-      }
-      #pragma omp simd
-      for (int64_t c = 0; c < width; ++c) {
-        const float gc = gr[c];
-        const float mc = fb1 * mr[c] + c1 * gc;
-        const float vc = fb2 * vr[c] + c2 * gc * gc;
-        mr[c] = mc;
-        vr[c] = vc;
-        pr[c] = pr[c] * decay - step * mc / (std::sqrt(vc) * inv_bc2_sqrt + feps);
+  #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = R[j];
+    const double k = (double)K[j];
+    const float step = (float)(lr / (1.0 - std::pow(b1, k)));
+    const float inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(b2, k)));
+    const float decay = (float)(O[j] * (1.0 - lr * wd));
+    // No aliasing between a row's parameter, moments and gradient: without this promise the
+    // compiler keeps the loop scalar (2.5x slower on the development machine).
+    float* __restrict__ pr = P + r * width;
+    float* __restrict__ mr = M + r * width;
+    float* __restrict__ vr = V + r * width;
+    const float* __restrict__ gr = G + j * width;
+    if (j + 1 < n) {  // the next row's start: the hardware prefetcher picks up from there
+      const int64_t nr = R[j + 1] * width;
+      for (int64_t c = 0; c < width && c < 256; c += 16) {
+        __builtin_prefetch(P + nr + c, 1);
+        __builtin_prefetch(M + nr + c, 1);
+        __builtin_prefetch(V + nr + c, 1);
       }
     }
-  });
+    #pragma omp simd
+    for (int64_t c = 0; c < width; ++c) {
+      const float gc = gr[c];
+      const float mc = fb1 * mr[c] + c1 * gc;
+      const float vc = fb2 * vr[c] + c2 * gc * gc;
+      mr[c] = mc;
+      vr[c] = vc;
+      pr[c] = pr[c] * decay - step * mc / (std::sqrt(vc) * inv_bc2_sqrt + feps);
+    }
+  }
 }
 
 // shard[rows[j]] *= factors[j], in place (the sparse optimizer's weight-decay catch-up).
-void scale_rows_(torch::Tensor p, torch::Tensor rows, torch::Tensor factors) {
+void scale_rows_(torch::Tensor p, torch::Tensor rows, torch::Tensor factors, int64_t threads) {
   TORCH_CHECK(p.is_contiguous() && p.scalar_type() == torch::kFloat, "scale_rows_: fp32 rows");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && factors.scalar_type() == torch::kDouble &&
               rows.numel() == factors.numel(), "scale_rows_: int64 rows, float64 factors");
@@ -95,30 +110,29 @@ void scale_rows_(torch::Tensor p, torch::Tensor rows, torch::Tensor factors) {
   float* P = p.data_ptr<float>();
   const int64_t* R = rows.data_ptr<int64_t>();
   const double* F = factors.data_ptr<double>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const float f = (float)F[j];
-      float* pr = P + R[j] * width;
-      for (int64_t c = 0; c < width; ++c) pr[c] *= f;
-    }
-  });
+  #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
+  for (int64_t j = 0; j < n; ++j) {
+    const float f = (float)F[j];
+    float* pr = P + R[j] * width;
+    for (int64_t c = 0; c < width; ++c) pr[c] *= f;
+  }
 }
 
 // out[j] = src[index[j]] cast to out's dtype (fp32, bf16 or fp16; round to nearest even, as
 // Tensor.to): the rows to fetch, written straight into a (pinned) staging buffer.
 template <typename T>
-static void gather_into(const float* S, const int64_t* I, T* O, int64_t n, int64_t width) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const float* __restrict__ sr = S + I[j] * width;
-      T* __restrict__ orow = O + j * width;
-      #pragma omp simd
-      for (int64_t c = 0; c < width; ++c) orow[c] = static_cast<T>(sr[c]);
-    }
-  });
+static void gather_into(const float* S, const int64_t* I, T* O, int64_t n, int64_t width,
+                        int64_t threads) {
+  #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
+  for (int64_t j = 0; j < n; ++j) {
+    const float* __restrict__ sr = S + I[j] * width;
+    T* __restrict__ orow = O + j * width;
+    #pragma omp simd
+    for (int64_t c = 0; c < width; ++c) orow[c] = static_cast<T>(sr[c]);
+  }
 }
 
-void gather_rows_(torch::Tensor src, torch::Tensor index, torch::Tensor out) {
+void gather_rows_(torch::Tensor src, torch::Tensor index, torch::Tensor out, int64_t threads) {
   TORCH_CHECK(src.is_contiguous() && out.is_contiguous() && src.scalar_type() == torch::kFloat,
               "gather_rows_: contiguous fp32 source and contiguous output");
   TORCH_CHECK(index.scalar_type() == torch::kLong && out.size(0) == index.numel() &&
@@ -127,28 +141,88 @@ void gather_rows_(torch::Tensor src, torch::Tensor index, torch::Tensor out) {
   const float* S = src.data_ptr<float>();
   const int64_t* I = index.data_ptr<int64_t>();
   switch (out.scalar_type()) {
-    case torch::kFloat: gather_into(S, I, out.data_ptr<float>(), n, width); break;
-    case torch::kBFloat16: gather_into(S, I, out.data_ptr<at::BFloat16>(), n, width); break;
-    case torch::kHalf: gather_into(S, I, out.data_ptr<at::Half>(), n, width); break;
+    case torch::kFloat: gather_into(S, I, out.data_ptr<float>(), n, width, threads); break;
+    case torch::kBFloat16: gather_into(S, I, out.data_ptr<at::BFloat16>(), n, width, threads); break;
+    case torch::kHalf: gather_into(S, I, out.data_ptr<at::Half>(), n, width, threads); break;
     default: TORCH_CHECK(false, "gather_rows_: output must be fp32, bf16 or fp16");
   }
+}
+
+// The number of threads an OpenMP team of `threads` gets here (tests, the start-up report).
+int64_t team_size(int64_t threads) {
+  int64_t size = 0;
+  #pragma omp parallel num_threads((int)threads)
+  {
+    #pragma omp single
+    size = omp_get_num_threads();
+  }
+  return size;
+}
+
+// The GIL is released for the whole call: the tensors' data is all they touch.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("sparse_adamw_", &sparse_adamw_, nogil);
+  m.def("scale_rows_", &scale_rows_, nogil);
+  m.def("gather_rows_", &gather_rows_, nogil);
+  m.def("team_size", &team_size, nogil);
 }
 """
 
 _MODULE = None
+_THREADS = 0  # 0: default_threads()
+
+
+def default_threads() -> int:
+    """The cores in this process's affinity mask, shared equally among the ranks torchrun started
+    on this node (``LOCAL_WORLD_SIZE``), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    return max((cores or 1) // local, 1)
+
+
+def set_threads(threads: int) -> None:
+    """Threads of every later kernel call (0: ``default_threads()``)."""
+    global _THREADS
+    if threads < 0:
+        raise ValueError(f"CPU kernel threads must be >= 0 (0: automatic), got {threads}")
+    _THREADS = int(threads)
+
+
+def threads() -> int:
+    return _THREADS or default_threads()
+
+
+class _Kernels:
+    """The compiled functions, each given ``threads()`` at call time."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def sparse_adamw_(self, p, m, v, rows, g, steps, owed, lr, b1, b2, eps, wd) -> None:
+        self.module.sparse_adamw_(p, m, v, rows, g, steps, owed, lr, b1, b2, eps, wd, threads())
+
+    def scale_rows_(self, p, rows, factors) -> None:
+        self.module.scale_rows_(p, rows, factors, threads())
+
+    def gather_rows_(self, src, index, out) -> None:
+        self.module.gather_rows_(src, index, out, threads())
+
+    def team_size(self, n: int) -> int:
+        return int(self.module.team_size(n))
 
 
 def load():
-    """The compiled kernel module, or None (no compiler / build failure: logged once)."""
+    """The compiled kernels (``_Kernels``), or None (no compiler / build failure: logged once)."""
     global _MODULE
     if _MODULE is None:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _MODULE = load_inline(name="megatron_ext_row_adam_v3", cpp_sources=[_SOURCE],
-                                  functions=["sparse_adamw_", "scale_rows_", "gather_rows_"],
-                                  extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+            _MODULE = _Kernels(load_inline(
+                name="megatron_ext_row_adam_v4", cpp_sources=[_SOURCE],
+                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain
             logger.warning("row-wise AdamW kernel unavailable (%s); falling back", exc)
             _MODULE = False

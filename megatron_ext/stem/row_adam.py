@@ -69,6 +69,15 @@ def deepspeed_op():
     return _DS_OP or None
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One iteration of ``RowAdamW`` (``begin_step``): its hyper-parameters, its step count (every
+    row's, dense) and, sparse, the running decay product before it."""
+    hyper: AdamHyper
+    step: int
+    decay_before: float
+
+
 class RowAdamW:
     """Optimizer state and step for a list of row shards (one per STEM layer) held by this rank.
 
@@ -127,17 +136,36 @@ class RowAdamW:
     def step(self, grads: Sequence[Tuple[torch.Tensor, torch.Tensor]], hyper: AdamHyper) -> None:
         if len(grads) != len(self.shards):
             raise ValueError(f"{len(grads)} gradients for {len(self.shards)} table shards")
+        plan = self.begin_step(hyper)
+        for i, (rows, rows_grad) in enumerate(grads):
+            self.step_rows(i, rows, rows_grad, plan)
+
+    def begin_step(self, hyper: AdamHyper) -> "StepPlan":
+        """Advance the iteration clock; the rows then step with ``step_rows`` (possibly later, in
+        another thread, in parts: ``stem/table_optimizer.py`` steps first the rows the next
+        micro-batch reads). Sparse: the running decay product moves on now, so a row read after
+        this call owes this iteration's decay unless it is stepped."""
         self.step_count += 1
+        plan = StepPlan(hyper, self.step_count,
+                        self.decay_product if self.mode == "sparse" else 1.0)
+        if self.mode == "sparse":
+            self.decay_product = plan.decay_before * (1.0 - hyper.lr * hyper.weight_decay)
+        return plan
+
+    def step_rows(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
+                  plan: "StepPlan") -> None:
+        """Step shard ``i`` for the iteration ``plan`` began. ``rows``: unique local indices with
+        gradients. Sparse: those rows step (any subset of the iteration's rows, each once).
+        Dense: every row of the shard steps, the others with a zero gradient, so ``rows`` must be
+        all of the iteration's rows of the shard, in one call."""
         if self.mode == "dense":
-            for i, (rows, rows_grad) in enumerate(grads):
-                self._dense_step(i, rows, rows_grad, hyper)
+            self._dense_step(i, rows, rows_grad, plan)
         else:
-            for i, (rows, rows_grad) in enumerate(grads):
-                self._sparse_step(i, rows, rows_grad, hyper)
-            self.decay_product *= 1.0 - hyper.lr * hyper.weight_decay
+            self._sparse_step(i, rows, rows_grad, plan)
 
     def _dense_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
-                    hyper: AdamHyper) -> None:
+                    plan: "StepPlan") -> None:
+        hyper = plan.hyper
         shard = self.shards[i]
         if self._dense_grads[i] is None:
             self._dense_grads[i] = torch.zeros_like(shard)
@@ -145,29 +173,31 @@ class RowAdamW:
         grad.zero_()
         grad.index_copy_(0, rows, rows_grad.to(torch.float32))
         if self.op is not None:
-            self.op.adam_update(DEEPSPEED_OPTIMIZER_ID, self.step_count, hyper.lr, hyper.beta1,
+            self.op.adam_update(DEEPSPEED_OPTIMIZER_ID, plan.step, hyper.lr, hyper.beta1,
                                 hyper.beta2, hyper.eps, hyper.weight_decay, True, shard, grad,
                                 self.exp_avg[i], self.exp_avg_sq[i])
         else:
             _torch_adamw(shard, grad, self.exp_avg[i], self.exp_avg_sq[i], hyper,
-                         torch.full((1, 1), float(self.step_count), device=shard.device))
+                         torch.full((1, 1), float(plan.step), device=shard.device))
 
     def _sparse_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
-                     hyper: AdamHyper) -> None:
+                     plan: "StepPlan") -> None:
+        hyper = plan.hyper
         if rows.numel() == 0:
             return
+        decayed = plan.decay_before * (1.0 - hyper.lr * hyper.weight_decay)
         if self.rowwise is not None:
             rows = rows.to(torch.long).contiguous()
             steps = self.row_steps[i][rows] + 1
             self.row_steps[i][rows] = steps
-            owed = self.decay_product / self.row_marks[i][rows]
+            owed = plan.decay_before / self.row_marks[i][rows]
             self.rowwise.sparse_adamw_(
                 self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows,
                 rows_grad.to(torch.float32).contiguous(), steps, owed.contiguous(), hyper.lr,
                 hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
-            self.row_marks[i][rows] = self.decay_product * (1.0 - hyper.lr * hyper.weight_decay)
+            self.row_marks[i][rows] = decayed
             return
-        self.catch_up(i, rows)
+        self.catch_up(i, rows, plan.decay_before)
         steps = self.row_steps[i][rows] + 1
         self.row_steps[i][rows] = steps
         # Gather, step, scatter back: touched rows are few against the shard.
@@ -194,14 +224,16 @@ class RowAdamW:
         self.shards[i][rows] = p
         self.exp_avg[i][rows] = m
         self.exp_avg_sq[i][rows] = v
-        self.row_marks[i][rows] = self.decay_product * (1.0 - hyper.lr * hyper.weight_decay)
+        self.row_marks[i][rows] = decayed
 
-    def catch_up(self, i: int, rows: torch.Tensor) -> None:
+    def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
         """Sparse mode: apply the decay rows of shard ``i`` missed since their last update
-        (iterations they were not touched). Called before rows are read or stepped."""
+        (iterations they were not touched), up to the running ``product`` (default: now).
+        Called before rows are read or stepped."""
         if self.mode != "sparse":
             return
-        owed = self.decay_product / self.row_marks[i][rows]
+        product = self.decay_product if product is None else product
+        owed = product / self.row_marks[i][rows]
         pending = owed != 1.0
         if bool(pending.any()):
             late = rows[pending]
@@ -211,7 +243,7 @@ class RowAdamW:
                                          owed[pending].contiguous())
             else:
                 shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
-            self.row_marks[i][late] = self.decay_product
+            self.row_marks[i][late] = product
 
     def materialize(self) -> None:
         """Sparse mode: apply every row's outstanding decay, so the shards hold the values AdamW
