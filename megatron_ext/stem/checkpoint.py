@@ -66,6 +66,7 @@ def gather_blocks(tables, sources: Sequence[torch.Tensor], catch_up: bool
     Collective over the data-parallel group. Returns ``[(block, [rows per source])]``."""
     blocks = my_blocks(tables.vocab_size, tables.dp_rank, tables.dp_size)
     ids = torch.cat([r for _, r in blocks]) if blocks else torch.empty(0, dtype=torch.long)
+    tables.drain()  # a table step may still run in the background
     route = tables.exchange.route(ids)
     if catch_up and tables.read_hook is not None and route.rows_out:
         served = torch.unique(route.requested)
@@ -95,6 +96,7 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
     values = [torch.cat([loaded[b][k].reshape(-1, widths[k]).double() for b, _ in blocks])
               if blocks else torch.zeros(0, widths[k], dtype=torch.float64)
               for k in range(len(targets))]
+    tables.drain()
     route = tables.exchange.route(ids)
     device = tables.exchange.device
     rows, summed = tables.exchange.push(route, [v.to(device) for v in values])

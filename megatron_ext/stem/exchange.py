@@ -70,6 +70,12 @@ class PinnedStaging:
         self._event = torch.cuda.Event()
         self._event.record(torch.cuda.current_stream())
 
+    def take_event(self):
+        """The marked copy's event (None if none), handed to whoever will wait for it; the next
+        ``view()`` no longer waits for it: the taker must be done with the buffer first."""
+        event, self._event = self._event, None
+        return event
+
     def wait(self) -> None:
         """Block until the marked copy is done (before the host reads what it wrote)."""
         if self._event is not None:

@@ -13,6 +13,8 @@ built them; this class adds the tables to each step:
   ``clip_grad_by_total_norm_fp32`` applies to the parameters, then the rows step with
   ``RowAdamW`` (``--stem-optimizer dense|sparse``) using the learning rate and weight decay that
   Megatron's scheduler set on the default parameter group, and the optimizer's betas and eps.
+  Host shards with prefetch step in the background, overlapping the next training step
+  (``StemTables.run_step``); every read of the rows waits for the step of those rows.
 
 ``install()`` wraps ``megatron.training.training.get_megatron_optimizer`` so ``pretrain`` builds
 this optimizer whenever the model has managed tables.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,14 +54,20 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.replicated = bool(tables) and tables[0].ownership is None
         self._grads: Optional[list] = None
         self._total_norm: Optional[float] = None
-        self.step_seconds = 0.0  # CPU optimizer time of the last step (reset by report_stats)
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
         self._staging = PinnedStaging()
+
+    def drain(self) -> None:
+        """Wait for the tables' background work (the last step's rows): before their state is
+        read whole (checkpoints, dumps) or the gradient staging buffer is reused."""
+        for t in self.tables:
+            t.stats["optimizer_seconds_exposed"] += t.drain()
 
     # -- gradients -----------------------------------------------------------------------------
     def prepare_grads(self) -> bool:
         found_inf = super().prepare_grads()
         start = time.perf_counter()
+        self.drain()
         grads = []
         for t in self.tables:
             rows, per_layer = t.collect_grads()
@@ -111,17 +119,18 @@ class StemTablesOptimizer(ChainedOptimizer):
                          beta2=self.config.adam_beta2, eps=self.config.adam_eps,
                          weight_decay=float(group["weight_decay"]))
 
-    def _grads_to_shards(self) -> list:
-        """The step's row gradients on their shards' device. GPU gradients for host shards are
-        copied, all in one pass, into a reusable pinned buffer; the copies are queued before
-        the model's optimizer step so they are not stuck behind it."""
+    def _grads_to_shards(self) -> Tuple[list, object]:
+        """The step's row gradients on their shards' device, and the event that marks their
+        arrival there (None: they are there). GPU gradients for host shards are copied, all in
+        one pass, into a reusable pinned buffer; the copies are queued before the model's
+        optimizer step so they are not stuck behind it."""
         moves = [(i, g) for i, ((_, g), s) in enumerate(zip(self._grads, self.shards))
                  if g.device != s.device]
         out = [(rows.to(s.device), g) for (rows, g), s in zip(self._grads, self.shards)]
         if not moves:
-            return out
+            return out, None
         if moves[0][1].device.type != "cuda" or any(s.device.type != "cpu" for s in self.shards):
-            return [(rows, g.to(s.device)) for (rows, g), s in zip(out, self.shards)]
+            return [(rows, g.to(s.device)) for (rows, g), s in zip(out, self.shards)], None
         flat = self._staging.view(sum(g.numel() for _, g in moves), torch.float32)
         offset = 0
         for i, g in moves:
@@ -130,7 +139,7 @@ class StemTablesOptimizer(ChainedOptimizer):
             out[i] = (out[i][0], view)
             offset += g.numel()
         self._staging.record()
-        return out
+        return out, self._staging.take_event()
 
     def step_with_ready_grads(self) -> bool:
         if self._grads is None:
@@ -141,13 +150,19 @@ class StemTablesOptimizer(ChainedOptimizer):
             if coeff < 1.0:
                 for _, g in self._grads:
                     g.mul_(coeff)
-        grads = self._grads_to_shards()
+        grads, arrived = self._grads_to_shards()
         # The model's step is queued on the GPU and runs while the CPU steps the rows.
         success = super().step_with_ready_grads()
-        start = time.perf_counter()
-        self._staging.wait()
-        self.row_adam.step(grads, self._hyper())
-        self.step_seconds = time.perf_counter() - start
+        plan = self.row_adam.begin_step(self._hyper())
+        split = self.row_adam.mode == "sparse"
+        base = 0
+        for t in self.tables:
+            n = len(t.shards)
+            t.run_step(grads[base: base + n],
+                       (lambda b: lambda i, rows, g: self.row_adam.step_rows(b + i, rows, g,
+                                                                             plan))(base),
+                       ready=arrived, split=split)
+            base += n
         self._grads = None
         return success
 
@@ -178,6 +193,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         inner = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if not self.tables:
             return {"model_optim": inner, "stem_tables": {}}
+        self.drain()
         self.row_adam.materialize()
         tensors = {}
         for t, sources in self._layer_sources():
@@ -212,6 +228,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         saved = state_dict["stem_tables"]
         if not self.tables:
             return
+        self.drain()
         if saved.get("mode") != self.row_adam.mode:
             raise ValueError(f"the checkpoint's STEM table optimizer is --stem-optimizer "
                              f"{saved.get('mode')}, this run's is {self.row_adam.mode}: the "
@@ -253,6 +270,7 @@ def dump_tables(directory: str) -> None:
     from megatron.core import parallel_state as ps
 
     for optimizer in _ACTIVE:
+        optimizer.drain()
         optimizer.row_adam.materialize()
         payload = {"chunks": [{
             "layers": [layer.layer_number for layer in t.layers],
@@ -268,29 +286,33 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
     gradient pushes, fetch time the forward step waited for (exposed) and background fetch time
-    it did not wait for (hidden, with prefetch), CPU optimizer time, and the time to collect the
-    row gradients and exchange them with their owners. A ``training/log_hooks.py``
-    hook; collective."""
+    it did not wait for (hidden, with prefetch), CPU optimizer time and the part of it the
+    training thread waited for (exposed; with the overlapped step, the wait of the next step's
+    first micro-batch for its rows' step is in the exposed fetch time), and the time to collect
+    the row gradients and exchange them with their owners. A table step that runs in the
+    background is counted when it is done (with the next iteration when it outlasts this one).
+    A ``training/log_hooks.py`` hook; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
-             "stem/grad-exchange-seconds"]
+             "stem/optimizer-seconds-exposed", "stem/grad-exchange-seconds"]
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
+        local = torch.zeros(len(maxed), dtype=torch.float64)  # summed over this rank's chunks
         for t in optimizer.tables:
             st, rb = t.stats, t.row_bytes
             gb = t.grad_row_bytes
             sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
                                   st["fetch_rows_out"] * rb, st["grad_rows_out"] * gb,
                                   st["grad_rows_in"] * gb], dtype=torch.float64)
-            maxes = torch.maximum(maxes, torch.tensor(
-                [st["fetch_seconds"], st["fetch_seconds_hidden"], 0.0, 0.0],
-                dtype=torch.float64))
+            local += torch.tensor([st["fetch_seconds"], st["fetch_seconds_hidden"],
+                                   st["optimizer_seconds"], st["optimizer_seconds_exposed"], 0.0],
+                                  dtype=torch.float64)
             t.reset_stats()
-        maxes[2] = max(float(maxes[2]), optimizer.step_seconds)
-        maxes[3] = max(float(maxes[3]), optimizer.grad_seconds)
-        optimizer.step_seconds = optimizer.grad_seconds = 0.0
+        local[4] = optimizer.grad_seconds
+        maxes = torch.maximum(maxes, local)
+        optimizer.grad_seconds = 0.0
     device = comm_device(dist.group.WORLD)
     sums, maxes = sums.to(device), maxes.to(device)
     dist.all_reduce(sums)
@@ -307,15 +329,19 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     tables = sum(t.host_bytes() for t in optimizer.tables)
     moments = 2 * tables
+    from megatron_ext_kernels import row_adam_cpu
+
     # Launchers and NCCL may pin a rank to a few cores; the CPU optimizer's threads share them.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = row_adam_cpu.threads() if optimizer.row_adam.kernel == "rowwise" else \
+        torch.get_num_threads()
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
             f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
-            f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel, "
-            f"{torch.get_num_threads()} CPU threads, {cores} cores in this process's affinity "
-            f"mask)")
+            f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel, {threads} CPU "
+            f"threads, {cores} cores in this process's affinity mask; row gathers "
+            f"{row_adam_cpu.threads()} threads)")
 
 
 def install() -> None:
@@ -336,6 +362,9 @@ def install() -> None:
         # are reduced over all ranks.
         tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
         tables = [t for t in tables if t is not None]
+        from megatron_ext_kernels import row_adam_cpu
+
+        row_adam_cpu.set_threads(get_args().stem_cpu_threads)
         wrapped = StemTablesOptimizer(optimizer, tables, get_args().stem_optimizer)
         _ACTIVE.append(wrapped)
         report = host_memory_report(wrapped)

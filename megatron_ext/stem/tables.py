@@ -18,6 +18,14 @@ process group so its collectives never interleave with the model's). Prefetch ne
 optimizer step (only ``m + 1 < num_microbatches``), so a row updated at step ``i`` is read with
 that update at step ``i + 1``; the fetched values are the ones a synchronous fetch reads.
 
+Overlapped table step (host shards with prefetch): the last micro-batch of a step also reads the
+next step's first micro-batch (``carried``). At the optimizer step (``run_step``) its ids are routed
+to their owners, and each owner's background thread first steps the rows that micro-batch reads,
+then fetches them for it, then steps the remaining rows while the next step computes. Reads still
+see every update (the fetch of micro-batch 0 follows the step of its rows; later fetches, checkpoint
+and evaluation reads wait for the whole step, ``drain``), so the numbers are those of a synchronous
+step; the training thread only waits where micro-batch 0 needs its rows.
+
 At the optimizer step (``collect_grads``) the row gradients of all micro-batches are summed per id
 and pushed to their owners, where the contributions of all data-parallel ranks are summed: the
 data-parallel reduction of the tables. What Megatron's DDP does for parameters (average over data
@@ -69,8 +77,10 @@ class StemTables:
             self.owned_ids = torch.arange(vocab_size)
         self._executor = None
         self._side_stream = None
+        self._last_task = None  # the newest future on the executor (tasks run in order)
         self.microbatch = 0   # forward calls since the last optimizer step
         self.prefetched = None  # (batch tuple, future) of the next micro-batch
+        self.carried = None   # the next step's first micro-batch, read ahead (overlapped step)
         self.shards: List[torch.Tensor] = []
         for layer in self.layers:
             full = layer.release_initial_table()
@@ -87,6 +97,8 @@ class StemTables:
         dtype = getattr(config, "params_dtype", torch.float32)
         self.wire_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         self.staging = PinnedStaging() if cuda and stem.placement == "cpu" else None
+        # Host shards step on the CPU: with prefetch, that step overlaps the next step.
+        self.overlap = stem.prefetch and all(s.device.type == "cpu" for s in self.shards)
         # Called with (shard index, local rows) before rows are read: lets the sparse optimizer
         # apply the weight decay a row still owes (no stale reads).
         self.read_hook: Optional[Callable[[int, torch.Tensor], None]] = None
@@ -98,7 +110,8 @@ class StemTables:
         """Counters since the last reset (per iteration: the training-log hook resets them)."""
         self.stats = {"unique_rows": 0, "fetch_rows_in": 0, "fetch_rows_out": 0,
                       "grad_rows_out": 0, "grad_rows_in": 0, "fetch_seconds": 0.0,
-                      "fetch_seconds_hidden": 0.0}
+                      "fetch_seconds_hidden": 0.0, "optimizer_seconds": 0.0,
+                      "optimizer_seconds_exposed": 0.0}
 
     @property
     def row_bytes(self) -> int:
@@ -117,13 +130,19 @@ class StemTables:
         return sum(s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
 
     # ------------------------------------------------------------------------------------------
-    def fetch(self, token_ids: torch.Tensor):
-        """Route and fetch the rows of ``token_ids`` ([b, s], as the batch has them) for every
-        STEM layer of the chunk. Collective over the (prefetch) data-parallel group."""
-        start = time.perf_counter()
+    def route_ids(self, token_ids: torch.Tensor):
+        """Deduplicate ``token_ids`` and send the unique ids to their owners: ``(unique ids on the
+        host, inverse index, route)``. Collective over the (prefetch) data-parallel group."""
         unique, inverse = torch.unique(token_ids.reshape(-1), return_inverse=True)
         unique_cpu = unique.cpu()
-        route = self.exchange.route(unique_cpu)
+        return unique_cpu, inverse, self.exchange.route(unique_cpu)
+
+    def fetch(self, token_ids: torch.Tensor, routed=None):
+        """Route (unless ``routed``, from ``route_ids``) and fetch the rows of ``token_ids`` ([b,
+        s], as the batch has them) for every STEM layer of the chunk. Collective over the
+        (prefetch) data-parallel group."""
+        start = time.perf_counter()
+        unique_cpu, inverse, route = routed if routed is not None else self.route_ids(token_ids)
         if self.read_hook is not None and route.rows_out:
             served = torch.unique(route.requested)
             for i in range(len(self.shards)):
@@ -160,20 +179,35 @@ class StemTables:
 
     def prepare(self, token_ids: torch.Tensor) -> None:
         """Fetch and bind synchronously (evaluation, the first micro-batch of a step, or
-        ``--no-stem-prefetch``)."""
+        ``--no-stem-prefetch``), after any background work (it may step or read the rows)."""
         start = time.perf_counter()
+        self.drain()
         fetched = self.fetch(token_ids)
         self.bind(fetched, time.perf_counter() - start)
 
-    def start_prefetch(self, token_ids: torch.Tensor):
-        """Fetch in the background; ``bind(future.result(), ...)`` later."""
+    # -- background work: one thread per chunk, tasks in submission order ----------------------
+    def _submit(self, fn):
         if self._executor is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stem-fetch")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stem-tables")
             if torch.cuda.is_available():
                 self._side_stream = torch.cuda.Stream()
+        self._last_task = self._executor.submit(fn)
+        return self._last_task
 
+    def drain(self) -> float:
+        """Wait for every background task (a table step, a fetch) submitted so far; re-raises
+        its error. Returns the seconds waited. A prefetched micro-batch stays bound for its use."""
+        task, self._last_task = self._last_task, None
+        if task is None:
+            return 0.0
+        start = time.perf_counter()
+        task.result()
+        return time.perf_counter() - start
+
+    def start_prefetch(self, token_ids: torch.Tensor, routed=None):
+        """Fetch in the background; ``bind(future.result(), ...)`` later."""
         ready = None
         if self._side_stream is not None:
             # The ids were produced on the compute stream (batch broadcast): the side stream
@@ -186,32 +220,83 @@ class StemTables:
             if self._side_stream is not None:
                 with torch.cuda.stream(self._side_stream):
                     self._side_stream.wait_event(ready)
-                    return self.fetch(token_ids)
-            return self.fetch(token_ids)
+                    return self.fetch(token_ids, routed)
+            return self.fetch(token_ids, routed)
 
-        return self._executor.submit(run)
+        return self._submit(run)
 
-    def take_batch(self, read_batch: Callable[[], tuple], num_microbatches: int) -> tuple:
+    def take_batch(self, read_batch: Callable[[], tuple], num_microbatches: int,
+                   read_ahead: bool = False) -> tuple:
         """The micro-batch to run now (``read_batch()``'s tuple, tokens first) with its rows bound
-        to the layers. With prefetch, while training, it was read ahead by the previous call and
-        its rows fetched in the background; and unless this is the step's last micro-batch, the
-        next one is read and its fetch started. Collective over the data-parallel group."""
-        if self.prefetched is not None:
+        to the layers. With prefetch, while training, it was read ahead by the previous call (or,
+        for a step's first micro-batch, by the previous step: ``carried``) and its rows fetched in
+        the background; unless this is the step's last micro-batch, the next one is read and its
+        fetch started. At the last one, ``read_ahead`` (another training step follows) reads the
+        next step's first micro-batch for the overlapped table step. Evaluation fetches
+        synchronously and leaves what was read ahead for training. Collective over the
+        data-parallel group."""
+        training = torch.is_grad_enabled()
+        if training and self.prefetched is not None:
             batch, future = self.prefetched
             self.prefetched = None
             start = time.perf_counter()
             fetched = future.result()
             self.bind(fetched, time.perf_counter() - start)
         else:
-            batch = read_batch()
+            if training and self.carried is not None:  # its step was skipped: fetch it now
+                batch, self.carried = self.carried, None
+            else:
+                batch = read_batch()
             self.prepare(batch[0])
-        training = torch.is_grad_enabled()
         if training:  # count this step's micro-batches (collect_grads resets the count)
             self.microbatch += 1
         if self.prefetch and training and self.microbatch < num_microbatches:
             upcoming = read_batch()
             self.prefetched = (upcoming, self.start_prefetch(upcoming[0]))
+        elif self.overlap and training and read_ahead and self.microbatch == num_microbatches:
+            self.carried = read_batch()
         return batch
+
+    def run_step(self, grads: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                 step_shard: Callable[[int, torch.Tensor, torch.Tensor], None],
+                 ready=None, split: bool = True) -> None:
+        """Step this chunk's shards: ``step_shard(i, rows, grad)`` for each shard's ``(rows,
+        grad)`` (local rows). ``ready``: an event to synchronize before the gradients are read
+        (their copy to the host), or None. ``split``: the rows of a shard may step in two parts
+        (the sparse optimizer; the dense one steps each shard whole).
+
+        Without a ``carried`` micro-batch the step runs here. With one, its ids are routed now;
+        the background thread steps the rows it reads, fetches them (``prefetched``), then steps
+        the rest (collective over the prefetch group, like any prefetch)."""
+
+        def step(masks=None):
+            start = time.perf_counter()
+            if ready is not None:  # the gradients are read only after their copy landed
+                ready.synchronize()
+            for i, (rows, grad) in enumerate(grads):
+                if masks is not None:
+                    keep = torch.nonzero(masks[i]).squeeze(1)
+                    rows, grad = rows[keep], grad.index_select(0, keep.to(grad.device))
+                if rows.numel() or not split:
+                    step_shard(i, rows, grad)
+            took = time.perf_counter() - start
+            self.stats["optimizer_seconds"] += took
+            return took
+
+        if self.carried is None:
+            self.stats["optimizer_seconds_exposed"] += self.drain() + step()
+            return
+        batch, self.carried = self.carried, None
+        routed = self.route_ids(batch[0])
+        if split:
+            served = torch.unique(routed[2].requested)  # rows the next micro-batch reads here
+            reads = [torch.isin(rows, served) for rows, _ in grads]
+            self._submit(lambda: step(reads))
+            self.prefetched = (batch, self.start_prefetch(batch[0], routed))
+            self._submit(lambda: step([~read for read in reads]))
+        else:
+            self._submit(step)
+            self.prefetched = (batch, self.start_prefetch(batch[0], routed))
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Sum the row gradients of this step's micro-batches per id, send them to the owners.
@@ -220,6 +305,7 @@ class StemTables:
         if self.prefetched is not None:
             raise RuntimeError("a prefetched STEM micro-batch was never used: prefetch must not "
                                "cross an optimizer step")
+        self.stats["optimizer_seconds_exposed"] += self.drain()  # the last step's rest
         self.microbatch = 0
         widths = self.widths
         if self._pending:

@@ -85,6 +85,10 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     stem.add_argument("--stem-prefetch", action=argparse.BooleanOptionalAction, default=True,
                       help="cpu/vocab-sharded tables: fetch the next micro-batch's rows in the "
                            "background while the current one computes")
+    stem.add_argument("--stem-cpu-threads", type=int, default=0, metavar="N",
+                      help="threads of the CPU row kernels (table step, row gather) per rank; 0: "
+                           "the cores of the rank's affinity mask / ranks on the node (not "
+                           "OMP_NUM_THREADS, which torchrun sets to 1 for several ranks)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
                       help="lookup-and-gate: triton = the fused kernel (kernels/stem_gate.py), "
                            "torch = the plain-PyTorch path, auto = triton on a CUDA device")
@@ -265,6 +269,9 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     stem = stem_config_from_args(args)
     if stem is not None:
         stem.stem_layers(args.num_layers)  # raises for out-of-range layers
+        if args.stem_cpu_threads < 0:
+            raise ValueError(f"--stem-cpu-threads={args.stem_cpu_threads}: must be >= 0 (0 = "
+                             "automatic)")
         if not args.swiglu:
             raise ValueError("--model-family=stem needs a gated activation: pass --swiglu "
                              "(STEM replaces one input of the SwiGLU product)")

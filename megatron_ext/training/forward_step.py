@@ -36,9 +36,16 @@ def forward_step(data_iterator, model):
         return get_batch(data_iterator, args, vp_stage, token_layers_here)
 
     # Managed STEM tables: the batch comes with its rows bound (and, with prefetch, the next
-    # micro-batch's rows being fetched in the background).
-    batch = tables.take_batch(read_batch, get_num_microbatches()) if tables is not None \
-        else read_batch()
+    # micro-batch's rows being fetched in the background). The last micro-batch of a step may
+    # read the next step's first one (the overlapped table step) when a next step will run here:
+    # ``curr_iteration`` is the number of steps done before this one.
+    if tables is not None:
+        upcoming = args.curr_iteration + 1
+        read_ahead = upcoming < args.train_iters and not (
+            args.exit_interval and upcoming % args.exit_interval == 0)
+        batch = tables.take_batch(read_batch, get_num_microbatches(), read_ahead=read_ahead)
+    else:
+        batch = read_batch()
     tokens, labels, loss_mask, attention_mask, position_ids = batch
     timers("batch-generator").stop()
     if args.model_family == "structmoe":
