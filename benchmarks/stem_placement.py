@@ -19,8 +19,10 @@ Variants (one process, NCCL on a GPU):
 
 * ``gpu`` -- ordinary STEM parameters, Megatron's DDP and Adam on the GPU (the baseline);
 * ``cpu`` -- tables in pinned host memory, rows prefetched to the GPU on a side stream, row
-  gradients back through pinned buffers, sparse AdamW on the CPU (``--stem-optimizer sparse``);
-* ``cpu-no-prefetch`` -- the same, fetching synchronously (what prefetch hides);
+  gradients back through pinned buffers, sparse AdamW on the CPU (``--stem-optimizer sparse``)
+  overlapping the next step;
+* ``cpu-no-prefetch`` -- the same, fetching synchronously and stepping the tables before the
+  next step starts (what prefetch and the overlapped table step hide);
 * ``cpu-dense`` (with ``--dense``) -- every owned row steps each iteration on the CPU
   (DeepSpeed's CPU Adam over whole tables).
 
@@ -122,11 +124,20 @@ def flags(shape: dict, args, data_prefix: str, tb: str) -> list:
     return out
 
 
+def stepped_params_per_second(r: dict) -> float:
+    """The table step's throughput: row gradients the owners received (fp32) are the parameters
+    the sparse optimizer stepped (the dense one steps every owned row: a lower bound there)."""
+    seconds = r["stem/optimizer-seconds"]
+    return r["stem/grad-bytes-received"] / 4 / seconds if seconds > 0 else float("nan")
+
+
 def describe(r: dict) -> str:
     return (f"fetch exposed {1e3 * r['stem/fetch-seconds-exposed']:.1f} ms/step, hidden "
             f"{1e3 * r['stem/fetch-seconds-hidden']:.1f} ms/step, gradient exchange "
             f"{1e3 * r['stem/grad-exchange-seconds']:.1f} ms/step, CPU optimizer "
-            f"{1e3 * r['stem/optimizer-seconds']:.1f} ms/step, unique rows/step "
+            f"{1e3 * r['stem/optimizer-seconds']:.1f} ms/step (exposed "
+            f"{1e3 * r['stem/optimizer-seconds-exposed']:.1f}; "
+            f"{stepped_params_per_second(r) / 1e9:.2f} G row params/s), unique rows/step "
             f"{r['stem/unique-rows-fetched']:.0f}, to GPU "
             f"{r['stem/fetch-bytes-to-device'] / 2**20:.0f} MiB/step, gradients back "
             f"{r['stem/grad-bytes-sent'] / 2**20:.0f} MiB/step")
@@ -195,9 +206,10 @@ def main() -> None:
              "peak_gpu_gib": max((v for _, v in s.get("mem-max-allocated-bytes", [])),
                                  default=float("nan")) / 2**30}
         for tag in ("stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden",
-                    "stem/optimizer-seconds", "stem/grad-exchange-seconds",
+                    "stem/optimizer-seconds", "stem/optimizer-seconds-exposed",
+                    "stem/grad-exchange-seconds",
                     "stem/unique-rows-fetched", "stem/fetch-bytes-to-device",
-                    "stem/grad-bytes-sent"):
+                    "stem/grad-bytes-sent", "stem/grad-bytes-received"):
             r[tag] = mean(tag)
         # Megatron's own timers (--log-timers-to-tensorboard): where the step's time goes.
         r["timers_ms"] = {tag[:-5]: 1e3 * mean(tag) for tag in s
@@ -211,6 +223,8 @@ def main() -> None:
                                             sorted(r["timers_ms"].items())), flush=True)
         if name != "gpu":
             print("    " + describe(r), flush=True)
+            if r["host_memory"]:
+                print("    " + r["host_memory"], flush=True)
 
     if "gpu" not in results:
         raise SystemExit("the gpu baseline did not run: no ratios")

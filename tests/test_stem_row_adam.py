@@ -144,3 +144,135 @@ def test_host_row_kernels_match_torch(dtype):
     want[rows] *= factors.to(torch.float32).unsqueeze(1)
     kernel.scale_rows_(shard, rows, factors)
     assert torch.equal(shard, want)
+
+
+@pytest.mark.parametrize("kernel", kernels("sparse"))
+def test_sparse_step_in_parts_with_reads_between(kernel):
+    """The overlapped table step (stem/tables.py ``run_step``): an iteration's rows step in two
+    parts, and rows outside the second part are read (owed decay applied) between them. The
+    result is bitwise that of the one-call step followed by the same reads, and the
+    reference's."""
+    parts_shard, whole_shard = initial(), initial()
+    parts = RowAdamW([parts_shard], mode="sparse", kernel=kernel)
+    whole = RowAdamW([whole_shard], mode="sparse", kernel=kernel)
+    for step, lr in enumerate(LRS):
+        rows, g = grads_for(step)
+        later = set(rows[1::2].tolist())
+        read = torch.tensor([r for r in range(ROWS) if r not in later])
+        whole.step([(rows, g)], hyper(lr))
+        whole.catch_up(0, read)
+        plan = parts.begin_step(hyper(lr))
+        parts.step_rows(0, rows[::2], g[::2], plan)
+        parts.catch_up(0, read)
+        parts.step_rows(0, rows[1::2], g[1::2], plan)
+    parts.materialize()
+    whole.materialize()
+    assert torch.equal(parts_shard, whole_shard)
+    assert torch.equal(parts.exp_avg[0], whole.exp_avg[0])
+    torch.testing.assert_close(parts_shard, sparse_reference(len(LRS))[0], rtol=1e-6, atol=1e-7)
+
+
+def _row_kernel():
+    from megatron_ext_kernels import row_adam_cpu
+
+    kernel = row_adam_cpu.load()
+    if kernel is None:
+        pytest.skip("no C++ compiler")
+    return row_adam_cpu, kernel
+
+
+def _adamw_inputs(rows: int, width: int, touched: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    p, m = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    v = torch.rand(rows, width, generator=g)
+    index = torch.randperm(rows, generator=g)[:touched]
+    grad = torch.randn(touched, width, generator=g)
+    steps = torch.randint(1, 50, (touched,), generator=g)
+    owed = torch.rand(touched, dtype=torch.float64, generator=g) * 0.1 + 0.9
+    return [p, m, v, index, grad, steps, owed, 1e-3, 0.9, 0.95, 1e-8, 0.1]
+
+
+def test_row_kernels_run_the_threads_asked_and_give_the_same_bits():
+    """Each call runs an OpenMP team of exactly ``threads()`` (whatever OMP_NUM_THREADS and
+    torch's intra-op count say), and rows are independent, so the thread count does not change
+    a bit of the result."""
+    module, kernel = _row_kernel()
+    for n in (1, 2, 3):
+        assert kernel.team_size(n) == n
+    results = []
+    try:
+        for n in (1, 3):
+            module.set_threads(n)
+            args = _adamw_inputs(300, 70, 200)
+            kernel.sparse_adamw_(*args)
+            out = torch.empty(200, 70, dtype=torch.bfloat16)
+            kernel.gather_rows_(args[0], args[3], out)
+            results.append((args[0], args[1], args[2], out))
+    finally:
+        module.set_threads(0)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert module.threads() == module.default_threads()
+    with pytest.raises(ValueError, match="must be >= 0"):
+        module.set_threads(-1)
+
+
+def test_default_threads_share_the_affinity_mask(monkeypatch):
+    module, _ = _row_kernel()
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert module.default_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    assert module.default_threads() == 1
+
+
+def test_threads_ignore_torchruns_omp_setting():
+    """torchrun sets OMP_NUM_THREADS=1 for several ranks per node; the kernels' team size is
+    still the one asked (run in a fresh process, where the variable is read at start-up)."""
+    _row_kernel()  # built and cached
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from megatron_ext_kernels import row_adam_cpu as r\n"
+            "r.set_threads(2); print(r.load().team_size(r.threads()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "2"
+
+
+def test_row_kernels_release_the_gil():
+    """A row step in the background thread must not stop the training thread: the main thread
+    runs while the kernel call is still in progress (with the GIL held it could only resume
+    after the call returned)."""
+    import threading
+    import time
+
+    module, kernel = _row_kernel()
+    args = _adamw_inputs(16384, 2048, 16384, seed=1)  # one call of tens of milliseconds
+    times = {}
+    started = threading.Event()
+
+    def work():
+        started.set()
+        times["call"] = time.perf_counter()
+        kernel.sparse_adamw_(*args)
+        times["returned"] = time.perf_counter()
+
+    module.set_threads(1)
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        started.wait()
+        resumed = time.perf_counter()
+        worker.join()
+    finally:
+        module.set_threads(0)
+    took = times["returned"] - times["call"]
+    assert took > 0.01, f"the kernel call took {took:.4f} s: too short to tell"
+    assert resumed < times["call"] + 0.5 * took, (
+        f"main thread resumed {resumed - times['call']:.4f} s into a {took:.4f} s kernel call")

@@ -290,8 +290,8 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     training thread waited for (exposed; with the overlapped step, the wait of the next step's
     first micro-batch for its rows' step is in the exposed fetch time), and the time to collect
     the row gradients and exchange them with their owners. A table step that runs in the
-    background is counted when it is done (with the next iteration when it outlasts this one).
-    A ``training/log_hooks.py`` hook; collective."""
+    background (overlapped) is logged with the iteration it overlaps, the next one. A
+    ``training/log_hooks.py`` hook; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",

@@ -78,6 +78,7 @@ class StemTables:
         self._executor = None
         self._side_stream = None
         self._last_task = None  # the newest future on the executor (tasks run in order)
+        self._step_tasks = []   # futures of background table steps (their seconds), not drained
         self.microbatch = 0   # forward calls since the last optimizer step
         self.prefetched = None  # (batch tuple, future) of the next micro-batch
         self.carried = None   # the next step's first micro-batch, read ahead (overlapped step)
@@ -198,13 +199,19 @@ class StemTables:
 
     def drain(self) -> float:
         """Wait for every background task (a table step, a fetch) submitted so far; re-raises
-        its error. Returns the seconds waited. A prefetched micro-batch stays bound for its use."""
+        its error. Returns the seconds waited. A prefetched micro-batch stays bound for its use.
+        The background table steps' time is counted here (so an overlapped step is logged with
+        the iteration it overlapped, the next one)."""
         task, self._last_task = self._last_task, None
         if task is None:
             return 0.0
         start = time.perf_counter()
         task.result()
-        return time.perf_counter() - start
+        waited = time.perf_counter() - start
+        for done in self._step_tasks:
+            self.stats["optimizer_seconds"] += done.result()
+        self._step_tasks.clear()
+        return waited
 
     def start_prefetch(self, token_ids: torch.Tensor, routed=None):
         """Fetch in the background; ``bind(future.result(), ...)`` later."""
@@ -279,23 +286,24 @@ class StemTables:
                     rows, grad = rows[keep], grad.index_select(0, keep.to(grad.device))
                 if rows.numel() or not split:
                     step_shard(i, rows, grad)
-            took = time.perf_counter() - start
-            self.stats["optimizer_seconds"] += took
-            return took
+            return time.perf_counter() - start
 
         if self.carried is None:
-            self.stats["optimizer_seconds_exposed"] += self.drain() + step()
+            waited = self.drain()
+            took = step()
+            self.stats["optimizer_seconds"] += took
+            self.stats["optimizer_seconds_exposed"] += waited + took
             return
         batch, self.carried = self.carried, None
         routed = self.route_ids(batch[0])
         if split:
             served = torch.unique(routed[2].requested)  # rows the next micro-batch reads here
             reads = [torch.isin(rows, served) for rows, _ in grads]
-            self._submit(lambda: step(reads))
+            self._step_tasks.append(self._submit(lambda: step(reads)))
             self.prefetched = (batch, self.start_prefetch(batch[0], routed))
-            self._submit(lambda: step([~read for read in reads]))
+            self._step_tasks.append(self._submit(lambda: step([~read for read in reads])))
         else:
-            self._submit(step)
+            self._step_tasks.append(self._submit(step))
             self.prefetched = (batch, self.start_prefetch(batch[0], routed))
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
