@@ -158,14 +158,14 @@ def test_traffic_and_optimizer_time_logged(runs):
                                     ("sparse_dp2", "sparse_dp2_no_prefetch")])
 def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
     """Prefetch on (the default) vs off, dense and sparse: identical losses bit for bit over 10
-    steps (and, sparse, identical evaluation losses at steps 4 and 8). With it on, part of the
-    fetch time runs in the background (hidden), and the table step overlaps the next step: the
-    training thread waits for less than the step takes; without it, nothing is hidden and the
+    steps (and, sparse, identical evaluation losses at steps 4, 8 and the end). With it on, part
+    of the fetch time runs in the background (hidden), and the table step overlaps the next step:
+    the training thread waits for less than the step takes; without it, nothing is hidden and the
     training thread waits for all of every table step."""
     on, off = require_ok(runs[on]), require_ok(runs[off])
     assert on.curve(STEPS) == off.curve(STEPS)
     if "lm loss validation" in off.scalars:
-        assert [s for s, _ in off.scalars["lm loss validation"]] == [4, 8]
+        assert {4, 8} <= {s for s, _ in off.scalars["lm loss validation"]}  # (and the end)
         assert on.scalars["lm loss validation"] == off.scalars["lm loss validation"]
     assert sum(v for _, v in on.scalars["stem/fetch-seconds-hidden"]) > 0
     assert sum(v for _, v in off.scalars["stem/fetch-seconds-hidden"]) == 0
