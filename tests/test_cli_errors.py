@@ -36,6 +36,7 @@ def parse(extra):
     (["--model-family", "stem", "--stem-layers", "0,2"], "layer 0 is never"),
     (["--model-family", "stem", "--stem-layers", "2,4"], "4 out of range; STEM layers must be in 1..3"),
     (["--model-family", "stem", "--stem-layers", "2,a"], "comma-separated"),
+    (["--model-family", "stem", "--stem-cpu-threads", "-2"], "--stem-cpu-threads=-2: must be >= 0"),
     (["--model-family", "sigma"], "--num-experts=None: the Sigma family needs"),
     (SIGMA + ["--expert-model-parallel-size", "3"],
      "--num-experts=4 is not divisible by --expert-model-parallel-size=3"),

@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     run("bad_ffn", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--ffn-hidden-size", "64"],
         nproc=1)
     run("cpu_vocab_dp2_no_prefetch", CPU_VOCAB + ["--no-stem-prefetch"])
-    run("cpu_replicated_dp2", ["--stem-table-placement", "cpu"])
+    run("cpu_replicated_dp2", ["--stem-table-placement", "cpu", "--stem-cpu-threads", "3"])
     # The fused lookup-and-gate kernel on the managed rows (Triton's interpreter on the CPU).
     run("cpu_vocab_dp2_kernel", CPU_VOCAB + ["--stem-kernel", "triton"],
         env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
@@ -118,6 +118,17 @@ def test_startup_reports_host_memory(runs):
     assert len(lines) == 2  # one per rank
     # 2 layers x 512 owned rows x 128 columns x 4 bytes = 0.5 MiB; moments twice that.
     assert "1,024 rows" in lines[0] and "tables (fp32, also the master copy) 0.5 MiB" in lines[0]
+    # Row kernels: by default the 2 cores of this machine shared by the node's 2 ranks; or as set.
+    from megatron_ext_kernels import row_adam_cpu
+
+    if row_adam_cpu.load() is not None:
+        import os
+
+        default = max(len(os.sched_getaffinity(0)) // 2, 1)
+        assert f"row gathers {default} threads" in lines[0]
+        threads = [l for l in require_ok(runs["cpu_replicated_dp2"]).log.splitlines()
+                   if "STEM tables on this rank" in l]
+        assert len(threads) == 2 and all("row gathers 3 threads" in l for l in threads)
     assert "Adam moments 1.0 MiB" in lines[0] and "dense (deepspeed kernel," in lines[0]
 
 
