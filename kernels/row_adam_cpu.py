@@ -173,12 +173,17 @@ _MODULE = None
 _THREADS = 0  # 0: default_threads()
 
 
+def affinity_cores() -> int:
+    """The cores this process may run on (launchers and NCCL may pin a rank to a few)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def default_threads() -> int:
     """The cores in this process's affinity mask, shared equally among the ranks torchrun started
     on this node (``LOCAL_WORLD_SIZE``), at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    return max((cores or 1) // local, 1)
+    return max(affinity_cores() // local, 1)
 
 
 def set_threads(threads: int) -> None:

@@ -76,12 +76,6 @@ class PinnedStaging:
         event, self._event = self._event, None
         return event
 
-    def wait(self) -> None:
-        """Block until the marked copy is done (before the host reads what it wrote)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-
 
 def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
                 chunk: int = 1024) -> None:

@@ -72,10 +72,11 @@ def deepspeed_op():
 @dataclass(frozen=True)
 class StepPlan:
     """One iteration of ``RowAdamW`` (``begin_step``): its hyper-parameters, its step count (every
-    row's, dense) and, sparse, the running decay product before it."""
+    row's, dense) and, sparse, the running decay product before and after it."""
     hyper: AdamHyper
     step: int
     decay_before: float
+    decay_after: float
 
 
 class RowAdamW:
@@ -146,10 +147,11 @@ class RowAdamW:
         micro-batch reads). Sparse: the running decay product moves on now, so a row read after
         this call owes this iteration's decay unless it is stepped."""
         self.step_count += 1
-        plan = StepPlan(hyper, self.step_count,
-                        self.decay_product if self.mode == "sparse" else 1.0)
-        if self.mode == "sparse":
-            self.decay_product = plan.decay_before * (1.0 - hyper.lr * hyper.weight_decay)
+        if self.mode != "sparse":
+            return StepPlan(hyper, self.step_count, 1.0, 1.0)
+        plan = StepPlan(hyper, self.step_count, self.decay_product,
+                        self.decay_product * (1.0 - hyper.lr * hyper.weight_decay))
+        self.decay_product = plan.decay_after
         return plan
 
     def step_rows(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
@@ -185,7 +187,6 @@ class RowAdamW:
         hyper = plan.hyper
         if rows.numel() == 0:
             return
-        decayed = plan.decay_before * (1.0 - hyper.lr * hyper.weight_decay)
         if self.rowwise is not None:
             rows = rows.to(torch.long).contiguous()
             steps = self.row_steps[i][rows] + 1
@@ -195,7 +196,7 @@ class RowAdamW:
                 self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows,
                 rows_grad.to(torch.float32).contiguous(), steps, owed.contiguous(), hyper.lr,
                 hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
-            self.row_marks[i][rows] = decayed
+            self.row_marks[i][rows] = plan.decay_after
             return
         self.catch_up(i, rows, plan.decay_before)
         steps = self.row_steps[i][rows] + 1
@@ -224,7 +225,7 @@ class RowAdamW:
         self.shards[i][rows] = p
         self.exp_avg[i][rows] = m
         self.exp_avg_sq[i][rows] = v
-        self.row_marks[i][rows] = decayed
+        self.row_marks[i][rows] = plan.decay_after
 
     def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
         """Sparse mode: apply the decay rows of shard ``i`` missed since their last update

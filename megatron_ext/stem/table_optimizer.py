@@ -331,8 +331,7 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     moments = 2 * tables
     from megatron_ext_kernels import row_adam_cpu
 
-    # Launchers and NCCL may pin a rank to a few cores; the CPU optimizer's threads share them.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = row_adam_cpu.affinity_cores()  # the CPU optimizer's threads share them
     threads = row_adam_cpu.threads() if optimizer.row_adam.kernel == "rowwise" else \
         torch.get_num_threads()
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "

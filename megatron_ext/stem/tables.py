@@ -313,7 +313,6 @@ class StemTables:
         if self.prefetched is not None:
             raise RuntimeError("a prefetched STEM micro-batch was never used: prefetch must not "
                                "cross an optimizer step")
-        self.stats["optimizer_seconds_exposed"] += self.drain()  # the last step's rest
         self.microbatch = 0
         widths = self.widths
         if self._pending:
