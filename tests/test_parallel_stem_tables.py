@@ -62,6 +62,15 @@ def runs(tmp_path_factory):
     run("cpu_vocab_pp2_dp2_recompute", CPU_VOCAB + pp2 + [
         "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"], nproc=4)
+    # Interleaved 1F1B: both chunks of the second stage (layers 1 and 3) have tables, so two
+    # chunks share the rank's background thread and prefetch group (measured: a gloo collective
+    # mismatch when each chunk had its own thread).
+    vpp = pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    run("ref_pp2_vpp_dp2", vpp, nproc=4)
+    run("cpu_vocab_pp2_vpp_dp2", CPU_VOCAB + vpp, nproc=4)
+    run("sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse"], nproc=4)
+    run("sparse_pp2_vpp_dp2_no_prefetch", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse",
+                                                             "--no-stem-prefetch"], nproc=4)
     # Sparse, overlapped table step (prefetch on) vs synchronous, with evaluation and a checkpoint
     # between steps while the step of the rows may still run in the background.
     evals = ["--eval-interval", "4", "--eval-iters", "2"]
@@ -83,7 +92,8 @@ def runs(tmp_path_factory):
                                               ("cpu_vocab_dp2_kernel", "ref"),
                                               ("gpu_vocab_tp2_dp2", "ref_tp2_dp2"),
                                               ("cpu_vocab_pp2_dp2", "ref_pp2_dp2"),
-                                              ("cpu_vocab_pp2_dp2_recompute", "ref_pp2_dp2")])
+                                              ("cpu_vocab_pp2_dp2_recompute", "ref_pp2_dp2"),
+                                              ("cpu_vocab_pp2_vpp_dp2", "ref_pp2_vpp_dp2")])
 def test_losses_match_the_ordinary_table(runs, layout, reference):
     ref = require_ok(runs[reference])
     assert ref.losses[10] < ref.losses[1]
@@ -166,10 +176,11 @@ def test_traffic_and_optimizer_time_logged(runs):
 
 
 @pytest.mark.parametrize("on,off", [("cpu_vocab_dp2", "cpu_vocab_dp2_no_prefetch"),
-                                    ("sparse_dp2", "sparse_dp2_no_prefetch")])
+                                    ("sparse_dp2", "sparse_dp2_no_prefetch"),
+                                    ("sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2_no_prefetch")])
 def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
-    """Prefetch on (the default) vs off, dense and sparse: identical losses bit for bit over 10
-    steps (and, sparse, identical evaluation losses at steps 4, 8 and the end). With it on, part
+    """Prefetch on (the default) vs off, dense and sparse (also with two chunks of tables per
+    rank, interleaved 1F1B): identical losses bit for bit over 10 steps (and, sparse, identical evaluation losses at steps 4, 8 and the end). With it on, part
     of the fetch time runs in the background (hidden), and the table step overlaps the next step:
     the training thread waits for less than the step takes; without it, nothing is hidden and the
     training thread waits for all of every table step."""

@@ -1,6 +1,8 @@
 """Managed STEM tables in one process: a background (prefetch) fetch binds the same rows as a
-synchronous one, and the bound rows and index reproduce ``table[ids]``. On a GPU the rows come
-from pinned host memory over a side stream (the path CI cannot run); on the CPU the thread path."""
+synchronous one, and the bound rows and index reproduce ``table[ids]``; the overlapped table step
+(``run_step`` with the next step's first micro-batch read ahead) lets every micro-batch read rows
+with every earlier step applied. On a GPU the rows come from pinned host memory over a side
+stream (the path CI cannot run); on the CPU the thread path."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ class FakeLayer:
 
     def bind_rows(self, rows, inverse):
         self.bound = (rows, inverse)
+
+    def release_rows(self):
+        self.bound = None
 
 
 def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
@@ -68,3 +73,52 @@ def test_gather_rows_through_pinned_staging(dtype):
         want = torch.cat([s[index] for s in shards], dim=1).to(dtype)
         assert got.device.type == device.type and got.dtype == dtype
         assert torch.equal(got.cpu(), want)
+
+
+def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
+    """Two steps of three micro-batches with host shards and prefetch: the step's rows are updated
+    in the background (the rows the next micro-batch reads first, then the rest) while that
+    micro-batch is fetched; every bound row equals a plain table updated by the same rule after
+    every step, and the shards end equal to it."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.stem.tables import StemTables, prefetch_process_group
+
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
+    layers = [FakeLayer(t.clone()) for t in full]
+    tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), VOCAB,
+                        parallel_state.get_data_parallel_group(),
+                        prefetch_group=prefetch_process_group())
+    assert tables.overlap
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # Skewed ids (many repeats across micro-batches, some rows read by one only).
+    batches = [(torch.multinomial(torch.arange(VOCAB, 0, -1).float() ** 2, 32, replacement=True,
+                                  generator=g).view(2, 16).to(device),) for _ in range(7)]
+    weights = [torch.randn(16, 2, t.shape[1], generator=g).to(device) for t in full]
+    reader = iter(batches)
+    expected = [t.clone() for t in full]
+    lr = 0.5
+    for step in range(2):
+        for m in range(3):
+            batch = tables.take_batch(lambda: next(reader), 3, read_ahead=step == 0)
+            loss = 0.0
+            for layer, want, w in zip(layers, expected, weights):
+                rows, inverse = layer.bound
+                looked_up = rows[inverse]  # [s, b, F]
+                assert torch.equal(looked_up.detach().cpu(), want[batch[0].t().cpu()]), (step, m)
+                loss = loss + (looked_up * w).sum()
+            loss.backward()
+        local, grads = tables.collect_grads()
+        grads = [x.cpu() for x in grads]
+        for want, x in zip(expected, grads):  # the plain rule: SGD on the touched rows
+            want.index_add_(0, tables.owned_ids[local], x, alpha=-lr)
+        tables.run_step([(local, x) for x in grads],
+                        lambda i, rows, x: tables.shards[i].index_add_(0, rows, x, alpha=-lr))
+        # After the first step the next step's first micro-batch is already being fetched.
+        assert (tables.prefetched is not None) == (step == 0)
+    tables.drain()
+    assert tables.stats["optimizer_seconds"] > 0
+    assert next(reader) is batches[6]  # read ahead exactly one micro-batch: the step's first
+    for shard, want in zip(tables.shards, expected):
+        assert torch.equal(shard, want[tables.owned_ids])

@@ -19,9 +19,9 @@ optimizer step (only ``m + 1 < num_microbatches``), so a row updated at step ``i
 that update at step ``i + 1``; the fetched values are the ones a synchronous fetch reads.
 
 Overlapped table step (host shards with prefetch): the last micro-batch of a step also reads the
-next step's first micro-batch (``carried``). At the optimizer step (``run_step``) its ids are routed
-to their owners, and each owner's background thread first steps the rows that micro-batch reads,
-then fetches them for it, then steps the remaining rows while the next step computes. Reads still
+next step's first micro-batch (``carried``). At the optimizer step (``run_step``) the background
+thread routes its ids to their owners, steps the rows that micro-batch reads, fetches them for it,
+then steps the remaining rows while the next step computes. Reads still
 see every update (the fetch of micro-batch 0 follows the step of its rows; later fetches, checkpoint
 and evaluation reads wait for the whole step, ``drain``), so the numbers are those of a synchronous
 step; the training thread only waits where micro-batch 0 needs its rows.
@@ -30,6 +30,12 @@ At the optimizer step (``collect_grads``) the row gradients of all micro-batches
 and pushed to their owners, where the contributions of all data-parallel ranks are summed: the
 data-parallel reduction of the tables. What Megatron's DDP does for parameters (average over data
 parallel ranks) is applied by ``stem/table_optimizer.py``.
+
+One background thread per process serves every model chunk (interleaved pipeline stages have
+several chunks with tables): the chunks share the prefetch group, and collectives on one group must
+be issued in the same order on every rank. Its tasks run in submission order, which is the program
+order of the training thread, the same on every rank of the group; the training thread issues
+collectives on that group itself only when the thread is idle (``drain``).
 
 Table values are drawn exactly as for an ordinary STEM parameter (same initialiser, same RNG
 stream: the full ``[vocab, F/tp]`` table of this TP rank), then the owned rows are kept, so every
@@ -75,9 +81,6 @@ class StemTables:
             self.ownership = None
             self.exchange = ReplicatedExchange(vocab_size, group)
             self.owned_ids = torch.arange(vocab_size)
-        self._executor = None
-        self._side_stream = None
-        self._last_task = None  # the newest future on the executor (tasks run in order)
         self._step_tasks = []   # futures of background table steps (their seconds), not drained
         self.microbatch = 0   # forward calls since the last optimizer step
         self.prefetched = None  # (batch tuple, future) of the next micro-batch
@@ -152,9 +155,9 @@ class StemTables:
                                    self.staging)
         inverse = inverse.view(token_ids.shape).t().contiguous()
         event = None
-        if self._side_stream is not None:
+        if self.device.type == "cuda":  # the stream it ran on: the side stream in the background
             event = torch.cuda.Event()
-            event.record(self._side_stream)
+            event.record(torch.cuda.current_stream())
         return (unique_cpu, inverse, rows, route, event, time.perf_counter() - start)
 
     def bind(self, fetched, waited: float) -> None:
@@ -186,51 +189,28 @@ class StemTables:
         fetched = self.fetch(token_ids)
         self.bind(fetched, time.perf_counter() - start)
 
-    # -- background work: one thread per chunk, tasks in submission order ----------------------
-    def _submit(self, fn):
-        if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stem-tables")
-            if torch.cuda.is_available():
-                self._side_stream = torch.cuda.Stream()
-        self._last_task = self._executor.submit(fn)
-        return self._last_task
+    # -- background work: one thread per process, tasks in submission order -------------------
+    def _submit(self, fn, token_ids: Optional[torch.Tensor] = None):
+        """Queue ``fn()`` on the background thread; on a GPU it runs on the side stream, after the
+        work queued so far on the current stream (which produced ``token_ids``, if given)."""
+        return _BACKGROUND.submit(fn, token_ids)
 
     def drain(self) -> float:
-        """Wait for every background task (a table step, a fetch) submitted so far; re-raises
-        its error. Returns the seconds waited. A prefetched micro-batch stays bound for its use.
-        The background table steps' time is counted here (so an overlapped step is logged with
-        the iteration it overlapped, the next one)."""
-        task, self._last_task = self._last_task, None
-        if task is None:
-            return 0.0
+        """Wait for every background task (a table step, a fetch; of every chunk) submitted so
+        far; re-raises its error. Returns the seconds waited. A prefetched micro-batch stays bound
+        for its use. This chunk's background table steps' time is counted here (so an overlapped
+        step is logged with the iteration it overlapped, the next one)."""
         start = time.perf_counter()
-        task.result()
+        _BACKGROUND.wait()
         waited = time.perf_counter() - start
         for done in self._step_tasks:
             self.stats["optimizer_seconds"] += done.result()
         self._step_tasks.clear()
         return waited
 
-    def start_prefetch(self, token_ids: torch.Tensor, routed=None):
+    def start_prefetch(self, token_ids: torch.Tensor):
         """Fetch in the background; ``bind(future.result(), ...)`` later."""
-        ready = None
-        if self._side_stream is not None:
-            # The ids were produced on the compute stream (batch broadcast): the side stream
-            # must not read them before that work is done.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
-            token_ids.record_stream(self._side_stream)
-
-        def run():
-            if self._side_stream is not None:
-                with torch.cuda.stream(self._side_stream):
-                    self._side_stream.wait_event(ready)
-                    return self.fetch(token_ids, routed)
-            return self.fetch(token_ids, routed)
-
-        return self._submit(run)
+        return self._submit(lambda: self.fetch(token_ids), token_ids)
 
     def take_batch(self, read_batch: Callable[[], tuple], num_microbatches: int,
                    read_ahead: bool = False) -> tuple:
@@ -272,9 +252,9 @@ class StemTables:
         (their copy to the host), or None. ``split``: the rows of a shard may step in two parts
         (the sparse optimizer; the dense one steps each shard whole).
 
-        Without a ``carried`` micro-batch the step runs here. With one, its ids are routed now;
-        the background thread steps the rows it reads, fetches them (``prefetched``), then steps
-        the rest (collective over the prefetch group, like any prefetch)."""
+        Without a ``carried`` micro-batch the step runs here. With one, the background thread
+        routes its ids, steps the rows it reads, fetches them (``prefetched``), then steps the rest
+        (collective over the prefetch group, like any prefetch)."""
 
         def step(masks=None):
             start = time.perf_counter()
@@ -295,16 +275,22 @@ class StemTables:
             self.stats["optimizer_seconds_exposed"] += waited + took
             return
         batch, self.carried = self.carried, None
-        routed = self.route_ids(batch[0])
+        ids = batch[0]
+        routed = {}
+
+        def route_and_step():  # routing is a collective: it too runs on the background thread
+            routed["ids"] = self.route_ids(ids)
+            if not split:
+                return step()
+            served = torch.unique(routed["ids"][2].requested)  # rows the next micro-batch reads
+            routed["reads"] = [torch.isin(rows, served) for rows, _ in grads]
+            return step(routed["reads"])
+
+        self._step_tasks.append(self._submit(route_and_step, ids))
+        self.prefetched = (batch, self._submit(lambda: self.fetch(ids, routed["ids"])))
         if split:
-            served = torch.unique(routed[2].requested)  # rows the next micro-batch reads here
-            reads = [torch.isin(rows, served) for rows, _ in grads]
-            self._step_tasks.append(self._submit(lambda: step(reads)))
-            self.prefetched = (batch, self.start_prefetch(batch[0], routed))
-            self._step_tasks.append(self._submit(lambda: step([~read for read in reads])))
-        else:
-            self._step_tasks.append(self._submit(step))
-            self.prefetched = (batch, self.start_prefetch(batch[0], routed))
+            self._step_tasks.append(self._submit(
+                lambda: step([~read for read in routed["reads"]])))
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Sum the row gradients of this step's micro-batches per id, send them to the owners.
@@ -340,6 +326,52 @@ class StemTables:
 
 
 
+class _Background:
+    """The process's one background thread for managed tables (and, on a GPU, its side stream)."""
+
+    def __init__(self):
+        self._executor = None
+        self.stream = None
+        self._pending = []  # futures not yet waited for (tasks run in order)
+
+    def submit(self, fn, token_ids: Optional[torch.Tensor] = None):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stem-tables")
+            if torch.cuda.is_available():
+                self.stream = torch.cuda.Stream()
+        task = fn
+        if self.stream is not None:
+            # What the task reads (the ids, the gradients) was produced on the compute stream:
+            # the side stream must not read it before that work is done.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+            if token_ids is not None and token_ids.is_cuda:
+                token_ids.record_stream(self.stream)
+            stream = self.stream
+
+            def task():
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    return fn()
+
+        # Kept until waited for: finished tasks only if they failed (their error is re-raised).
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        future = self._executor.submit(task)
+        self._pending.append(future)
+        return future
+
+    def wait(self) -> None:
+        """Wait for every task submitted so far; re-raises the first error among them."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            error = future.exception()
+            if error is not None:
+                raise error
+
+
+_BACKGROUND = _Background()
 _PREFETCH_GROUP = None
 
 
