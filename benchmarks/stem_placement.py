@@ -28,8 +28,8 @@ Variants (one process, NCCL on a GPU):
 
 Reported per variant: the median iteration time after ``--skip`` iterations and its ratio to
 ``gpu``, the fetch time the forward step waited for (exposed) and the background fetch time it did
-not wait for (hidden), the CPU optimizer time, unique rows and bytes moved per step, and the peak
-GPU memory.
+not wait for (hidden), the CPU optimizer time (all, exposed, and the part before the next
+micro-batch's fetch), unique rows and bytes moved per step, and the peak GPU memory.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def describe(r: dict) -> str:
             f"{1e3 * r['stem/fetch-seconds-hidden']:.1f} ms/step, gradient exchange "
             f"{1e3 * r['stem/grad-exchange-seconds']:.1f} ms/step, CPU optimizer "
             f"{1e3 * r['stem/optimizer-seconds']:.1f} ms/step (exposed "
-            f"{1e3 * r['stem/optimizer-seconds-exposed']:.1f}; "
+            f"{1e3 * r['stem/optimizer-seconds-exposed']:.1f}; before the next micro-batch's "
+            f"fetch {1e3 * r['stem/optimizer-seconds-before-fetch']:.1f}; "
             f"{stepped_params_per_second(r) / 1e9:.2f} G row params/s), unique rows/step "
             f"{r['stem/unique-rows-fetched']:.0f}, to GPU "
             f"{r['stem/fetch-bytes-to-device'] / 2**20:.0f} MiB/step, gradients back "
@@ -207,6 +208,7 @@ def main() -> None:
                                  default=float("nan")) / 2**30}
         for tag in ("stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden",
                     "stem/optimizer-seconds", "stem/optimizer-seconds-exposed",
+                    "stem/optimizer-seconds-before-fetch",
                     "stem/grad-exchange-seconds",
                     "stem/unique-rows-fetched", "stem/fetch-bytes-to-device",
                     "stem/grad-bytes-sent", "stem/grad-bytes-received"):

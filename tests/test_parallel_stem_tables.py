@@ -48,6 +48,10 @@ def runs(tmp_path_factory):
         nproc=1)
     run("cpu_vocab_dp2_no_prefetch", CPU_VOCAB + ["--no-stem-prefetch"])
     run("cpu_replicated_dp2", ["--stem-table-placement", "cpu", "--stem-cpu-threads", "3"])
+    # Megatron's distributed optimizer (with overlapped gradient reduce and parameter gather) for
+    # the rest of the model, chained with the table optimizer.
+    run("cpu_vocab_dp2_dopt", CPU_VOCAB + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                           "--overlap-param-gather"])
     # The fused lookup-and-gate kernel on the managed rows (Triton's interpreter on the CPU).
     run("cpu_vocab_dp2_kernel", CPU_VOCAB + ["--stem-kernel", "triton"],
         env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
@@ -89,6 +93,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout,reference", [("cpu_vocab_dp2", "ref"),
                                               ("cpu_replicated_dp2", "ref"),
+                                              ("cpu_vocab_dp2_dopt", "ref"),
                                               ("cpu_vocab_dp2_kernel", "ref"),
                                               ("gpu_vocab_tp2_dp2", "ref_tp2_dp2"),
                                               ("cpu_vocab_pp2_dp2", "ref_pp2_dp2"),
@@ -156,13 +161,14 @@ def test_traffic_and_optimizer_time_logged(runs):
     """Per step: unique rows fetched (deduplicated: at most the 8 x 64 tokens of the global
     batch), bytes each way (vocab sharding: one fp32 row of both STEM layers per unique id), and
     the CPU optimizer time: with prefetch the table step of iteration i runs during, and is
-    logged with, iteration i + 1 (the last one, with nothing to overlap, steps at once); without,
-    each iteration logs its own."""
+    logged with, iteration i + 1 (the last one, with nothing to overlap, steps at once), with
+    the time it ran before the next micro-batch's fetch; without, each iteration logs its own."""
     scalars = require_ok(runs["cpu_vocab_dp2"]).scalars
     unique = dict(scalars["stem/unique-rows-fetched"])
     to_device = dict(scalars["stem/fetch-bytes-to-device"])
     served = dict(scalars["stem/fetch-bytes-served"])
     optimizer = dict(scalars["stem/optimizer-seconds"])
+    before_fetch = dict(scalars["stem/optimizer-seconds-before-fetch"])
     row_bytes = 2 * FFN * 4
     for step in STEPS:
         assert 0 < unique[step] <= 8 * 64
@@ -170,9 +176,12 @@ def test_traffic_and_optimizer_time_logged(runs):
         assert served[step] == to_device[step]  # every fetched row was served by an owner
         assert dict(scalars["stem/grad-bytes-sent"])[step] > 0
         assert (optimizer[step] > 0) == (step > 1)
-    synchronous = dict(require_ok(runs["cpu_vocab_dp2_no_prefetch"]).scalars[
-        "stem/optimizer-seconds"])
-    assert all(synchronous[step] > 0 for step in STEPS)
+        # Overlapped (steps 1..9, logged at 2..10), the dense step of the rows runs whole before
+        # the next micro-batch's fetch; the last step (10) is synchronous.
+        assert (before_fetch[step] > 0) == (step > 1)
+    synchronous = require_ok(runs["cpu_vocab_dp2_no_prefetch"]).scalars
+    assert all(v > 0 for _, v in synchronous["stem/optimizer-seconds"])
+    assert all(v == 0 for _, v in synchronous["stem/optimizer-seconds-before-fetch"])
 
 
 @pytest.mark.parametrize("on,off", [("cpu_vocab_dp2", "cpu_vocab_dp2_no_prefetch"),

@@ -288,14 +288,17 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     gradient pushes, fetch time the forward step waited for (exposed) and background fetch time
     it did not wait for (hidden, with prefetch), CPU optimizer time and the part of it the
     training thread waited for (exposed; with the overlapped step, the wait of the next step's
-    first micro-batch for its rows' step is in the exposed fetch time), and the time to collect
+    first micro-batch for its rows' step is in the exposed fetch time) and, overlapped, the time
+    from the start of the step to the start of that micro-batch's fetch (routing its ids and
+    stepping the rows it reads), and the time to collect
     the row gradients and exchange them with their owners. A table step that runs in the
     background (overlapped) is logged with the iteration it overlaps, the next one. A
     ``training/log_hooks.py`` hook; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
-             "stem/optimizer-seconds-exposed", "stem/grad-exchange-seconds"]
+             "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
+             "stem/grad-exchange-seconds"]
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
@@ -307,10 +310,11 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
                                   st["fetch_rows_out"] * rb, st["grad_rows_out"] * gb,
                                   st["grad_rows_in"] * gb], dtype=torch.float64)
             local += torch.tensor([st["fetch_seconds"], st["fetch_seconds_hidden"],
-                                   st["optimizer_seconds"], st["optimizer_seconds_exposed"], 0.0],
+                                   st["optimizer_seconds"], st["optimizer_seconds_exposed"],
+                                   st["optimizer_seconds_before_fetch"], 0.0],
                                   dtype=torch.float64)
             t.reset_stats()
-        local[4] = optimizer.grad_seconds
+        local[5] = optimizer.grad_seconds
         maxes = torch.maximum(maxes, local)
         optimizer.grad_seconds = 0.0
     device = comm_device(dist.group.WORLD)

@@ -115,7 +115,7 @@ class StemTables:
         self.stats = {"unique_rows": 0, "fetch_rows_in": 0, "fetch_rows_out": 0,
                       "grad_rows_out": 0, "grad_rows_in": 0, "fetch_seconds": 0.0,
                       "fetch_seconds_hidden": 0.0, "optimizer_seconds": 0.0,
-                      "optimizer_seconds_exposed": 0.0}
+                      "optimizer_seconds_exposed": 0.0, "optimizer_seconds_before_fetch": 0.0}
 
     @property
     def row_bytes(self) -> int:
@@ -204,7 +204,9 @@ class StemTables:
         _BACKGROUND.wait()
         waited = time.perf_counter() - start
         for done in self._step_tasks:
-            self.stats["optimizer_seconds"] += done.result()
+            took, before_fetch = done.result()
+            self.stats["optimizer_seconds"] += took
+            self.stats["optimizer_seconds_before_fetch"] += before_fetch
         self._step_tasks.clear()
         return waited
 
@@ -279,18 +281,21 @@ class StemTables:
         routed = {}
 
         def route_and_step():  # routing is a collective: it too runs on the background thread
+            # Returns the step's seconds and those of the whole task: what the fetch of the next
+            # micro-batch waits for (stem/optimizer-seconds-before-fetch).
+            start = time.perf_counter()
             routed["ids"] = self.route_ids(ids)
-            if not split:
-                return step()
-            served = torch.unique(routed["ids"][2].requested)  # rows the next micro-batch reads
-            routed["reads"] = [torch.isin(rows, served) for rows, _ in grads]
-            return step(routed["reads"])
+            if split:
+                served = torch.unique(routed["ids"][2].requested)  # rows the micro-batch reads
+                routed["reads"] = [torch.isin(rows, served) for rows, _ in grads]
+            took = step(routed["reads"] if split else None)
+            return took, time.perf_counter() - start
 
         self._step_tasks.append(self._submit(route_and_step, ids))
         self.prefetched = (batch, self._submit(lambda: self.fetch(ids, routed["ids"])))
         if split:
             self._step_tasks.append(self._submit(
-                lambda: step([~read for read in routed["reads"]])))
+                lambda: (step([~read for read in routed["reads"]]), 0.0)))
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Sum the row gradients of this step's micro-batches per id, send them to the owners.
