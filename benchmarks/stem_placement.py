@@ -159,6 +159,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_stem_placement"))
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
+    parser.add_argument("--extra", default="",
+                        help="training flags added to the host-table variants, e.g. "
+                             "'--stem-cpu-threads 8'")
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     names = args.variants.split(",")
@@ -180,7 +183,8 @@ def main() -> None:
         tb = os.path.join(args.out, f"{args.shape}_{name}", "tb")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=1", os.path.join(ROOT, "launch", "pretrain.py"),
-               *flags(shape, args, prefix, tb), *VARIANTS[name]]
+               *flags(shape, args, prefix, tb), *VARIANTS[name],
+               *(args.extra.split() if name != "gpu" else [])]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1"),
