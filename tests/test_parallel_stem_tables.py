@@ -72,9 +72,17 @@ def runs(tmp_path_factory):
     vpp = pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
     run("ref_pp2_vpp_dp2", vpp, nproc=4)
     run("cpu_vocab_pp2_vpp_dp2", CPU_VOCAB + vpp, nproc=4)
-    run("sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse"], nproc=4)
+    run("sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse", "--save",
+                                                 str(tmp / "ck_sparse_vpp"), "--save-interval",
+                                                 "5"], nproc=4)
     run("sparse_pp2_vpp_dp2_no_prefetch", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse",
                                                              "--no-stem-prefetch"], nproc=4)
+    # Its step-5 checkpoint, whose global rank 0 holds no tables (stage 0: layers 0 and 2),
+    # resumed interleaved, and as PP=2 x DP=1 (stage 0: layers 0 and 1).
+    run("resume_sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + [
+        "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5, nproc=4)
+    run("resume_sparse_pp2_dp1", CPU_VOCAB + pp2 + [
+        "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5)
     # Sparse, overlapped table step (prefetch on) vs synchronous, with evaluation and a checkpoint
     # between steps while the step of the rows may still run in the background.
     evals = ["--eval-interval", "4", "--eval-iters", "2"]
@@ -217,6 +225,8 @@ RESUMED = list(range(6, 11))
     ("resume_gpu_vocab_dp1", "cpu_vocab_dp2"),           # DP 2 -> 1, placement cpu -> gpu
     ("resume_cpu_replicated_dp2", "cpu_vocab_dp2"),      # vocab -> replicated sharding
     ("resume_sparse_replicated_dp1", "sparse_dp2"),      # sparse: row steps and owed decay
+    ("resume_sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2"),  # rank 0 without tables
+    ("resume_sparse_pp2_dp1", "sparse_pp2_vpp_dp2"),      # interleaved -> not, DP 2 -> 1
 ])
 def test_resume_continues_the_loss_curve(runs, resumed, original):
     """A managed-table checkpoint of step 5 (tables, moments, step counts) resumed with another

@@ -191,8 +191,13 @@ class StemTablesOptimizer(ChainedOptimizer):
         from megatron_ext.stem import checkpoint
 
         inner = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        # The scalars are common state, which torch_dist saves from global rank 0 alone; that rank
+        # may hold no tables (a pipeline stage, or an interleaved chunk set, without STEM layers),
+        # so every rank gives them: the iteration clock runs on every rank alike.
+        common = {"mode": self.row_adam.mode, "step_count": self.row_adam.step_count,
+                  "decay_product": getattr(self.row_adam, "decay_product", 1.0), "tensors": {}}
         if not self.tables:
-            return {"model_optim": inner, "stem_tables": {}}
+            return {"model_optim": inner, "stem_tables": common}
         self.drain()
         self.row_adam.materialize()
         tensors = {}
@@ -213,9 +218,7 @@ class StemTablesOptimizer(ChainedOptimizer):
                         tensors[f"{key}.block{block}"] = checkpoint.block_sharded_tensor(
                             key, data, block, layer.vocab_size, _prepend_offsets(model_block),
                             layer.tp_rank, layer.tp_size)
-        common = {"mode": self.row_adam.mode, "step_count": self.row_adam.step_count,
-                  "decay_product": getattr(self.row_adam, "decay_product", 1.0),
-                  "tensors": tensors}
+        common["tensors"] = tensors
         return {"model_optim": inner, "stem_tables": common}
 
     def load_state_dict(self, state_dict):
