@@ -30,18 +30,25 @@ class FakeLayer:
         self.bound = None
 
 
-def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
+def host_tables(g: torch.Generator):
+    """Two tables (widths 8 and 4) drawn from ``g``, managed in host shards with prefetch: (the
+    drawn tables, the fake layers, StemTables, the device rows go to)."""
     from megatron.core import parallel_state
 
     from megatron_ext.stem.tables import StemTables, prefetch_process_group
 
-    g = torch.Generator().manual_seed(0)
     full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
     layers = [FakeLayer(t.clone()) for t in full]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), VOCAB,
                         parallel_state.get_data_parallel_group(),
                         prefetch_group=prefetch_process_group())
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return full, layers, tables, device
+
+
+def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
+    g = torch.Generator().manual_seed(0)
+    full, layers, tables, device = host_tables(g)
     ids = torch.randint(0, VOCAB, (2, 16), generator=g).to(device)  # [b, s] as batches come
     with torch.no_grad():
         tables.prepare(ids)
@@ -80,18 +87,9 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
     in the background (the rows the next micro-batch reads first, then the rest) while that
     micro-batch is fetched; every bound row equals a plain table updated by the same rule after
     every step, and the shards end equal to it."""
-    from megatron.core import parallel_state
-
-    from megatron_ext.stem.tables import StemTables, prefetch_process_group
-
     g = torch.Generator().manual_seed(2)
-    full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
-    layers = [FakeLayer(t.clone()) for t in full]
-    tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), VOCAB,
-                        parallel_state.get_data_parallel_group(),
-                        prefetch_group=prefetch_process_group())
+    full, layers, tables, device = host_tables(g)
     assert tables.overlap
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     # Skewed ids (many repeats across micro-batches, some rows read by one only).
     batches = [(torch.multinomial(torch.arange(VOCAB, 0, -1).float() ** 2, 32, replacement=True,
                                   generator=g).view(2, 16).to(device),) for _ in range(7)]
