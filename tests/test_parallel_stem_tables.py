@@ -197,7 +197,8 @@ def test_traffic_and_optimizer_time_logged(runs):
                                     ("sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2_no_prefetch")])
 def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
     """Prefetch on (the default) vs off, dense and sparse (also with two chunks of tables per
-    rank, interleaved 1F1B): identical losses bit for bit over 10 steps (and, sparse, identical evaluation losses at steps 4, 8 and the end). With it on, part
+    rank, interleaved 1F1B): identical losses bit for bit over 10 steps (and, sparse, identical
+    evaluation losses at steps 4, 8 and the end). With it on, part
     of the fetch time runs in the background (hidden), and the table step overlaps the next step:
     the training thread waits for less than the step takes; without it, nothing is hidden and the
     training thread waits for all of every table step."""

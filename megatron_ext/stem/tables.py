@@ -189,12 +189,7 @@ class StemTables:
         fetched = self.fetch(token_ids)
         self.bind(fetched, time.perf_counter() - start)
 
-    # -- background work: one thread per process, tasks in submission order -------------------
-    def _submit(self, fn, token_ids: Optional[torch.Tensor] = None):
-        """Queue ``fn()`` on the background thread; on a GPU it runs on the side stream, after the
-        work queued so far on the current stream (which produced ``token_ids``, if given)."""
-        return _BACKGROUND.submit(fn, token_ids)
-
+    # -- background work: one thread per process (_BACKGROUND), tasks in submission order ------
     def drain(self) -> float:
         """Wait for every background task (a table step, a fetch; of every chunk) submitted so
         far; re-raises its error. Returns the seconds waited. A prefetched micro-batch stays bound
@@ -212,7 +207,7 @@ class StemTables:
 
     def start_prefetch(self, token_ids: torch.Tensor):
         """Fetch in the background; ``bind(future.result(), ...)`` later."""
-        return self._submit(lambda: self.fetch(token_ids), token_ids)
+        return _BACKGROUND.submit(lambda: self.fetch(token_ids), token_ids)
 
     def take_batch(self, read_batch: Callable[[], tuple], num_microbatches: int,
                    read_ahead: bool = False) -> tuple:
@@ -291,10 +286,10 @@ class StemTables:
             took = step(routed["reads"] if split else None)
             return took, time.perf_counter() - start
 
-        self._step_tasks.append(self._submit(route_and_step, ids))
-        self.prefetched = (batch, self._submit(lambda: self.fetch(ids, routed["ids"])))
+        self._step_tasks.append(_BACKGROUND.submit(route_and_step, ids))
+        self.prefetched = (batch, _BACKGROUND.submit(lambda: self.fetch(ids, routed["ids"])))
         if split:
-            self._step_tasks.append(self._submit(
+            self._step_tasks.append(_BACKGROUND.submit(
                 lambda: (step([~read for read in routed["reads"]]), 0.0)))
 
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -340,6 +335,8 @@ class _Background:
         self._pending = []  # futures not yet waited for (tasks run in order)
 
     def submit(self, fn, token_ids: Optional[torch.Tensor] = None):
+        """Queue ``fn()``; on a GPU it runs on the side stream, after the work queued so far on
+        the current stream (which produced ``token_ids``, if given)."""
         if self._executor is None:
             from concurrent.futures import ThreadPoolExecutor
 
