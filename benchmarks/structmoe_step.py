@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import RunSetup, add_run_args, timed, wrap_ddp  # noqa: E402
 
-BACKENDS = ("dense-masked", "grouped", "reference")
+BACKENDS = ("triton", "dense-masked", "grouped", "reference")
 
 
 def build(args, dtype, structmoe_backend=None):
@@ -80,8 +80,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048 if gpu else 512)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=128256 if gpu else 32000)
+    # On a GPU: the fused Triton routing kernel against the two PyTorch backends; on the CPU the
+    # PyTorch backends (triton would run there only under Triton's interpreter).
     parser.add_argument("--backends", nargs="+", choices=BACKENDS,
-                        default=list(BACKENDS) if not gpu else ["dense-masked", "grouped"])
+                        default=["triton", "dense-masked", "grouped"] if gpu else
+                        ["dense-masked", "grouped", "reference"])
     add_run_args(parser, gpu_reps=10, cpu_reps=2)
     args = parser.parse_args()
 

@@ -1,0 +1,454 @@
+"""Every GPU number of the project from one command: the plan, its runner and its report.
+
+Run through ``scripts/gpu_evidence.sh`` (which installs the wheels first); this module is the part
+that needs no shell. Each step of :func:`plan` is one command with a wall-clock limit. A step that
+fails or runs out of time is recorded (return code, last lines of its log) and the run goes on.
+Results accumulate in the results folder: ``evidence.json`` (every step's status and every ratio
+against its goal), ``evidence.md`` (the same as a markdown table) and ``logs/<step>.log``. A
+second call with ``--steps`` adds its steps to what an earlier call left there, so a run split
+over several short GPU leases still ends in one report.
+
+    python scripts/gpu_evidence.py RESULTS [--steps a,b] [--skip a,b] [--budget-min 25]
+    python scripts/gpu_evidence.py RESULTS --print-only        # the plan, nothing run
+    python scripts/gpu_evidence.py RESULTS --check-commands    # every command's flags parse
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = "{python}"  # replaced by the interpreter running the plan
+RES = "{results}"  # replaced by the results folder
+
+
+@dataclass
+class Row:
+    """One measured number against its goal (``goal`` None: reported, no goal)."""
+
+    step: str
+    metric: str
+    value: Optional[float]
+    unit: str
+    goal: Optional[float] = None
+    better: str = "higher"  # "higher": value >= goal meets it; "lower": value <= goal
+    note: str = ""
+
+    @property
+    def met(self) -> Optional[bool]:
+        if self.goal is None or self.value is None:
+            return None
+        return self.value >= self.goal if self.better == "higher" else self.value <= self.goal
+
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    argv: List[str]
+    limit_s: int
+    result: Optional[str] = None  # file (under the results folder) the step writes
+    rows: Optional[Callable[[str], List[Row]]] = None  # reads the result file
+    kind: str = "python"  # "python": argv[1] is a script with argparse; "pytest"; "other"
+    tags: List[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- result readers
+
+def _load(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rows_stem_mlp(path: str) -> List[Row]:
+    s = _load(path)
+    rows = [Row("stem_mlp", "dense SwiGLU fwd+bwd", s["dense_ms"], "ms")]
+    for k in ("triton", "torch"):
+        if f"stem_{k}_speedup" in s:
+            rows.append(Row("stem_mlp", f"STEM MLP ({k}) speed-up vs dense",
+                            s[f"stem_{k}_speedup"], "x", 1.4 if k == "triton" else None,
+                            note="ideal 1.5x" if k == "triton" else "PyTorch path"))
+    if "gate_triton_ms" in s and "gate_torch_ms" in s:
+        rows.append(Row("stem_mlp", "lookup-and-gate alone, fused vs PyTorch",
+                        s["gate_torch_ms"] / s["gate_triton_ms"], "x",
+                        note=f"{s['gate_triton_ms']:.3f} vs {s['gate_torch_ms']:.3f} ms"))
+    return rows
+
+
+def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
+    def read(path: str) -> List[Row]:
+        s = _load(path)
+        times = s.get("layer_ms") or s.get("step_ms")
+        rows = [Row(step, f"dense {what}", times["dense"], "ms")]
+        for name, pct in s["overhead_pct"].items():
+            rows.append(Row(step, f"StructMoE ({name}) over dense", pct, "%",
+                            3.0 if name == goal_backend else None, "lower",
+                            note=f"{times[name]:.2f} ms"))
+        if s["overhead_pct"]:
+            best = min(s["overhead_pct"], key=s["overhead_pct"].get)
+            rows.append(Row(step, f"StructMoE, fastest backend ({best}) over dense",
+                            s["overhead_pct"][best], "%", 3.0, "lower"))
+        return rows
+    return read
+
+
+def _rows_sigma(path: str) -> List[Row]:
+    s = _load(path)
+    return [Row("sigma_step", "Sigma router step over upstream aux_loss",
+                100.0 * (s["ratio_sigma_vs_upstream"] - 1.0), "%", 2.0, "lower",
+                note=f"{s['step_ms']['sigma']:.1f} vs {s['step_ms']['upstream']:.1f} ms")]
+
+
+PLACEMENT_GOALS = {"cpu": 1.05, "tiered": 1.03}
+
+
+def _rows_placement(path: str) -> List[Row]:
+    s = _load(path)
+    rows = []
+    for name, r in s.items():
+        if name == "gpu":
+            rows.append(Row("stem_placement", "gpu tables, step", r["iteration_ms"], "ms"))
+            continue
+        rows.append(Row("stem_placement", f"{name} tables, step vs gpu tables",
+                        r.get("ratio_vs_gpu"), "x", PLACEMENT_GOALS.get(name), "lower",
+                        note=f"{r['iteration_ms']:.1f} ms, CPU optimizer "
+                             f"{1e3 * r.get('stem/optimizer-seconds', float('nan')):.1f} ms"))
+    return rows
+
+
+def _scaling_row(path: str) -> Dict[str, str]:
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f)]
+    ok = [r for r in rows if r.get("status", "ok") == "ok" and r.get("tokens_per_s_per_gpu")]
+    if not ok:
+        raise ValueError(f"{path}: no layout finished")
+    return ok[0]
+
+
+def _rows_scaling(preset: str):
+    def read(path: str) -> List[Row]:
+        r = _scaling_row(path)
+        rows = [Row(f"scaling_{preset}", f"{preset} tokens/s/GPU",
+                    float(r["tokens_per_s_per_gpu"]), "tok/s")]
+        if r.get("mfu"):
+            rows.append(Row(f"scaling_{preset}", f"{preset} MFU", 100 * float(r["mfu"]), "%",
+                            note=f"peak {r.get('peak_tflops')} TFLOP/s ({r.get('peak_source')})"))
+        other = "dense_350m" if preset == "stem_350m" else None
+        other_csv = os.path.join(os.path.dirname(os.path.dirname(path)), f"scaling_{other}",
+                                 "scaling.csv") if other else None
+        if other_csv and os.path.exists(other_csv):
+            d = _scaling_row(other_csv)
+            rows.append(Row(f"scaling_{preset}", "STEM-350M vs dense-350M tokens/s",
+                            float(r["tokens_per_s_per_gpu"]) / float(d["tokens_per_s_per_gpu"]),
+                            "x", 1.0, "higher", note="STEM does fewer FLOPs per token"))
+        return rows
+    return read
+
+
+def _rows_pytest(path: str) -> List[Row]:
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    total = {k: sum(int(s.get(k, 0)) for s in suites)
+             for k in ("tests", "failures", "errors", "skipped")}
+    bad = total["failures"] + total["errors"]
+    passed = total["tests"] - bad - total["skipped"]
+    return [Row("gpu_tests", "GPU tests failed or errored", bad, "tests", 0, "lower",
+                note=f"{passed} passed, {total['skipped']} skipped")]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+# Single-process tests with a CUDA path (they run on the GPU when one is there) and the tests
+# marked gpu. Multi-rank tests are gloo/CPU tests and stay in CI.
+GPU_TEST_FILES = [
+    "tests/test_kernel_stem_gate.py", "tests/test_kernel_structmoe.py",
+    "tests/test_stem_lookup.py", "tests/test_stem_tables_prefetch.py", "tests/test_compat.py",
+    "tests/test_te_backend.py", "tests/test_stem_mlp.py", "tests/test_structmoe_routed.py",
+    "tests/test_stem_row_adam.py",
+]
+
+
+def plan() -> List[Step]:
+    steps = [
+        Step("gpu_tests", "pytest: GPU-marked tests and single-process tests with a CUDA path",
+             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+              f"--junitxml={RES}/gpu_tests.xml", *GPU_TEST_FILES],
+             360, "gpu_tests.xml", _rows_pytest, kind="pytest"),
+        Step("stem_mlp", "STEM MLP (fused kernel, PyTorch path) vs dense SwiGLU, 1B shape, bf16",
+             [PY, "benchmarks/stem_mlp.py", "--json", f"{RES}/stem_mlp.json"],
+             240, "stem_mlp.json", _rows_stem_mlp),
+        Step("structmoe_kernel", "StructMoE MLP per routed backend vs dense SwiGLU MLP",
+             [PY, "benchmarks/structmoe_kernel.py", "--json", f"{RES}/structmoe_kernel.json"],
+             240, "structmoe_kernel.json", _rows_overhead("structmoe_kernel", "MLP", "triton")),
+        Step("structmoe_step", "StructMoE 0.9B GPT step vs dense, per routed backend",
+             [PY, "benchmarks/structmoe_step.py", "--json", f"{RES}/structmoe_step.json"],
+             300, "structmoe_step.json", _rows_overhead("structmoe_step", "step", "triton")),
+        Step("sigma_step", "Sigma router with global LBL vs upstream aux_loss, 8 layers",
+             [PY, "benchmarks/sigma_step.py", "--layers", "8", "--seq", "4096",
+              "--json", f"{RES}/sigma_step.json"],
+             300, "sigma_step.json", _rows_sigma),
+        Step("stem_placement", "STEM tables on the GPU vs host (and tiered) in training",
+             [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
+              "--timeout", "240", "--variants", "gpu,cpu",
+              "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
+             540, "stem_placement.json", _rows_placement),
+    ]
+    for preset in ("dense_350m", "stem_350m"):
+        steps.append(Step(
+            f"scaling_{preset}", f"{preset}: one GPU, 20 iterations (tokens/s, MFU)",
+            [PY, "launch/scaling.py", "--preset", preset, "--gpus", "1",
+             "--layouts", "tp1ep1pp1dp1", "--iters", "20", "--warmup-iters", "3",
+             "--micro-batch-size", "8", "--out", f"{RES}/scaling_{preset}"],
+            300, f"scaling_{preset}/scaling.csv", _rows_scaling(preset)))
+    return steps
+
+
+def _expand(argv: List[str], python: str, results: str) -> List[str]:
+    return [a.replace(PY, python).replace(RES, results) for a in argv]
+
+
+# ----------------------------------------------------------------------------- running
+
+def _device_info(python: str) -> Dict[str, object]:
+    code = ("import json, torch, sys\n"
+            "d = {'python': sys.version.split()[0], 'torch': torch.__version__,"
+            " 'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0)"
+            " if torch.cuda.is_available() else None}\n"
+            "try:\n import triton; d['triton'] = triton.__version__\n"
+            "except Exception as e: d['triton'] = None\n"
+            "try:\n import megatron.core as m; d['megatron_core'] = m.__version__\n"
+            "except Exception as e: d['megatron_core'] = None\n"
+            "print(json.dumps(d))\n")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception as e:  # recorded, not fatal
+        info = {"error": repr(e)}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30)
+        info["nvidia_smi"] = smi.stdout.strip()
+    except Exception:
+        info["nvidia_smi"] = None
+    return info
+
+
+def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[str, object]:
+    """Run one step in its own process group; kill the group at its limit."""
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(argv) + "\n")
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        timed_out = False
+        deadline = t0 + limit
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            if time.time() > deadline:
+                timed_out = True
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                break
+            if sel.select(timeout=1.0):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                log.write(line)
+                log.flush()
+                sys.stdout.write(f"  | {line}")
+                sys.stdout.flush()
+        rc = proc.wait()
+        # Children left behind (torchrun workers) go with the group.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    status = "timeout" if timed_out else ("ok" if rc == 0 else f"failed (exit {rc})")
+    return {"status": status, "seconds": round(time.time() - t0, 1), "limit_s": limit,
+            "command": shlex.join(argv)}
+
+
+def _tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def report(results: str, state: Dict[str, object], steps: List[Step]) -> str:
+    """evidence.md: one table of every ratio against its goal, then each step's status."""
+    lines = [f"# GPU evidence ({state.get('date', '')})", ""]
+    dev = state.get("device", {})
+    lines.append("Device: " + ", ".join(f"{k} {v}" for k, v in dev.items()))
+    lines += ["", "| step | metric | value | goal | met | note |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in state.get("rows", []):
+        goal = "" if r["goal"] is None else (">= " if r["better"] == "higher" else "<= ") + \
+            f"{r['goal']:g} {r['unit']}"
+        met = {True: "yes", False: "**no**", None: ""}[r["met"]]
+        value = "n/a" if r["value"] is None else f"{r['value']:.4g} {r['unit']}"
+        lines.append(f"| {r['step']} | {r['metric']} | {value} | {goal} | {met} | {r['note']} |")
+    lines += ["", "| step | status | seconds | limit | command |", "| --- | --- | --- | --- | --- |"]
+    for s in steps:
+        st = state.get("steps", {}).get(s.name)
+        if st is None:
+            lines.append(f"| {s.name} | not run | | {s.limit_s} | |")
+        else:
+            lines.append(f"| {s.name} | {st['status']} | {st['seconds']} | {st['limit_s']} | "
+                         f"`{st['command']}` |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(results, "evidence.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def collect_rows(results: str, steps: List[Step], state: Dict[str, object]) -> None:
+    rows = []
+    for s in steps:
+        path = os.path.join(results, s.result) if s.result else None
+        if not (s.rows and path and os.path.exists(path)):
+            continue
+        try:
+            rows += [dict(vars(r), met=r.met) for r in s.rows(path)]
+        except Exception as e:  # a result file the reader cannot use is recorded
+            rows.append(dict(vars(Row(s.name, "result unreadable", None, "", note=repr(e))),
+                             met=None))
+    state["rows"] = rows
+
+
+def check_commands(steps: List[Step], python: str, results: str) -> int:
+    """Parse every command's flags with its own parser, running nothing else."""
+    shim = ("import argparse, runpy, sys\n"
+            "orig = argparse.ArgumentParser.parse_args\n"
+            "def parse(self, *a, **k):\n"
+            "    orig(self, *a, **k)\n"
+            "    print('PARSED-OK'); sys.exit(0)\n"
+            "argparse.ArgumentParser.parse_args = parse\n"
+            "sys.argv = sys.argv[1:]\n"
+            "sys.path.insert(0, __import__('os').path.dirname(sys.argv[0]))\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "print('NEVER-PARSED'); sys.exit(3)\n")
+    bad = 0
+    for s in steps:
+        argv = _expand(s.argv, python, results)
+        if s.kind == "python":
+            cmd = [python, "-c", shim, *argv[1:]]
+        elif s.kind == "pytest":
+            cmd = [a for a in argv if not a.startswith("--junitxml")] + ["--collect-only"]
+        else:
+            continue
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        ok = p.returncode == 0 and (s.kind != "python" or "PARSED-OK" in p.stdout)
+        print(f"{'ok ' if ok else 'BAD'} {s.name}: {shlex.join(argv)}")
+        if not ok:
+            bad += 1
+            print((p.stdout + p.stderr)[-3000:])
+    return 1 if bad else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="results folder (created; earlier results there are kept)")
+    p.add_argument("--steps", default=None,
+                   help="comma list of steps to run, in this order (default: all, plan order)")
+    p.add_argument("--skip", default="", help="comma list of steps to leave out")
+    p.add_argument("--budget-min", type=float, default=25.0,
+                   help="stop starting steps whose limit would end past this many minutes")
+    p.add_argument("--print-only", action="store_true", help="print the plan, run nothing")
+    p.add_argument("--check-commands", action="store_true",
+                   help="parse every step's flags with its own parser, run nothing else")
+    p.add_argument("--python", default=sys.executable)
+    opts = p.parse_args(argv)
+
+    steps = plan()
+    names = [s.name for s in steps]
+    chosen = opts.steps.split(",") if opts.steps else names
+    skip = [n for n in opts.skip.split(",") if n]
+    unknown = [n for n in chosen + skip if n not in names]
+    if unknown:
+        p.error(f"unknown steps {unknown}; the plan has {', '.join(names)}")
+    by_name = {s.name: s for s in steps}
+    todo = [by_name[n] for n in chosen if n not in skip]  # in the order asked for
+    results = os.path.abspath(opts.results)
+
+    if opts.print_only:
+        total = 0
+        for s in todo:
+            total += s.limit_s
+            print(f"[{s.limit_s:4d} s] {s.name}: {s.what}\n         "
+                  f"{shlex.join(_expand(s.argv, opts.python, results))}")
+        print(f"{len(todo)} steps, limits add up to {total / 60:.1f} min "
+              f"(budget {opts.budget_min:g} min)")
+        return 0
+    if opts.check_commands:
+        return check_commands(todo, opts.python, results)
+
+    os.makedirs(os.path.join(results, "logs"), exist_ok=True)
+    state_path = os.path.join(results, "evidence.json")
+    state = _load(state_path) if os.path.exists(state_path) else {}
+    state["date"] = datetime.date.today().isoformat()
+    state["device"] = _device_info(opts.python)
+    state.setdefault("steps", {})
+    print(f"[gpu-evidence] {state['device']}", flush=True)
+    t_start = time.time()
+    for i, s in enumerate(todo, 1):
+        elapsed = time.time() - t_start
+        left = 60 * opts.budget_min - elapsed
+        if left < min(60, s.limit_s):
+            state["steps"][s.name] = {"status": "skipped (budget)", "seconds": 0,
+                                      "limit_s": s.limit_s, "command": ""}
+            print(f"[gpu-evidence] {i}/{len(todo)} {s.name}: skipped, {left:.0f} s left of the "
+                  f"{opts.budget_min:g} min budget", flush=True)
+            continue
+        argv = _expand(s.argv, opts.python, results)
+        # A step gets its own limit or what is left of the budget, whichever is less.
+        limit = int(min(s.limit_s, left))
+        print(f"[gpu-evidence] {i}/{len(todo)} {s.name} (limit {limit} s, "
+              f"{elapsed / 60:.1f} min so far): {s.what}", flush=True)
+        log_path = os.path.join(results, "logs", f"{s.name}.log")
+        st = _run_step(s, argv, log_path, limit)
+        if st["status"] == "ok" and s.result and not os.path.exists(
+                os.path.join(results, s.result)):
+            st["status"] = "ok, but no result file"
+        state["steps"][s.name] = st
+        print(f"[gpu-evidence] {s.name}: {st['status']} in {st['seconds']} s", flush=True)
+        if st["status"] != "ok":
+            st["tail"] = _tail(log_path)
+        collect_rows(results, steps, state)
+        with open(state_path, "w") as f:
+            json.dump(state, f, indent=2)
+        report(results, state, steps)
+    collect_rows(results, steps, state)
+    with open(state_path, "w") as f:
+        json.dump(state, f, indent=2)
+    print(report(results, state, steps))
+    failed = [n for n, st in state["steps"].items() if st["status"] != "ok"]
+    if failed:
+        print(f"[gpu-evidence] steps not ok: {', '.join(failed)} (logs under {results}/logs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The GPU evidence runner (scripts/gpu_evidence.sh, scripts/gpu_evidence.py) on the CPU: the plan
+names every GPU benchmark with a limit, every command's flags parse with its own parser, a failing
+or overlong step is recorded and the run goes on, and the report compares each number with its
+goal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import gpu_evidence  # noqa: E402
+
+
+def _sh(*args, timeout=900):
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_evidence.sh"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHON=sys.executable))
+
+
+def test_print_only_names_every_benchmark(tmp_path):
+    p = _sh(str(tmp_path / "res"), "--print-only")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    for needle in ("benchmarks/stem_mlp.py", "benchmarks/structmoe_kernel.py",
+                   "benchmarks/structmoe_step.py", "benchmarks/sigma_step.py",
+                   "benchmarks/stem_placement.py", "launch/scaling.py --preset stem_350m",
+                   "launch/scaling.py --preset dense_350m", "-m pytest",
+                   "tests/test_kernel_stem_gate.py"):
+        assert needle in out, f"{needle!r} missing from the plan:\n{out}"
+    # Every step shows its limit; nothing ran, so no results folder.
+    assert out.count(" s] ") == len(gpu_evidence.plan())
+    assert not (tmp_path / "res").exists()
+    # The runner stops starting steps at the 25-minute mark by default.
+    assert "budget 25 min" in out
+
+
+def test_every_command_parses(tmp_path):
+    p = _sh(str(tmp_path / "res"), "--check-commands")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln[:3] in ("ok ", "BAD")]
+    assert len(lines) == len(gpu_evidence.plan()), p.stdout
+    assert all(ln.startswith("ok ") for ln in lines), p.stdout
+
+
+def test_check_commands_catches_a_bad_flag(tmp_path, monkeypatch):
+    """The parse check can fail: a flag the benchmark does not have is reported."""
+    bad = gpu_evidence.Step("stem_mlp", "with a flag stem_mlp.py lacks",
+                            [gpu_evidence.PY, "benchmarks/stem_mlp.py", "--no-such-flag"], 10)
+    assert gpu_evidence.check_commands([bad], sys.executable, str(tmp_path)) == 1
+
+
+def _fake_plan(tmp):
+    w = os.path.join(tmp, "writer.py")
+    with open(w, "w") as f:
+        f.write("import json, sys\n"
+                "json.dump({'ratio_sigma_vs_upstream': 1.01, 'step_ms': {'sigma': 101.0,"
+                " 'upstream': 100.0}}, open(sys.argv[1], 'w'))\n")
+    py, res = gpu_evidence.PY, gpu_evidence.RES
+    return [
+        gpu_evidence.Step("fails", "exits 3", [py, "-c", "import sys; print('boom'); sys.exit(3)"],
+                          30, kind="other"),
+        gpu_evidence.Step("hangs", "sleeps past its limit",
+                          [py, "-c", "import time; print('sleeping', flush=True); "
+                                     "time.sleep(60)"], 2, kind="other"),
+        gpu_evidence.Step("sigma_step", "writes a result", [py, w, f"{res}/sigma_step.json"],
+                          30, "sigma_step.json", gpu_evidence._rows_sigma, kind="other"),
+    ]
+
+
+def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_evidence, "plan", lambda: _fake_plan(str(tmp_path)))
+    res = tmp_path / "res"
+    assert gpu_evidence.main([str(res)]) == 0
+    state = json.loads((res / "evidence.json").read_text())
+    assert state["steps"]["fails"]["status"] == "failed (exit 3)"
+    assert "boom" in state["steps"]["fails"]["tail"]
+    assert state["steps"]["hangs"]["status"] == "timeout"
+    assert state["steps"]["hangs"]["seconds"] < 30
+    assert state["steps"]["sigma_step"]["status"] == "ok"
+    (row,) = state["rows"]
+    assert row["value"] == pytest.approx(1.0) and row["goal"] == 2.0 and row["met"] is True
+    md = (res / "evidence.md").read_text()
+    assert "| sigma_step | Sigma router step over upstream aux_loss | 1 % | <= 2 % | yes |" in md
+    assert "| hangs | timeout |" in md
+    # A second call with --steps keeps what the first one left.
+    assert gpu_evidence.main([str(res), "--steps", "fails"]) == 0
+    state = json.loads((res / "evidence.json").read_text())
+    assert state["steps"]["sigma_step"]["status"] == "ok" and len(state["rows"]) == 1
+
+
+def test_budget_skips_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_evidence, "plan", lambda: _fake_plan(str(tmp_path)))
+    res = tmp_path / "res"
+    assert gpu_evidence.main([str(res), "--budget-min", "0.01"]) == 0
+    state = json.loads((res / "evidence.json").read_text())
+    assert {s["status"] for s in state["steps"].values()} == {"skipped (budget)"}
+
+
+def test_goals_read_from_benchmark_results(tmp_path):
+    """Each reader compares with its goal: met and missed both show."""
+    (tmp_path / "stem_mlp.json").write_text(json.dumps({
+        "dense_ms": 10.0, "stem_triton_speedup": 1.45, "stem_torch_speedup": 1.2,
+        "gate_torch_ms": 2.0, "gate_triton_ms": 0.5}))
+    rows = {r.metric: r for r in gpu_evidence._rows_stem_mlp(str(tmp_path / "stem_mlp.json"))}
+    assert rows["STEM MLP (triton) speed-up vs dense"].met is True
+    assert rows["STEM MLP (torch) speed-up vs dense"].met is None
+    assert rows["lookup-and-gate alone, fused vs PyTorch"].value == pytest.approx(4.0)
+    (tmp_path / "sm.json").write_text(json.dumps({
+        "layer_ms": {"dense": 10.0, "triton": 10.5, "grouped": 12.0},
+        "overhead_pct": {"triton": 5.0, "grouped": 20.0}}))
+    rows = gpu_evidence._rows_overhead("structmoe_kernel", "MLP", "triton")(
+        str(tmp_path / "sm.json"))
+    by = {r.metric: r for r in rows}
+    assert by["StructMoE (triton) over dense"].met is False
+    assert by["StructMoE, fastest backend (triton) over dense"].value == 5.0
+    (tmp_path / "pl.json").write_text(json.dumps({
+        "gpu": {"iteration_ms": 100.0},
+        "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2},
+        "tiered": {"iteration_ms": 102.0, "ratio_vs_gpu": 1.02}}))
+    by = {r.metric: r for r in gpu_evidence._rows_placement(str(tmp_path / "pl.json"))}
+    assert by["cpu tables, step vs gpu tables"].met is False
+    assert by["tiered tables, step vs gpu tables"].met is True
+
+
+def test_wheel_script_lists_pinned_packages():
+    """The wheel script fetches exact pins from requirements.txt (checked without the network)."""
+    text = open(os.path.join(ROOT, "scripts", "gpu_wheels.sh")).read()
+    assert "--no-deps" in text and "--python-version 3.12" in text
+    pins = open(os.path.join(ROOT, "requirements.txt")).read()
+    packages = text.split("PACKAGES=(", 1)[1].split(")", 1)[0].split()
+    assert "megatron-core" in packages
+    for name in packages:
+        assert f"\n{name}==" in "\n" + pins, f"{name} has no exact pin"
