@@ -64,7 +64,7 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     scalars: Dict[str, List] = {}
     if proc.returncode == 0:
         scalars = read_tensorboard_scalars(tb)
-        losses = dict(scalars["lm loss"])
+        losses = dict(scalars.get("lm loss", []))  # none when the run trains no step
     return Run(name, proc.returncode, log, losses, scalars)
 
 

@@ -40,7 +40,9 @@ CASES = {
     # QK-norm makes the dense model a Qwen3; tied embeddings are shared by both PP stages.
     "dense_qknorm_tied": (GQA + ["--qk-layernorm", TIED], PP2, {"tp2": TP2},
                           "Qwen3ForCausalLM"),
-    "stem_up_managed": (STEM + GQA, MANAGED, {"tp2": TP2, "pp2": PP2}, CUSTOM),
+    # Logits also with the training run's own managed-table flags (rows fetched per forward).
+    "stem_up_managed": (STEM + GQA, MANAGED, {"tp2": TP2, "pp2": PP2, "managed_pp2": MANAGED + PP2,
+                                              "managed_dp2": MANAGED}, CUSTOM),
     "stem_dagger": (STEM + ["--stem-variant", "dagger"], TP2, {"pp2": PP2}, CUSTOM),
     "stem_gate": (STEM + ["--stem-variant", "gate"], PP2, {"tp2": TP2}, CUSTOM),
     "structmoe": (SMOE + GQA, TP2, {"tp2": TP2, "pp2": PP2}, CUSTOM),

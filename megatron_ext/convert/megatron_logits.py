@@ -52,6 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_args
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.checkpointing import load_checkpoint
@@ -94,6 +95,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return zero, torch.ones((), dtype=torch.int, device=device), {}
 
     def forward_step(data_iterator, model_chunk):
+        # Managed STEM tables (the run's own --stem-table-placement/--stem-table-sharding): the
+        # rows of these tokens are fetched from their owners and bound to the chunk's layers, as
+        # the training forward step does (collective over the data-parallel group).
+        tables = get_attr_wrapped_model(model_chunk, "stem_tables", allow_none=True)
+        if tables is not None:
+            tables.prepare(tokens)
         # attention_mask None: causal attention (as in training with the default data flags).
         return model_chunk(tokens, position_ids, None), loss_func
 

@@ -55,8 +55,13 @@ def block_sharded_tensor(key: str, data: torch.Tensor, block: int, vocab: int,
         offsets.append((p + 1, tp_rank, tp_size))
     else:
         replica = tp_rank
+    # The vocabulary axis is padded per TP size (--make-vocab-size-divisible-by x TP), so the
+    # global row count may differ between the run that saved and the run that loads: as for
+    # Megatron's word embeddings (VocabParallelEmbedding.sharded_state_dict), the rows both have
+    # are read and the others start at zero (they are padding: no token id reaches them).
     return ShardedTensor.from_rank_offsets(key, data, *sharded_offsets, *offsets,
-                                           replica_id=replica, prepend_axis_num=p)
+                                           replica_id=replica, prepend_axis_num=p,
+                                           allow_shape_mismatch=True)
 
 
 def gather_blocks(tables, sources: Sequence[torch.Tensor], catch_up: bool
@@ -111,9 +116,11 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
 
 
 def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],
-                       step: int | None = None) -> None:
+                       step: int | None = None, token_ids: int | None = None) -> None:
     """Refuse, with the shapes and the flags that set them, a checkpoint whose STEM tables do not
-    have this model's ``[vocab, d_ff]`` (``expected``: checkpoint key -> shape)."""
+    fit this model's ``[vocab, d_ff]`` (``expected``: checkpoint key -> shape): ``d_ff`` must be
+    equal; the (padded) vocabulary may differ, as the padding depends on the TP size, as long as
+    the checkpoint has a row for each of the tokenizer's ``token_ids`` ids."""
     import os
 
     from megatron.core import dist_checkpointing
@@ -137,7 +144,9 @@ def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],
         if key not in metadata:
             continue
         found = tuple(metadata[key].global_shape)
-        if found != tuple(shape):
+        needed_rows = shape[0] if token_ids is None else min(shape[0], token_ids)
+        if found[1:] != tuple(shape[1:]) or found[0] < needed_rows or (
+                token_ids is None and found[0] != shape[0]):
             raise ValueError(
                 f"STEM table checkpoint {path}: {key} has shape [vocab, d_ff] = "
                 f"{list(found)}, but this model's tables are {list(shape)} (padded vocabulary "
@@ -168,7 +177,11 @@ def install_shape_check() -> None:
                     if isinstance(module, StemMLP) and module.layer_number is not None:
                         key = f"decoder.layers.{module.layer_number - 1}.mlp.table"
                         expected[key] = (module.vocab_size, module.config.ffn_hidden_size)
-            check_table_shapes(load_dir, expected, getattr(margs, "ckpt_step", None))
+            from megatron.training import get_tokenizer
+
+            tokenizer = get_tokenizer()
+            check_table_shapes(load_dir, expected, getattr(margs, "ckpt_step", None),
+                               getattr(tokenizer, "vocab_size", None))
         return upstream(model, *args, **kwargs)
 
     load_checkpoint._stem_checked = True

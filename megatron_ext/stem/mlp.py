@@ -261,6 +261,10 @@ class StemMLP(MegatronModule):
         tables = {} if self.managed else {"table": 1}
         sharded = mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, tables,
                                          gated_fc1=self.variant == "dagger")
+        if not self.managed:
+            # The padded vocabulary differs between TP sizes: read the rows both runs have, as
+            # Megatron's word embeddings do (checkpoint.block_sharded_tensor, managed tables).
+            sharded[f"{prefix}table"].allow_shape_mismatch = True
         if self.managed:
             from megatron_ext.stem import checkpoint
 
