@@ -8,6 +8,26 @@ from typing import Callable, List
 import torch
 
 
+def corpus(prefix: str, vocab=None):
+    """The token ids of an indexed dataset (``.bin`` read whole, int64) and its vocabulary
+    (``vocab``, else the data-prep manifest's beside it); a clear exit when it is not there."""
+    import json
+    import os
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if not os.path.exists(prefix + ".bin"):
+        raise SystemExit(f"no tokenized corpus at {prefix}: run launch/main_job.py (its data "
+                         "step) or pass --data-prefix")
+    if vocab is None:
+        with open(os.path.join(os.path.dirname(prefix), "manifest.json")) as f:
+            vocab = int(json.load(f)["tokenizer_vocab_size"])
+    dtype = IndexedDataset(prefix).index.dtype
+    ids = np.asarray(np.memmap(prefix + ".bin", dtype=dtype, mode="r")).astype(np.int64)
+    return torch.from_numpy(ids), vocab
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

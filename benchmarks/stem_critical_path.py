@@ -38,6 +38,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import corpus  # noqa: E402
 
 
 def zipf_stream(vocab: int, tokens: int, exponent: float, seed: int) -> torch.Tensor:
@@ -45,14 +48,6 @@ def zipf_stream(vocab: int, tokens: int, exponent: float, seed: int) -> torch.Te
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** exponent
     return torch.from_numpy(rng.choice(vocab, size=tokens, p=p / p.sum()).astype(np.int64))
-
-
-def corpus_ids(prefix: str) -> torch.Tensor:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dtype = IndexedDataset(prefix).index.dtype
-    return torch.from_numpy(np.asarray(np.memmap(prefix + ".bin", dtype=dtype, mode="r"))
-                            .astype(np.int64))
 
 
 def critical_path(stream: torch.Tensor, hot: torch.Tensor, micro_batches: int, tokens: int,
@@ -118,14 +113,7 @@ def main() -> None:
     results = {}
     for source in args.sources.split(","):
         if source == "corpus":
-            if not os.path.exists(args.data_prefix + ".bin"):
-                raise SystemExit(f"no tokenized corpus at {args.data_prefix}: run "
-                                 "launch/main_job.py (its data step) or pass --data-prefix")
-            vocab = args.corpus_vocab
-            if vocab is None:
-                with open(os.path.join(os.path.dirname(args.data_prefix), "manifest.json")) as f:
-                    vocab = int(json.load(f)["tokenizer_vocab_size"])
-            stream = corpus_ids(args.data_prefix)
+            stream, vocab = corpus(args.data_prefix, args.corpus_vocab)
             if args.shuffle_seq:
                 n = stream.numel() // args.shuffle_seq
                 order = torch.randperm(n, generator=torch.Generator().manual_seed(0))

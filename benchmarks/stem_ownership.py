@@ -23,14 +23,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def corpus_tokens(prefix: str) -> torch.Tensor:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dataset = IndexedDataset(prefix)
-    return torch.from_numpy(np.concatenate([dataset[i] for i in range(len(dataset))]).astype(
-        np.int64))
+from common import corpus  # noqa: E402
 
 
 def main() -> None:
@@ -49,14 +44,7 @@ def main() -> None:
 
     from megatron_ext.stem.ownership import SCHEMES, RowOwnership, load_per_rank
 
-    if not os.path.exists(args.data_prefix + ".bin"):
-        raise SystemExit(f"no tokenized corpus at {args.data_prefix}: run launch/main_job.py "
-                         "(its data step) or pass --data-prefix")
-    vocab = args.vocab
-    if vocab is None:
-        with open(os.path.join(os.path.dirname(args.data_prefix), "manifest.json")) as f:
-            vocab = int(json.load(f)["tokenizer_vocab_size"])
-    tokens = corpus_tokens(args.data_prefix)
+    tokens, vocab = corpus(args.data_prefix, args.vocab)
     print(f"corpus {args.data_prefix}: {tokens.numel():,} tokens, vocab {vocab}")
     results = []
     for world in args.worlds:
