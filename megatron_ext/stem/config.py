@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 RATIOS = ("1/3", "1/2", "full")
 VARIANTS = ("up", "gate", "dagger")
 INITS = ("normal", "fan-in", "ones", "zeros")
-PLACEMENTS = ("gpu", "cpu")
+PLACEMENTS = ("gpu", "cpu", "tiered")  # tiered: stem/tiers.py
 SHARDINGS = ("replicated", "vocab")
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/row_adam.py
@@ -46,6 +46,8 @@ class StemConfig:
     ownership: str = "interleaved"
     optimizer: str = "dense"
     prefetch: bool = True
+    # tiered placement: rows of the GPU tier, "10%" / "0.1" (of the vocabulary) or a row count.
+    gpu_tier: str = "10%"
     # The lookup-and-gate: ``triton`` the fused kernel (kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the kernel on a CUDA device with Triton.
     kernel: str = "auto"
@@ -73,6 +75,10 @@ class StemConfig:
                                      ("--stem-kernel", self.kernel, KERNELS)):
             if value not in allowed:
                 raise ValueError(f"{flag}={value!r}: allowed values are {', '.join(allowed)}")
+        if self.placement == "tiered" and self.sharding != "vocab":
+            raise ValueError("--stem-table-placement tiered: both tiers are sharded by "
+                             "vocabulary over the data-parallel ranks; pass "
+                             "--stem-table-sharding vocab")
         if self.layers is not None:
             layers = list(self.layers)
             if not layers:

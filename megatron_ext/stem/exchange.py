@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.ownership import RowOwnership
+from megatron_ext.stem.tiers import TieredShard, gather_tiered
 
 
 def comm_device(group) -> torch.device:
@@ -103,6 +104,8 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
     shards to a GPU the rows are gathered (and cast) straight into ``staging``'s pinned buffer,
     one block per shard, in chunks of rows (no large temporaries), then moved in one
     asynchronous copy and laid out side by side on the GPU."""
+    if shards and isinstance(shards[0], TieredShard):
+        return gather_tiered(shards, index, device, dtype, staging, gather_rows)
     widths = [s.shape[1] for s in shards]
     n = index.numel()
     on_host = all(s.device.type == "cpu" for s in shards)

@@ -270,7 +270,8 @@ class StemMLP(MegatronModule):
 
             owner, index = self._owner()
             self.checkpoint_blocks = {}
-            for block, (rows,) in checkpoint.gather_blocks(owner, [owner.shards[index]], True):
+            local, catch_up = owner.checkpoint_rows(index)
+            for block, (rows,) in checkpoint.gather_blocks(owner, [local], catch_up):
                 # The checkpoint's dtype is the model's, as for an ordinary table parameter.
                 tensor = checkpoint.block_sharded_tensor(
                     f"{prefix}table", rows.to(self.config.params_dtype), block, self.vocab_size,
@@ -298,7 +299,10 @@ class StemMLP(MegatronModule):
             if keys:
                 owner, index = self._owner()
                 loaded = {int(k[len(marker):]): [state_dict.pop(k)] for k in keys}
-                checkpoint.scatter_blocks(owner, loaded, [owner.shards[index]])
+                target = owner.shard_copy(index)  # the shard itself unless tiered
+                checkpoint.scatter_blocks(owner, loaded, [target])
+                if target is not owner.shards[index]:
+                    owner.shards[index].assign(target)
             elif f"{prefix}table" in state_dict:  # a whole table (a non-distributed dict)
                 raise RuntimeError(f"{prefix}table: managed STEM tables load from torch_dist "
                                    "checkpoints only")

@@ -34,6 +34,7 @@ from megatron.core.optimizer import ChainedOptimizer
 
 from megatron_ext.stem.exchange import PinnedStaging, comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
+from megatron_ext.stem.tiers import TieredRowAdamW, TieredShard, full_tensor
 
 
 class StemTablesOptimizer(ChainedOptimizer):
@@ -43,7 +44,9 @@ class StemTablesOptimizer(ChainedOptimizer):
         super().__init__(chained)
         self.tables = tables
         self.shards = [s for t in tables for s in t.shards]
-        self.row_adam = RowAdamW(self.shards, mode=mode)
+        self.tiered = any(t.tiered for t in tables)
+        self.row_adam = TieredRowAdamW(self.shards, mode=mode) if self.tiered else \
+            RowAdamW(self.shards, mode=mode)
         offset = 0
         for t in tables:
             if mode == "sparse":
@@ -124,6 +127,8 @@ class StemTablesOptimizer(ChainedOptimizer):
         arrival there (None: they are there). GPU gradients for host shards are copied, all in
         one pass, into a reusable pinned buffer; the copies are queued before the model's
         optimizer step so they are not stuck behind it."""
+        if self.tiered:  # each tier takes its rows' gradients where it steps them
+            return [(rows.cpu(), g) for rows, g in self._grads], None
         moves = [(i, g) for i, ((_, g), s) in enumerate(zip(self._grads, self.shards))
                  if g.device != s.device]
         out = [(rows.to(s.device), g) for (rows, g), s in zip(self._grads, self.shards)]
@@ -178,8 +183,7 @@ class StemTablesOptimizer(ChainedOptimizer):
             if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
                 sources["fp32_param"] = t.shards  # the master copy of a 16-bit model
             if self.row_adam.mode == "sparse":
-                sources["stem_row_steps"] = [r.unsqueeze(1)
-                                             for r in self.row_adam.row_steps[base: base + n]]
+                sources["stem_row_steps"] = self.row_adam.row_steps[base: base + n]
             out.append((t, sources))
             base += n
         return out
@@ -208,8 +212,10 @@ class StemTablesOptimizer(ChainedOptimizer):
                                        "STEM table optimizer's")
             for name in sources:
                 dtype = torch.float64 if name == "stem_row_steps" else torch.float32
-                gathered = checkpoint.gather_blocks(t, [x.to(dtype) for x in sources[name]],
-                                                    catch_up=False)
+                # Tiered shards are read as one host copy of their two halves (full_tensor).
+                whole = [full_tensor(x).to(dtype) for x in sources[name]]
+                whole = [x.unsqueeze(1) if x.dim() == 1 else x for x in whole]
+                gathered = checkpoint.gather_blocks(t, whole, catch_up=False)
                 for block, per_layer in gathered:
                     for layer, rows in zip(t.layers, per_layer):
                         model_block = layer.checkpoint_blocks[block]
@@ -246,8 +252,12 @@ class StemTablesOptimizer(ChainedOptimizer):
                     for block, model_block in layer.checkpoint_blocks.items():
                         key = f"optimizer.state.{name}.{model_block.key}.block{block}"
                         per_block.setdefault(block, [None] * len(t.layers))[k] = tensors[key]
-                # Row steps: the sources are [rows, 1] views of the step counters.
-                checkpoint.scatter_blocks(t, per_block, targets)
+                # Tiered shards load into a host copy, then back into their two halves.
+                whole = [full_tensor(x) for x in targets]
+                checkpoint.scatter_blocks(t, per_block, whole)
+                for x, w in zip(targets, whole):
+                    if isinstance(x, TieredShard):
+                        x.assign(w)
         if self.row_adam.mode == "sparse":
             self.row_adam.decay_product = float(saved["decay_product"])
             for marks in self.row_adam.row_marks:
@@ -278,7 +288,8 @@ def dump_tables(directory: str) -> None:
         payload = {"chunks": [{
             "layers": [layer.layer_number for layer in t.layers],
             "ids": t.owned_ids.clone(),
-            "rows": [s.detach().cpu().clone() for s in t.shards]} for t in optimizer.tables]}
+            "rows": [t.shard_copy(i).detach().cpu().clone() for i in range(len(t.shards))]}
+            for t in optimizer.tables]}
         os.makedirs(directory, exist_ok=True)
         name = (f"tables_tp{ps.get_tensor_model_parallel_rank()}_pp"
                 f"{ps.get_pipeline_model_parallel_rank()}_dp{ps.get_data_parallel_rank()}.pt")
@@ -341,8 +352,13 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     cores = row_adam_cpu.affinity_cores()  # the CPU optimizer's threads share them
     threads = row_adam_cpu.threads() if optimizer.row_adam.kernel == "rowwise" else \
         torch.get_num_threads()
+    tier = ""
+    if optimizer.tiered:
+        hot = sum(t.gpu_tier_rows() * len(t.shards) for t in optimizer.tables)
+        tier = (f" ({hot:,} in the GPU tier: {3 * 4 * sum(t.gpu_tier_rows() * sum(t.widths) for t in optimizer.tables) / 2**20:.1f} MiB "
+                "with their Adam moments, on the model's device)")
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
-            f"{sum(s.shape[0] for s in optimizer.shards):,} rows; host memory: tables (fp32, "
+            f"{sum(s.shape[0] for s in optimizer.shards):,} rows{tier}; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
             f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
             f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel, {threads} CPU "

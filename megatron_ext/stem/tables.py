@@ -53,11 +53,13 @@ import torch.distributed as dist
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.exchange import PinnedStaging, ReplicatedExchange, VocabExchange
 from megatron_ext.stem.ownership import RowOwnership
+from megatron_ext.stem.tiers import TieredOwnership, TieredShard, full_tensor
 
 
 class StemTables:
     def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
-                 device: Optional[torch.device] = None, prefetch_group=None):
+                 device: Optional[torch.device] = None, prefetch_group=None,
+                 hot_mask: Optional[torch.Tensor] = None):
         self.layers = list(layers)
         self.vocab_size = vocab_size
         for index, layer in enumerate(self.layers):  # checkpoints reach the rows through this
@@ -73,7 +75,15 @@ class StemTables:
             if prefetch_group is None or dist.get_world_size(prefetch_group) != self.dp_size:
                 raise ValueError("STEM prefetch needs its own data-parallel process group")
             group = prefetch_group
-        if stem.sharding == "vocab":
+        self.tiered = stem.placement == "tiered"
+        if self.tiered:  # both tiers sharded by vocabulary; each rank's hot rows first
+            if hot_mask is None:
+                raise ValueError("--stem-table-placement tiered needs the GPU tier's rows")
+            self.ownership = TieredOwnership(
+                RowOwnership(vocab_size, self.dp_size, stem.ownership), hot_mask, self.dp_rank)
+            self.exchange = VocabExchange(self.ownership, group)
+            self.owned_ids = self.ownership.owned_ids(self.dp_rank)
+        elif stem.sharding == "vocab":
             self.ownership = RowOwnership(vocab_size, self.dp_size, stem.ownership)
             self.exchange = VocabExchange(self.ownership, group)
             self.owned_ids = self.ownership.owned_ids(self.dp_rank)
@@ -90,7 +100,11 @@ class StemTables:
             full = layer.release_initial_table()
             shard = full[self.owned_ids].to(torch.float32).contiguous()
             del full
-            if stem.placement == "gpu" and cuda:
+            if self.tiered:
+                hot, cold = shard[: self.ownership.num_hot], shard[self.ownership.num_hot:]
+                shard = TieredShard(hot.to(self.device).contiguous(),
+                                    cold.pin_memory() if cuda else cold.contiguous())
+            elif stem.placement == "gpu" and cuda:
                 shard = shard.to(self.device)
             elif cuda:
                 shard = shard.pin_memory()  # host rows go to the GPU by DMA
@@ -100,8 +114,9 @@ class StemTables:
         config = getattr(self.layers[0], "config", None) if self.layers else None
         dtype = getattr(config, "params_dtype", torch.float32)
         self.wire_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        self.staging = PinnedStaging() if cuda and stem.placement == "cpu" else None
-        # Host shards step on the CPU: with prefetch, that step overlaps the next step.
+        self.staging = PinnedStaging() if cuda and stem.placement in ("cpu", "tiered") else None
+        # Host shards (the host tier of tiered ones) step on the CPU: with prefetch, that step
+        # overlaps the next step.
         self.overlap = stem.prefetch and all(s.device.type == "cpu" for s in self.shards)
         # Called with (shard index, local rows) before rows are read: lets the sparse optimizer
         # apply the weight decay a row still owes (no stale reads).
@@ -131,7 +146,27 @@ class StemTables:
         return [s.shape[1] for s in self.shards]
 
     def host_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
+        return sum(s.host_bytes() if isinstance(s, TieredShard) else
+                   s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
+
+    def gpu_tier_rows(self) -> int:
+        return self.ownership.num_hot if self.tiered else 0
+
+    def checkpoint_rows(self, i: int) -> Tuple[torch.Tensor, bool]:
+        """Layer ``i``'s owned rows for a checkpoint read, and whether the read must still apply
+        the decay rows owe (sparse). A tiered shard is copied whole after the background step
+        and with every row's owed decay applied; any other shard is read in place."""
+        if not self.tiered:
+            return self.shards[i], True
+        self.drain()
+        if self.read_hook is not None:
+            self.read_hook(i, torch.arange(self.shards[i].shape[0]))
+        return self.shard_copy(i), False
+
+    def shard_copy(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s owned rows as one tensor in local order (for reading them whole):
+        the shard itself, or a host copy of a tiered one's two halves."""
+        return full_tensor(self.shards[i])
 
     # ------------------------------------------------------------------------------------------
     def route_ids(self, token_ids: torch.Tensor):

@@ -70,7 +70,13 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            "sqrt(hidden))^2), the spread of W_up x at initialisation")
     stem.add_argument("--stem-table-placement", choices=PLACEMENTS, default="gpu",
                       help="gpu: tables are model parameters on the device; cpu: they live in "
-                           "(pinned) host memory, touched rows are copied to the device")
+                           "(pinned) host memory, touched rows are copied to the device; tiered: "
+                           "the hottest rows (--stem-gpu-tier) on the device with their optimizer "
+                           "state, the rest in host memory (needs --stem-table-sharding vocab)")
+    stem.add_argument("--stem-gpu-tier", default="10%", metavar="SIZE",
+                      help="tiered placement: rows of the GPU tier as a count (50000), a fraction "
+                           "(0.1) or a percentage (10%%) of the vocabulary; the most frequent ids "
+                           "of the --data-path datasets, counted at start-up")
     stem.add_argument("--stem-table-sharding", choices=SHARDINGS, default="replicated",
                       help="replicated: every data-parallel rank holds all rows; vocab: each "
                            "data-parallel rank owns a share of the rows (--stem-row-ownership)")
@@ -222,7 +228,7 @@ def stem_config_from_args(args) -> Optional[StemConfig]:
                       init=args.stem_init, placement=args.stem_table_placement,
                       sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
                       optimizer=args.stem_optimizer, prefetch=args.stem_prefetch,
-                      kernel=args.stem_kernel)
+                      kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier)
 
 
 def data_manifest_path(args) -> Optional[str]:
@@ -269,6 +275,16 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     stem = stem_config_from_args(args)
     if stem is not None:
         stem.stem_layers(args.num_layers)  # raises for out-of-range layers
+        if stem.placement == "tiered":
+            from megatron_ext.stem.hot_rows import parse_tier_size
+
+            # The size against the table's rows where they are known (entry point), else its
+            # form alone (dry run).
+            rows = getattr(args, "padded_vocab_size", None) or tokenizer_vocab_size
+            try:
+                parse_tier_size(stem.gpu_tier, rows if rows else 2**62)
+            except ValueError as exc:
+                raise ValueError(f"--stem-gpu-tier: {exc}") from None
         if args.stem_cpu_threads < 0:
             raise ValueError(f"--stem-cpu-threads={args.stem_cpu_threads}: must be >= 0 (0 = "
                              "automatic)")

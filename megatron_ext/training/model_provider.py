@@ -72,10 +72,17 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
             # Every rank takes part in creating the prefetch group, with STEM layers or not.
             group = prefetch_process_group() if stem.prefetch else None
             layers = chunk_stem_layers(model)
+            hot = None
+            if stem.placement == "tiered" and layers:
+                from megatron_ext.stem.tiers import choose_hot_mask
+
+                hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier)
+                print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
+                             f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
             # A plain attribute, not a submodule: the rows are not parameters of the model.
             model.stem_tables = StemTables(
                 layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
-                prefetch_group=group) if layers else None
+                prefetch_group=group, hot_mask=hot) if layers else None
     smoe = structmoe_config_from_args(args)
     if smoe is not None:
         budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,

@@ -1,0 +1,268 @@
+"""Tiered STEM tables (``--stem-table-placement tiered``): the hottest rows in GPU memory with
+their optimizer state, stepped there; the other rows in host memory, stepped on the CPU.
+
+Both tiers are sharded by vocabulary over the data-parallel ranks with the ownership of
+``--stem-row-ownership``, and rows move through their owners exactly as for host tables
+(``stem/exchange.py``), so the data-parallel reduction of the tables is unchanged. What changes is
+where an owner keeps a row: ``TieredOwnership`` numbers the rows a rank owns hot first (its local
+indices ``[0, num_hot)`` are its GPU-tier rows, the rest its host rows), and ``TieredShard`` holds
+the two halves of one layer's owned rows. ``TieredRowAdamW`` steps each half with the same
+``RowAdamW`` semantics (``dense``: every owned row every iteration; ``sparse``: touched rows, per-row
+step counts, owed decay) where it lives: the GPU tier with the torch kernel on the model's device,
+the host tier with the CPU kernels. Without CUDA the GPU tier lives on the model's device, the CPU.
+
+The hot rows are the most frequent token ids of the training data (``stem/hot_rows.py``), counted
+at start-up from the indexed datasets of ``--data-path``/``--train-data-path``; with mock data,
+which has no counts, the lowest ids (byte-level BPE vocabularies put frequent tokens there).
+Checkpoints hold the canonical ``[vocab, d_ff]`` table, so the tier may be re-chosen at resume
+and a run resumes across ordinary, gpu, cpu and tiered placement.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron_ext.stem.ownership import RowOwnership
+from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, StepPlan
+
+
+class TieredOwnership:
+    """``RowOwnership`` of the vocabulary, with this rank's local rows numbered hot first.
+
+    ``owner`` is the base scheme's; ``local_index`` and ``owned_ids`` are this rank's (the only
+    rank that asks: an owner turns the ids it is asked for into its local rows)."""
+
+    def __init__(self, base: RowOwnership, hot: torch.Tensor, rank: int):
+        if hot.numel() != base.vocab:
+            raise ValueError(f"hot-row mask of {hot.numel()} ids for a {base.vocab}-row table")
+        self.base, self.rank = base, rank
+        self.world, self.vocab, self.scheme = base.world, base.vocab, base.scheme
+        owned = base.owned_ids(rank)
+        is_hot = hot[owned]
+        self.ordered = torch.cat([owned[is_hot], owned[~is_hot]])
+        self.num_hot = int(is_hot.sum())
+        self.position = torch.full((base.vocab,), -1, dtype=torch.long)
+        self.position[self.ordered] = torch.arange(self.ordered.numel())
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base.owner(ids)
+
+    def num_owned(self, rank: int) -> int:
+        return self.base.num_owned(rank)
+
+    def local_index(self, ids: torch.Tensor) -> torch.Tensor:
+        local = self.position[ids.cpu()]
+        if bool((local < 0).any()):
+            raise RuntimeError("tiered STEM table: asked for rows this rank does not own")
+        return local
+
+    def owned_ids(self, rank: int) -> torch.Tensor:
+        if rank != self.rank:
+            raise ValueError(f"tiered ownership of rank {self.rank} asked for rank {rank}'s rows")
+        return self.ordered
+
+
+class TieredShard:
+    """One layer's owned rows (or a per-row state of them): ``hot`` ``[num_hot, ...]`` on the
+    model's device, ``cold`` ``[owned - num_hot, ...]`` in host memory (pinned when CUDA exists);
+    local row ``r`` is ``hot[r]`` for ``r < num_hot``, else ``cold[r - num_hot]``."""
+
+    def __init__(self, hot: torch.Tensor, cold: torch.Tensor):
+        self.hot, self.cold = hot, cold
+
+    @property
+    def num_hot(self) -> int:
+        return self.hot.shape[0]
+
+    @property
+    def shape(self):
+        return (self.hot.shape[0] + self.cold.shape[0],) + tuple(self.hot.shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cold.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the step's row indices go (the host; each half's gradients move where it is)."""
+        return self.cold.device
+
+    def host_bytes(self) -> int:
+        return self.cold.numel() * self.cold.element_size()
+
+    def gpu_bytes(self) -> int:
+        return self.hot.numel() * self.hot.element_size() if self.hot.device.type == "cuda" else 0
+
+    def full(self) -> torch.Tensor:
+        """A host copy of all owned rows in local order (checkpoints, dumps)."""
+        return torch.cat([self.hot.detach().cpu(), self.cold.detach().cpu()])
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        """``full()`` as ``dtype`` (what checkpoint reads of a shard take)."""
+        return self.full().to(dtype)
+
+    def assign(self, full: torch.Tensor) -> None:
+        """Write all owned rows back from ``full`` (local order; checkpoint loads)."""
+        full = full.reshape(self.shape)
+        self.hot.copy_(full[: self.num_hot].to(self.hot.device, self.hot.dtype))
+        self.cold.copy_(full[self.num_hot:].to(self.cold.device, self.cold.dtype))
+
+    def split(self, rows: torch.Tensor):
+        """``(hot positions, hot rows, cold positions, cold rows)`` of local ``rows``."""
+        rows = rows.cpu()
+        is_hot = rows < self.num_hot
+        hot_pos = torch.nonzero(is_hot).squeeze(1)
+        cold_pos = torch.nonzero(~is_hot).squeeze(1)
+        return hot_pos, rows[hot_pos], cold_pos, rows[cold_pos] - self.num_hot
+
+
+def gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
+                  dtype: torch.dtype, staging, gather_rows) -> torch.Tensor:
+    """``cat([shard[index] for shard in shards], dim=1)`` as ``dtype`` on ``device``: the GPU
+    tier's rows are read where they are, the host tier's through ``gather_rows`` (the pinned
+    staging path of host tables)."""
+    widths = [s.shape[1] for s in shards]
+    hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
+    out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
+    if hot_pos.numel():
+        hot_dev = shards[0].hot.device
+        rows = torch.cat([s.hot[hot_rows.to(hot_dev)] for s in shards], dim=1)
+        out[hot_pos.to(device)] = rows.to(device, dtype)
+    if cold_pos.numel():
+        out[cold_pos.to(device)] = gather_rows([s.cold for s in shards], cold_rows, device, dtype,
+                                               staging)
+    return out
+
+
+class TieredRowAdamW:
+    """``RowAdamW``'s interface over tiered shards: one ``RowAdamW`` for the GPU tier (torch
+    kernel, on the model's device) and one for the host tier (CPU kernels), advanced together
+    (the same iteration clock, learning rate and decay product), each stepping its own rows."""
+
+    def __init__(self, shards: Sequence[TieredShard], mode: str = "dense"):
+        self.shards = list(shards)
+        self.mode = mode
+        self.hot = RowAdamW([s.hot for s in self.shards], mode=mode)
+        self.cold = RowAdamW([s.cold for s in self.shards], mode=mode)
+
+    @property
+    def kernel(self) -> str:
+        return self.cold.kernel
+
+    @property
+    def step_count(self) -> int:
+        return self.hot.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.hot.step_count = self.cold.step_count = value
+
+    @property
+    def decay_product(self) -> float:
+        return self.hot.decay_product
+
+    @decay_product.setter
+    def decay_product(self, value: float) -> None:
+        self.hot.decay_product = self.cold.decay_product = value
+
+    def _pair(self, name: str) -> List[TieredShard]:
+        return [TieredShard(h, c) for h, c in zip(getattr(self.hot, name),
+                                                  getattr(self.cold, name))]
+
+    @property
+    def exp_avg(self) -> List[TieredShard]:
+        return self._pair("exp_avg")
+
+    @property
+    def exp_avg_sq(self) -> List[TieredShard]:
+        return self._pair("exp_avg_sq")
+
+    @property
+    def row_steps(self) -> List[TieredShard]:
+        return self._pair("row_steps")
+
+    @property
+    def row_marks(self) -> List[TieredShard]:
+        return self._pair("row_marks")
+
+    def begin_step(self, hyper: AdamHyper) -> StepPlan:
+        plan = self.hot.begin_step(hyper)
+        if self.cold.begin_step(hyper) != plan:  # the same arithmetic on the same numbers
+            raise RuntimeError("tiered STEM optimizer: the tiers' iteration clocks diverged")
+        return plan
+
+    def step_rows(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
+                  plan: StepPlan) -> None:
+        """Shard ``i``'s rows (local indices) step in the tier that holds them; dense: each tier
+        steps all its rows (the others with a zero gradient)."""
+        shard = self.shards[i]
+        hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
+        for opt, pos, local, tier in ((self.hot, hot_pos, hot_rows, shard.hot),
+                                      (self.cold, cold_pos, cold_rows, shard.cold)):
+            if tier.shape[0] and (pos.numel() or self.mode == "dense"):
+                grad = rows_grad.index_select(0, pos.to(rows_grad.device)).to(tier.device)
+                opt.step_rows(i, local.to(torch.long), grad, plan)
+
+    def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
+        if self.mode != "sparse":
+            return
+        _, hot_rows, _, cold_rows = self.shards[i].split(rows)
+        if hot_rows.numel():
+            self.hot.catch_up(i, hot_rows, product)
+        if cold_rows.numel():
+            self.cold.catch_up(i, cold_rows, product)
+
+    def materialize(self) -> None:
+        self.hot.materialize()
+        self.cold.materialize()
+
+
+def full_tensor(x):
+    """A plain tensor of a shard or per-row state: ``x`` itself, or a tiered one's host copy."""
+    return x.full() if isinstance(x, TieredShard) else x
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing the GPU tier
+
+_COUNTS = {}  # (prefixes, vocab) -> token counts: counted once per process
+
+
+def data_prefixes(args) -> List[str]:
+    """The indexed-dataset prefixes of the training data (``--data-path`` with or without weights,
+    ``--train-data-path``); empty for mock data."""
+    paths = list(getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
+                 or [])
+    out = []
+    for entry in paths:
+        for part in str(entry).split():
+            try:
+                float(part)  # a blend weight
+            except ValueError:
+                out.append(part)
+    return out
+
+
+def choose_hot_mask(args, vocab: int, tier_spec: str) -> tuple:
+    """``(boolean [vocab] mask of the GPU tier, how it was chosen)``."""
+    from megatron_ext.stem import hot_rows
+
+    rows = hot_rows.parse_tier_size(tier_spec, vocab)
+    prefixes = data_prefixes(args)
+    if prefixes and not getattr(args, "mock_data", False):
+        key = (tuple(prefixes), vocab)
+        if key not in _COUNTS:
+            _COUNTS[key] = hot_rows.token_counts(prefixes, vocab)
+        counts = _COUNTS[key]
+        mask = hot_rows.hot_mask(counts, rows, vocab)
+        total = int(counts.sum())
+        share = float(counts[mask[: counts.numel()]].sum()) / total if total else 0.0
+        how = (f"the {rows} most frequent ids of {len(prefixes)} indexed dataset(s), "
+               f"{100 * share:.1f}% of their tokens")
+    else:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[:rows] = True
+        how = f"ids 0..{rows - 1} (mock data has no token counts)"
+    return mask, how
