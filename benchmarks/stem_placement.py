@@ -59,6 +59,9 @@ VARIANTS = {
     "cpu": MANAGED + ["--stem-optimizer", "sparse"],
     "cpu-no-prefetch": MANAGED + ["--stem-optimizer", "sparse", "--no-stem-prefetch"],
     "cpu-dense": MANAGED + ["--stem-optimizer", "dense"],
+    # The hottest 10% of rows (by the corpus's token counts) on the GPU, the rest on the host.
+    "tiered": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+               "--stem-optimizer", "sparse", "--stem-gpu-tier", "10%"],
 }
 
 

@@ -202,7 +202,7 @@ def plan() -> List[Step]:
              300, "sigma_step.json", _rows_sigma),
         Step("stem_placement", "STEM tables on the GPU vs host (and tiered) in training",
              [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
-              "--timeout", "240", "--variants", "gpu,cpu",
+              "--timeout", "180", "--variants", "gpu,tiered,cpu",
               "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
              540, "stem_placement.json", _rows_placement),
     ]

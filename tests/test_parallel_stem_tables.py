@@ -16,6 +16,8 @@ from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
 
 STEM = TINY_GPT + ["--model-family", "stem", "--stem-layers", "1,3", "--train-iters", "10"]
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
+TIERED = ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+          "--stem-gpu-tier", "25%"]
 STEPS = list(range(1, 11))
 VOCAB, FFN = 1024, 128  # padded vocab of TINY_GPT, --ffn-hidden-size
 
@@ -96,6 +98,25 @@ def runs(tmp_path_factory):
                                          "--ckpt-step", "5"], nproc=1)
     run("resume_sparse_as_dense", CPU_VOCAB + ["--load", str(tmp / "ck_sparse"),
                                                "--ckpt-step", "5"], nproc=1)
+    # Tiered tables (a quarter of the rows in the "GPU" tier: the model's device, here the CPU).
+    run("tiered_dp2", TIERED + ["--stem-dump-tables", str(tmp / "dump_tiered"), "--save",
+                                str(tmp / "ck_tiered"), "--save-interval", "5"])
+    run("tiered_tp2_dp2", TIERED + tp2, nproc=4)
+    run("tiered_pp2_vpp_dp2_recompute", TIERED + vpp + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"], nproc=4)
+    run("tiered_sparse_dp2", TIERED + ["--stem-optimizer", "sparse", "--save",
+                                       str(tmp / "ck_tiered_sparse"), "--save-interval", "5"]
+        + evals)
+    run("tiered_sparse_dp2_no_prefetch", TIERED + ["--stem-optimizer", "sparse",
+                                                   "--no-stem-prefetch"] + evals)
+    # Across placements and DP sizes, and with the GPU tier chosen anew at resume.
+    run("resume_tiered_dp2_from_cpu", TIERED + ["--load", str(tmp / "ck_vocab")] + at5)
+    run("resume_cpu_dp1_from_tiered", CPU_VOCAB + ["--load", str(tmp / "ck_tiered")] + at5,
+        nproc=1)
+    run("resume_tiered_sparse_dp1_other_tier", TIERED + [
+        "--stem-gpu-tier", "100", "--stem-optimizer", "sparse", "--load",
+        str(tmp / "ck_tiered_sparse")] + at5, nproc=1)
     return out
 
 
@@ -106,22 +127,29 @@ def runs(tmp_path_factory):
                                               ("gpu_vocab_tp2_dp2", "ref_tp2_dp2"),
                                               ("cpu_vocab_pp2_dp2", "ref_pp2_dp2"),
                                               ("cpu_vocab_pp2_dp2_recompute", "ref_pp2_dp2"),
-                                              ("cpu_vocab_pp2_vpp_dp2", "ref_pp2_vpp_dp2")])
+                                              ("cpu_vocab_pp2_vpp_dp2", "ref_pp2_vpp_dp2"),
+                                              ("tiered_dp2", "ref"),
+                                              ("tiered_tp2_dp2", "ref_tp2_dp2"),
+                                              ("tiered_pp2_vpp_dp2_recompute",
+                                               "ref_pp2_vpp_dp2")])
 def test_losses_match_the_ordinary_table(runs, layout, reference):
     ref = require_ok(runs[reference])
     assert ref.losses[10] < ref.losses[1]
     assert_close_curves(require_ok(runs[layout]), ref, STEPS)
 
 
-def test_final_table_matches(runs, mcore_single_rank):
-    """(cpu, vocab, DP=2, dense) ends with the table the ordinary parameter ends with."""
+@pytest.mark.parametrize("run_name,dump", [("cpu_vocab_dp2", "dump_cpu_vocab"),
+                                           ("tiered_dp2", "dump_tiered")])
+def test_final_table_matches(runs, run_name, dump, mcore_single_rank):
+    """(cpu or tiered, vocab, DP=2, dense) ends with the table the ordinary parameter ends
+    with."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     require_ok(runs["ref"])
-    require_ok(runs["cpu_vocab_dp2"])
+    require_ok(runs[run_name])
     ckpt = load_plain_tensors(str(runs["tmp"] / "ck_ref" / "iter_0000010"))
     halfway = load_plain_tensors(str(runs["tmp"] / "ck_ref" / "iter_0000005"))
-    dumps = [torch.load(f) for f in sorted(glob.glob(str(runs["tmp"] / "dump_cpu_vocab" / "*.pt")))]
+    dumps = [torch.load(f) for f in sorted(glob.glob(str(runs["tmp"] / dump / "*.pt")))]
     assert len(dumps) == 2
     for layer in (1, 3):  # 0-based STEM layers; layer numbers are 1-based
         full = torch.full((VOCAB, FFN), float("nan"))
@@ -153,6 +181,23 @@ def test_startup_reports_host_memory(runs):
                    if "STEM tables on this rank" in l]
         assert len(threads) == 2 and all("row gathers 3 threads" in l for l in threads)
     assert "Adam moments 1.0 MiB" in lines[0] and "dense (deepspeed kernel," in lines[0]
+
+
+def test_tiered_tables(runs):
+    """Sparse tiered tables equal sparse host tables (the same semantics on both tiers, losses
+    and evaluation losses to 1e-5); the start-up lines name the tier and its size per rank."""
+    tiered, host = require_ok(runs["tiered_sparse_dp2"]), require_ok(runs["sparse_dp2"])
+    assert_close_curves(tiered, host, STEPS)
+    for (_, a), (_, b) in zip(tiered.scalars["lm loss validation"],
+                              host.scalars["lm loss validation"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    log = require_ok(runs["tiered_dp2"]).log
+    assert "STEM GPU tier: 256 of 1024 rows (--stem-gpu-tier 25%)" in log
+    lines = [line for line in log.splitlines() if "STEM tables on this rank" in line]
+    # Per rank: 2 layers x 512 owned rows, 128 of them hot; the host holds the other 384.
+    assert len(lines) == 2 and all("1,024 rows (256 in the GPU tier" in line for line in lines)
+    assert "tables (fp32, also the master copy) 0.4 MiB" in lines[0]
+    assert "STEM GPU tier: 100 of 1024 rows" in runs["resume_tiered_sparse_dp1_other_tier"].log
 
 
 def test_sparse_optimizer_is_layout_invariant_and_trains(runs):
@@ -194,6 +239,7 @@ def test_traffic_and_optimizer_time_logged(runs):
 
 @pytest.mark.parametrize("on,off", [("cpu_vocab_dp2", "cpu_vocab_dp2_no_prefetch"),
                                     ("sparse_dp2", "sparse_dp2_no_prefetch"),
+                                    ("tiered_sparse_dp2", "tiered_sparse_dp2_no_prefetch"),
                                     ("sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2_no_prefetch")])
 def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
     """Prefetch on (the default) vs off, dense and sparse (also with two chunks of tables per
@@ -228,6 +274,9 @@ RESUMED = list(range(6, 11))
     ("resume_sparse_replicated_dp1", "sparse_dp2"),      # sparse: row steps and owed decay
     ("resume_sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2"),  # rank 0 without tables
     ("resume_sparse_pp2_dp1", "sparse_pp2_vpp_dp2"),      # interleaved -> not, DP 2 -> 1
+    ("resume_tiered_dp2_from_cpu", "cpu_vocab_dp2"),      # placement cpu -> tiered
+    ("resume_cpu_dp1_from_tiered", "tiered_dp2"),         # tiered -> cpu, DP 2 -> 1
+    ("resume_tiered_sparse_dp1_other_tier", "tiered_sparse_dp2"),  # tier 25% -> 100 rows
 ])
 def test_resume_continues_the_loss_curve(runs, resumed, original):
     """A managed-table checkpoint of step 5 (tables, moments, step counts) resumed with another

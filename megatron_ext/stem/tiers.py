@@ -109,6 +109,11 @@ class TieredShard:
         self.hot.copy_(full[: self.num_hot].to(self.hot.device, self.hot.dtype))
         self.cold.copy_(full[self.num_hot:].to(self.cold.device, self.cold.dtype))
 
+    def fill_(self, value) -> "TieredShard":
+        self.hot.fill_(value)
+        self.cold.fill_(value)
+        return self
+
     def split(self, rows: torch.Tensor):
         """``(hot positions, hot rows, cold positions, cold rows)`` of local ``rows``."""
         rows = rows.cpu()

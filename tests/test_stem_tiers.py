@@ -1,0 +1,125 @@
+"""Tiered STEM tables in-process: the hot-first ownership, reading rows across the two tiers,
+the tiered optimizer against RowAdamW on one plain shard (dense and sparse, several steps), and
+the GPU tier chosen from token counts or, with mock data, the lowest ids."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext.stem.exchange import gather_rows
+from megatron_ext.stem.ownership import RowOwnership
+from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
+from megatron_ext.stem.tiers import (
+    TieredOwnership,
+    TieredRowAdamW,
+    TieredShard,
+    choose_hot_mask,
+    data_prefixes,
+)
+
+
+@pytest.mark.parametrize("scheme", ["interleaved", "contiguous"])
+def test_ownership_numbers_hot_rows_first(scheme):
+    vocab, world = 23, 3
+    hot = torch.zeros(vocab, dtype=torch.bool)
+    hot[[0, 4, 5, 9, 22]] = True
+    base = RowOwnership(vocab, world, scheme)
+    for rank in range(world):
+        tiered = TieredOwnership(base, hot, rank)
+        owned = base.owned_ids(rank)
+        ordered = tiered.owned_ids(rank)
+        assert sorted(ordered.tolist()) == sorted(owned.tolist())
+        n = tiered.num_hot
+        assert n == int(hot[owned].sum())
+        assert hot[ordered[:n]].all() and not hot[ordered[n:]].any()
+        # An owner finds each of its ids at its position in the ordered list.
+        assert torch.equal(tiered.local_index(ordered), torch.arange(ordered.numel()))
+        assert torch.equal(tiered.owner(torch.arange(vocab)), base.owner(torch.arange(vocab)))
+        others = torch.tensor([i for i in range(vocab) if i not in owned.tolist()])
+        with pytest.raises(RuntimeError, match="does not own"):
+            tiered.local_index(others[:1])
+
+
+def _tiered(full: torch.Tensor, num_hot: int) -> TieredShard:
+    return TieredShard(full[:num_hot].clone(), full[num_hot:].clone())
+
+
+def test_gather_reads_both_tiers():
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(10, w, generator=g) for w in (3, 5)]
+    shards = [_tiered(f, 4) for f in fulls]
+    index = torch.tensor([9, 0, 3, 4, 4, 7, 1])
+    got = gather_rows(shards, index, torch.device("cpu"), torch.float32)
+    assert torch.equal(got, torch.cat([f[index] for f in fulls], dim=1))
+    # Only hot rows, only cold rows, none; and a 16-bit wire dtype.
+    for idx in (torch.tensor([0, 3]), torch.tensor([8, 5]), torch.tensor([], dtype=torch.long)):
+        got = gather_rows(shards, idx, torch.device("cpu"), torch.bfloat16)
+        assert torch.equal(got, torch.cat([f[idx] for f in fulls], dim=1).bfloat16())
+    shard = shards[0]
+    assert shard.shape == (10, 3) and torch.equal(shard.full(), fulls[0])
+    shard.assign(fulls[0] * 2)
+    assert torch.equal(shard.hot, fulls[0][:4] * 2) and torch.equal(shard.cold, fulls[0][4:] * 2)
+    assert shard.host_bytes() == 6 * 3 * 4
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_tiered_optimizer_equals_one_plain_shard(mode):
+    """Four iterations with row subsets that touch both tiers, one tier, and nothing: the
+    tiered optimizer leaves each row, moment and (sparse) step count where RowAdamW on one plain
+    shard leaves it, bit for bit with the same kernel on both sides."""
+    g = torch.Generator().manual_seed(1)
+    rows, width, num_hot = 12, 6, 5
+    init = [torch.randn(rows, width, generator=g) for _ in range(2)]
+    plain_shards = [x.clone() for x in init]
+    tiered_shards = [_tiered(x, num_hot) for x in init]
+    plain = RowAdamW(plain_shards, mode=mode, kernel="torch")
+    tiered = TieredRowAdamW(tiered_shards, mode=mode)
+    for opt in (tiered.hot, tiered.cold):  # the same kernel as the plain side
+        opt.rowwise, opt.op = None, None
+    touched = [torch.tensor([0, 4, 5, 11]), torch.tensor([1, 2]), torch.tensor([7, 9, 10]),
+               torch.tensor([3, 6, 8, 2])]
+    for step, ids in enumerate(touched):
+        hyper = AdamHyper(lr=1e-2 * (step + 1), beta1=0.9, beta2=0.99, eps=1e-8,
+                          weight_decay=0.1)
+        grads = [torch.randn(ids.numel(), width, generator=g) for _ in range(2)]
+        plan_a, plan_b = plain.begin_step(hyper), tiered.begin_step(hyper)
+        assert plan_a == plan_b
+        for i in range(2):
+            plain.step_rows(i, ids, grads[i], plan_a)
+            tiered.step_rows(i, ids, grads[i], plan_b)
+        if mode == "sparse":  # a read of some rows applies the decay they owe
+            plain.catch_up(0, torch.tensor([1, 8]))
+            tiered.catch_up(0, torch.tensor([1, 8]))
+    plain.materialize()
+    tiered.materialize()
+    for i in range(2):
+        assert torch.equal(tiered_shards[i].full(), plain_shards[i])
+        assert torch.equal(tiered.exp_avg[i].full(), plain.exp_avg[i])
+        assert torch.equal(tiered.exp_avg_sq[i].full(), plain.exp_avg_sq[i])
+        if mode == "sparse":
+            assert torch.equal(tiered.row_steps[i].full(), plain.row_steps[i])
+    assert tiered.step_count == plain.step_count == 4
+    assert not torch.equal(tiered_shards[0].full(), init[0])  # it trained
+
+
+def test_hot_rows_from_token_counts(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in ([7, 7, 7, 3, 3, 9], [3, 7, 1]):
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    args = argparse.Namespace(data_path=["1.0", prefix], train_data_path=None, mock_data=False)
+    assert data_prefixes(args) == [prefix]
+    mask, how = choose_hot_mask(args, 16, "2")
+    assert mask.nonzero().squeeze(1).tolist() == [3, 7]  # 4 x 7, 3 x 3
+    assert "the 2 most frequent ids of 1 indexed dataset(s), 77.8% of their tokens" in how
+    mock = argparse.Namespace(data_path=None, train_data_path=None, mock_data=True)
+    mask, how = choose_hot_mask(mock, 16, "25%")
+    assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3] and "mock data" in how
