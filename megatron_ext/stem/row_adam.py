@@ -198,6 +198,7 @@ class RowAdamW:
                 hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
             self.row_marks[i][rows] = plan.decay_after
             return
+        rows = rows.cpu()  # the per-row state (step counts, decay marks) is on the host
         self.catch_up(i, rows, plan.decay_before)
         steps = self.row_steps[i][rows] + 1
         self.row_steps[i][rows] = steps
@@ -234,6 +235,7 @@ class RowAdamW:
         if self.mode != "sparse":
             return
         product = self.decay_product if product is None else product
+        rows = rows.cpu()  # row_marks lives on the host, whatever the shard's device
         owed = product / self.row_marks[i][rows]
         pending = owed != 1.0
         if bool(pending.any()):

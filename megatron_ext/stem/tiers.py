@@ -208,7 +208,12 @@ class TieredRowAdamW:
                                       (self.cold, cold_pos, cold_rows, shard.cold)):
             if tier.shape[0] and (pos.numel() or self.mode == "dense"):
                 grad = rows_grad.index_select(0, pos.to(rows_grad.device)).to(tier.device)
-                opt.step_rows(i, local.to(torch.long), grad, plan)
+                # Dense zero-fills a tier-sized gradient on the tier's device and writes the rows
+                # there (their indices go along); sparse keeps its per-row state on the host and
+                # takes host indices.
+                local = local.to(torch.long)
+                opt.step_rows(i, local.to(tier.device) if self.mode == "dense" else local, grad,
+                              plan)
 
     def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
         if self.mode != "sparse":
