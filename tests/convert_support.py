@@ -10,8 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_ext.compat.standalone import free_port
-from multirank import ROOT, TINY_GPT, require_ok, torchrun
+from multirank import ROOT, TINY_GPT, launch_ranks, require_ok, torchrun
 
 VOCAB = 1000  # TINY_GPT's --vocab-size (Megatron pads it to 1024)
 SEQ = 64
@@ -52,16 +51,13 @@ def megatron_logits(workdir: str, name: str, flags: Sequence[str], load: str, id
     os.makedirs(out_dir, exist_ok=True)
     tok_path, out_path = os.path.join(out_dir, "tokens.pt"), os.path.join(out_dir, "logits.pt")
     torch.save(ids, tok_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "megatron_ext.convert.megatron_logits",
-           "--logits-tokens", tok_path, "--logits-out", out_path, *base(flags),
-           "--load", load, *(["--ckpt-step", str(step)] if step is not None else [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
+    argv = ["-m", "megatron_ext.convert.megatron_logits", "--logits-tokens", tok_path,
+            "--logits-out", out_path, *base(flags), "--load", load,
+            *(["--ckpt-step", str(step)] if step is not None else [])]
+    status, log = launch_ranks(argv, nproc)
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
-        f.write(" ".join(cmd) + "\n" + log)
-    assert proc.returncode == 0, f"{name} failed:\n{log[-6000:]}"
+        f.write(f"({nproc} ranks) " + " ".join(argv) + "\n" + log)
+    assert status == 0, f"{name} failed:\n{log[-6000:]}"
     return torch.load(out_path)[..., :VOCAB]
 
 

@@ -1,12 +1,16 @@
-"""Run ``launch/pretrain.py`` under torchrun with gloo and read back the loss curve."""
+"""Run ``launch/pretrain.py`` as several gloo ranks (as torchrun starts them) and read back the loss
+curve."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_ext.compat.standalone import free_port
 
@@ -42,6 +46,62 @@ class Run:
         return [self.losses[i] for i in iterations]
 
 
+def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] = None,
+                 timeout: int = 600) -> Tuple[int, str]:
+    """Run ``python argv`` as ``nproc`` ranks on this machine, as torchrun's static rendezvous
+    would start them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent process, whose start-up and
+    shutdown added seconds to every launch. When a rank fails the others are stopped, as torchrun
+    does. Returns the first non-zero exit status (0 if none) and the ranks' output, rank 0 first.
+    A launch past ``timeout`` seconds is stopped and raises ``subprocess.TimeoutExpired``."""
+    port = free_port()
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+    procs = []
+    for rank in range(nproc):
+        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                        LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_env,
+                                      stdout=outputs[rank], stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+
+    def stop_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            p.wait()
+
+    deadline = time.monotonic() + timeout
+    status = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                status = failed[0]
+                time.sleep(1.0)  # let the others report the failure too, then stop them
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                stop_all()
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+            time.sleep(0.05)
+    finally:
+        stop_all()
+    log = ""
+    for rank, out in enumerate(outputs):
+        out.seek(0)
+        log += out.read()
+        out.close()
+    return status, log
+
+
 def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
              timeout: int = 600, env: Optional[Dict[str, str]] = None) -> Run:
     """One training launch; its tensorboard scalars go to ``workdir/name/tb``. ``env`` is added to
@@ -51,21 +111,16 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     out_dir = os.path.join(workdir, name)
     os.makedirs(out_dir, exist_ok=True)
     tb = os.path.join(out_dir, "tb")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", PRETRAIN, *flags,
-           "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
-    log = proc.stdout + proc.stderr
+    argv = [PRETRAIN, *flags, "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"]
+    returncode, log = launch_ranks(argv, nproc, env, timeout)
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
-        f.write(" ".join(cmd) + "\n" + log)
+        f.write(f"({nproc} ranks) {sys.executable} " + " ".join(argv) + "\n" + log)
     losses: Dict[int, float] = {}
     scalars: Dict[str, List] = {}
-    if proc.returncode == 0:
+    if returncode == 0:
         scalars = read_tensorboard_scalars(tb)
         losses = dict(scalars.get("lm loss", []))  # none when the run trains no step
-    return Run(name, proc.returncode, log, losses, scalars)
+    return Run(name, returncode, log, losses, scalars)
 
 
 def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 1e-5) -> None:

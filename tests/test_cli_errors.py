@@ -55,6 +55,10 @@ def parse(extra):
      "--ckpt-format torch"),
     (["--model-family", "structmoe", "--structmoe-aux-loss-coeff", "-1"],
      "--structmoe-aux-loss-coeff=-1.0: must be >= 0"),
+    (["--model-family", "stem", "--stem-table-placement", "tiered"],
+     "both tiers are sharded by vocabulary .* pass --stem-table-sharding vocab"),
+    (["--model-family", "stem", "--stem-table-placement", "tiered", "--stem-table-sharding",
+      "vocab", "--stem-gpu-tier", "ten"], "--stem-gpu-tier: GPU tier size 'ten'"),
 ])
 def test_bad_extension_flags(extra, match):
     from megatron_ext.training.arguments import validate_extension_args

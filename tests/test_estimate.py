@@ -212,15 +212,12 @@ BUILT = {
 
 @pytest.mark.parametrize("name", sorted(BUILT))
 def test_estimate_matches_the_built_model(name, tmp_path):
-    from megatron_ext.compat.standalone import free_port
+    from multirank import launch_ranks
 
     out = tmp_path / "ranks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-           f"--master_port={free_port()}", os.path.join(ROOT, "tests", "dist", "estimate_check.py"),
-           "--estimate-out", str(out), *BUILT[name], *CPU]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    status, log = launch_ranks([os.path.join(ROOT, "tests", "dist", "estimate_check.py"),
+                                "--estimate-out", str(out), *BUILT[name], *CPU], 4, timeout=900)
+    assert status == 0, log[-4000:]
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(out / "rank*.json")))]
     assert len(ranks) == 4
     for r in ranks:
