@@ -20,12 +20,13 @@ import csv
 import datetime
 import json
 import os
+import selectors
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +62,6 @@ class Step:
     result: Optional[str] = None  # file (under the results folder) the step writes
     rows: Optional[Callable[[str], List[Row]]] = None  # reads the result file
     kind: str = "python"  # "python": argv[1] is a script with argparse; "pytest"; "other"
-    tags: List[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- result readers
@@ -258,8 +258,6 @@ def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[st
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
         timed_out = False
         deadline = t0 + limit
-        import selectors
-
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.tiers import TieredShard, gather_tiered
+from megatron_ext.stem.tiers import TieredShard
 
 
 def comm_device(group) -> torch.device:
@@ -105,7 +105,7 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
     one block per shard, in chunks of rows (no large temporaries), then moved in one
     asynchronous copy and laid out side by side on the GPU."""
     if shards and isinstance(shards[0], TieredShard):
-        return gather_tiered(shards, index, device, dtype, staging, gather_rows)
+        return _gather_tiered(shards, index, device, dtype, staging)
     widths = [s.shape[1] for s in shards]
     n = index.numel()
     on_host = all(s.device.type == "cpu" for s in shards)
@@ -126,6 +126,23 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
         parts.append(moved[offset: offset + n * w].view(n, w))
         offset += n * w
     return torch.cat(parts, dim=1)
+
+
+def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype, staging: PinnedStaging | None) -> torch.Tensor:
+    """``gather_rows`` of tiered shards: the GPU tier's rows are read where they are, the host
+    tier's through the host-shard path (pinned staging to a GPU)."""
+    widths = [s.shape[1] for s in shards]
+    hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
+    out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
+    if hot_pos.numel():
+        hot_dev = shards[0].hot.device
+        rows = torch.cat([s.hot[hot_rows.to(hot_dev)] for s in shards], dim=1)
+        out[hot_pos.to(device)] = rows.to(device, dtype)
+    if cold_pos.numel():
+        out[cold_pos.to(device)] = gather_rows([s.cold for s in shards], cold_rows, device, dtype,
+                                               staging)
+    return out
 
 
 @dataclass

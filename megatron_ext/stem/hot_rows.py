@@ -66,10 +66,8 @@ def hottest(counts: torch.Tensor, rows: int) -> torch.Tensor:
     choice is the same on every rank and every run)."""
     if rows <= 0:
         return torch.empty(0, dtype=torch.long)
-    ids = torch.arange(counts.numel(), dtype=torch.long)
-    # Stable sort on -count keeps id order among equal counts.
-    order = torch.sort(-counts.to(torch.long), stable=True).indices
-    return ids[order[:rows]]
+    # Stable sort on -count keeps id order among equal counts; the sort's indices are the ids.
+    return torch.sort(-counts.to(torch.long), stable=True).indices[:rows]
 
 
 def hot_mask(counts: torch.Tensor, rows: int, vocab: Optional[int] = None) -> torch.Tensor:

@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.stem.config import StemConfig
+from megatron_ext.stem.tiers import write_back
 from megatron_ext_kernels import stem_gate
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
@@ -301,8 +302,7 @@ class StemMLP(MegatronModule):
                 loaded = {int(k[len(marker):]): [state_dict.pop(k)] for k in keys}
                 target = owner.shard_copy(index)  # the shard itself unless tiered
                 checkpoint.scatter_blocks(owner, loaded, [target])
-                if target is not owner.shards[index]:
-                    owner.shards[index].assign(target)
+                write_back(owner.shards[index], target)
             elif f"{prefix}table" in state_dict:  # a whole table (a non-distributed dict)
                 raise RuntimeError(f"{prefix}table: managed STEM tables load from torch_dist "
                                    "checkpoints only")

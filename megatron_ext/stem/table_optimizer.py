@@ -34,7 +34,7 @@ from megatron.core.optimizer import ChainedOptimizer
 
 from megatron_ext.stem.exchange import PinnedStaging, comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-from megatron_ext.stem.tiers import TieredRowAdamW, TieredShard, full_tensor
+from megatron_ext.stem.tiers import TieredRowAdamW, full_tensor, write_back
 
 
 class StemTablesOptimizer(ChainedOptimizer):
@@ -256,8 +256,7 @@ class StemTablesOptimizer(ChainedOptimizer):
                 whole = [full_tensor(x) for x in targets]
                 checkpoint.scatter_blocks(t, per_block, whole)
                 for x, w in zip(targets, whole):
-                    if isinstance(x, TieredShard):
-                        x.assign(w)
+                    write_back(x, w)
         if self.row_adam.mode == "sparse":
             self.row_adam.decay_product = float(saved["decay_product"])
             for marks in self.row_adam.row_marks:
@@ -354,9 +353,10 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
         torch.get_num_threads()
     tier = ""
     if optimizer.tiered:
-        hot = sum(t.gpu_tier_rows() * len(t.shards) for t in optimizer.tables)
-        tier = (f" ({hot:,} in the GPU tier: {3 * 4 * sum(t.gpu_tier_rows() * sum(t.widths) for t in optimizer.tables) / 2**20:.1f} MiB "
-                "with their Adam moments, on the model's device)")
+        rows = sum(s.num_hot for s in optimizer.shards)
+        hot = 3 * sum(s.hot_bytes() for s in optimizer.shards)  # rows and their two moments
+        tier = (f" ({rows:,} in the GPU tier: {hot / 2**20:.1f} MiB with their Adam moments, "
+                "on the model's device)")
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows{tier}; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "

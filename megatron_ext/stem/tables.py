@@ -75,16 +75,13 @@ class StemTables:
             if prefetch_group is None or dist.get_world_size(prefetch_group) != self.dp_size:
                 raise ValueError("STEM prefetch needs its own data-parallel process group")
             group = prefetch_group
-        self.tiered = stem.placement == "tiered"
-        if self.tiered:  # both tiers sharded by vocabulary; each rank's hot rows first
-            if hot_mask is None:
-                raise ValueError("--stem-table-placement tiered needs the GPU tier's rows")
-            self.ownership = TieredOwnership(
-                RowOwnership(vocab_size, self.dp_size, stem.ownership), hot_mask, self.dp_rank)
-            self.exchange = VocabExchange(self.ownership, group)
-            self.owned_ids = self.ownership.owned_ids(self.dp_rank)
-        elif stem.sharding == "vocab":
+        self.tiered = stem.placement == "tiered"  # always vocab-sharded (StemConfig checks)
+        if stem.sharding == "vocab":
             self.ownership = RowOwnership(vocab_size, self.dp_size, stem.ownership)
+            if self.tiered:  # the same owners; each rank numbers its hot rows first
+                if hot_mask is None:
+                    raise ValueError("--stem-table-placement tiered needs the GPU tier's rows")
+                self.ownership = TieredOwnership(self.ownership, hot_mask, self.dp_rank)
             self.exchange = VocabExchange(self.ownership, group)
             self.owned_ids = self.ownership.owned_ids(self.dp_rank)
         else:
@@ -148,9 +145,6 @@ class StemTables:
     def host_bytes(self) -> int:
         return sum(s.host_bytes() if isinstance(s, TieredShard) else
                    s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
-
-    def gpu_tier_rows(self) -> int:
-        return self.ownership.num_hot if self.tiered else 0
 
     def checkpoint_rows(self, i: int) -> Tuple[torch.Tensor, bool]:
         """Layer ``i``'s owned rows for a checkpoint read, and whether the read must still apply

@@ -37,8 +37,7 @@ class TieredOwnership:
     def __init__(self, base: RowOwnership, hot: torch.Tensor, rank: int):
         if hot.numel() != base.vocab:
             raise ValueError(f"hot-row mask of {hot.numel()} ids for a {base.vocab}-row table")
-        self.base, self.rank = base, rank
-        self.world, self.vocab, self.scheme = base.world, base.vocab, base.scheme
+        self.base, self.rank, self.world = base, rank, base.world
         owned = base.owned_ids(rank)
         is_hot = hot[owned]
         self.ordered = torch.cat([owned[is_hot], owned[~is_hot]])
@@ -48,9 +47,6 @@ class TieredOwnership:
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.base.owner(ids)
-
-    def num_owned(self, rank: int) -> int:
-        return self.base.num_owned(rank)
 
     def local_index(self, ids: torch.Tensor) -> torch.Tensor:
         local = self.position[ids.cpu()]
@@ -92,8 +88,8 @@ class TieredShard:
     def host_bytes(self) -> int:
         return self.cold.numel() * self.cold.element_size()
 
-    def gpu_bytes(self) -> int:
-        return self.hot.numel() * self.hot.element_size() if self.hot.device.type == "cuda" else 0
+    def hot_bytes(self) -> int:
+        return self.hot.numel() * self.hot.element_size()
 
     def full(self) -> torch.Tensor:
         """A host copy of all owned rows in local order (checkpoints, dumps)."""
@@ -121,24 +117,6 @@ class TieredShard:
         hot_pos = torch.nonzero(is_hot).squeeze(1)
         cold_pos = torch.nonzero(~is_hot).squeeze(1)
         return hot_pos, rows[hot_pos], cold_pos, rows[cold_pos] - self.num_hot
-
-
-def gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
-                  dtype: torch.dtype, staging, gather_rows) -> torch.Tensor:
-    """``cat([shard[index] for shard in shards], dim=1)`` as ``dtype`` on ``device``: the GPU
-    tier's rows are read where they are, the host tier's through ``gather_rows`` (the pinned
-    staging path of host tables)."""
-    widths = [s.shape[1] for s in shards]
-    hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
-    out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
-    if hot_pos.numel():
-        hot_dev = shards[0].hot.device
-        rows = torch.cat([s.hot[hot_rows.to(hot_dev)] for s in shards], dim=1)
-        out[hot_pos.to(device)] = rows.to(device, dtype)
-    if cold_pos.numel():
-        out[cold_pos.to(device)] = gather_rows([s.cold for s in shards], cold_rows, device, dtype,
-                                               staging)
-    return out
 
 
 class TieredRowAdamW:
@@ -227,6 +205,13 @@ class TieredRowAdamW:
     def materialize(self) -> None:
         self.hot.materialize()
         self.cold.materialize()
+
+
+def write_back(x, whole: torch.Tensor) -> None:
+    """After ``whole = full_tensor(x)`` was written in place: a tiered ``x`` takes it back into
+    its two halves (a plain tensor already holds it)."""
+    if isinstance(x, TieredShard):
+        x.assign(whole)
 
 
 def full_tensor(x):
