@@ -103,15 +103,17 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
 
 
 def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
-             timeout: int = 600, env: Optional[Dict[str, str]] = None) -> Run:
+             timeout: int = 600, env: Optional[Dict[str, str]] = None,
+             entry: str = PRETRAIN) -> Run:
     """One training launch; its tensorboard scalars go to ``workdir/name/tb``. ``env`` is added to
-    the environment of the launch."""
+    the environment of the launch; ``entry``: the script the ranks run (``launch/pretrain.py``,
+    or a wrapper of it that takes the same flags)."""
     from megatron_ext.training.metrics import read_tensorboard_scalars
 
     out_dir = os.path.join(workdir, name)
     os.makedirs(out_dir, exist_ok=True)
     tb = os.path.join(out_dir, "tb")
-    argv = [PRETRAIN, *flags, "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"]
+    argv = [entry, *flags, "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"]
     returncode, log = launch_ranks(argv, nproc, env, timeout)
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
         f.write(f"({nproc} ranks) {sys.executable} " + " ".join(argv) + "\n" + log)

@@ -1,7 +1,8 @@
-"""Managed STEM tables in one process: a background (prefetch) fetch binds the same rows as a
-synchronous one, and the bound rows and index reproduce ``table[ids]``; the overlapped table step
-(``run_step`` with the next step's first micro-batch read ahead) lets every micro-batch read rows
-with every earlier step applied. On a GPU the rows come from pinned host memory over a side
+"""Managed STEM tables in one process: a fetch started ahead (its rows read on the worker thread)
+binds the same rows as a synchronous one, and the bound rows and index reproduce ``table[ids]``;
+the overlapped table step (the forward step's read-ahead of the next step's first micro-batch,
+whose read the optimizer releases after stepping the rows it needs) lets every micro-batch read
+rows with every earlier step applied. On a GPU the rows come from pinned host memory over a side
 stream (the path CI cannot run); on the CPU the thread path."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ VOCAB = 100
 
 
 class FakeLayer:
-    """The two calls StemTables makes on a StemMLP."""
+    """The calls StemTables makes on a StemMLP."""
 
     def __init__(self, table):
         self.table, self.bound = table, None
@@ -35,13 +36,12 @@ def host_tables(g: torch.Generator):
     drawn tables, the fake layers, StemTables, the device rows go to)."""
     from megatron.core import parallel_state
 
-    from megatron_ext.stem.tables import StemTables, prefetch_process_group
+    from megatron_ext.stem.tables import StemTables
 
     full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
     layers = [FakeLayer(t.clone()) for t in full]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), VOCAB,
-                        parallel_state.get_data_parallel_group(),
-                        prefetch_group=prefetch_process_group())
+                        parallel_state.get_data_parallel_group())
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return full, layers, tables, device
 
@@ -51,9 +51,9 @@ def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
     full, layers, tables, device = host_tables(g)
     ids = torch.randint(0, VOCAB, (2, 16), generator=g).to(device)  # [b, s] as batches come
     with torch.no_grad():
-        tables.prepare(ids)
+        tables.fetch_now(ids)
         sync = [(r.clone(), i.clone()) for r, i in (l.bound for l in layers)]
-        tables.bind(tables.start_prefetch(ids).result(), 0.0)
+        tables.finish_fetch(tables.start_fetch(ids, ahead=True))
     for layer, table, (rows, inverse) in zip(layers, full, sync):
         got_rows, got_inverse = layer.bound
         assert got_rows.device.type == device.type
@@ -67,7 +67,7 @@ def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
 def test_gather_rows_through_pinned_staging(dtype):
     """Rows of several shards, side by side, in the wire dtype: through the reusable pinned buffer
     on a GPU (twice, so the buffer is reused and grown), directly on the CPU."""
-    from megatron_ext.stem.exchange import PinnedStaging, gather_rows
+    from megatron_ext.stem.store import PinnedStaging, gather_rows
 
     g = torch.Generator().manual_seed(1)
     shards = [torch.randn(50, 8, generator=g), torch.randn(50, 3, generator=g)]
@@ -83,10 +83,14 @@ def test_gather_rows_through_pinned_staging(dtype):
 
 
 def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
-    """Two steps of three micro-batches with host shards and prefetch: the step's rows are updated
-    in the background (the rows the next micro-batch reads first, then the rest) while that
-    micro-batch is fetched; every bound row equals a plain table updated by the same rule after
-    every step, and the shards end equal to it."""
+    """Two steps of three micro-batches with host shards and prefetch, through the forward step's
+    read-ahead and the table optimizer's step split (the rows the next step's first micro-batch
+    reads, its read, the rest), with plain SGD as the row rule: every bound row equals a plain
+    table updated by the same rule after every step, and the shards end equal to it."""
+    from megatron_ext.stem.table_optimizer import StemTablesOptimizer
+    from megatron_ext.stem.worker import WORKER
+    from megatron_ext.training.forward_step import TableReadAhead
+
     g = torch.Generator().manual_seed(2)
     full, layers, tables, device = host_tables(g)
     assert tables.overlap
@@ -97,9 +101,22 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
     reader = iter(batches)
     expected = [t.clone() for t in full]
     lr = 0.5
+
+    class SGD:  # the row rule, in RowAdamW's step interface
+        mode = "sparse"
+
+        def begin_step(self, hyper):
+            return None
+
+        def step_rows(self, i, rows, grad, plan):
+            tables.store.shards[i].index_add_(0, rows, grad.to(torch.float32), alpha=-lr)
+
+    optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # only its table step
+    optimizer.mode, optimizer._step_tasks = "sparse", []
+    read_ahead = TableReadAhead(tables)
     for step in range(2):
         for m in range(3):
-            batch = tables.take_batch(lambda: next(reader), 3, read_ahead=step == 0)
+            batch = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
             loss = 0.0
             for layer, want, w in zip(layers, expected, weights):
                 rows, inverse = layer.bound
@@ -111,12 +128,12 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
         grads = [x.cpu() for x in grads]
         for want, x in zip(expected, grads):  # the plain rule: SGD on the touched rows
             want.index_add_(0, tables.owned_ids[local], x, alpha=-lr)
-        tables.run_step([(local, x) for x in grads],
-                        lambda i, rows, x: tables.shards[i].index_add_(0, rows, x, alpha=-lr))
-        # After the first step the next step's first micro-batch is already being fetched.
-        assert (tables.prefetched is not None) == (step == 0)
-    tables.drain()
-    assert tables.stats["optimizer_seconds"] > 0
+        # After the first step the next step's first micro-batch waits for this step.
+        assert (tables.deferred is not None) == (step == 0)
+        optimizer._step_table(tables, SGD(), None, [(local, x) for x in grads], None)
+        assert tables.deferred is None
+    WORKER.wait()
+    assert sum(done.result()[0] for _, done in optimizer._step_tasks) > 0
     assert next(reader) is batches[6]  # read ahead exactly one micro-batch: the step's first
     for shard, want in zip(tables.shards, expected):
         assert torch.equal(shard, want[tables.owned_ids])

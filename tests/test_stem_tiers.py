@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.stem.exchange import gather_rows
+from megatron_ext.stem.store import gather_rows
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.tiers import (

@@ -100,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # the training forward step does (collective over the data-parallel group).
         tables = get_attr_wrapped_model(model_chunk, "stem_tables", allow_none=True)
         if tables is not None:
-            tables.prepare(tokens)
+            tables.fetch_now(tokens)
         # attention_mask None: causal attention (as in training with the default data flags).
         return model_chunk(tokens, position_ids, None), loss_func
 

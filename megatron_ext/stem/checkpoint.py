@@ -27,6 +27,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from megatron_ext.stem.worker import WORKER
+
 MAX_BLOCKS = 64
 
 
@@ -64,21 +66,23 @@ def block_sharded_tensor(key: str, data: torch.Tensor, block: int, vocab: int,
                                            allow_shape_mismatch=True)
 
 
-def gather_blocks(tables, sources: Sequence[torch.Tensor], catch_up: bool
+def gather_blocks(tables, sources: Sequence[torch.Tensor]
                   ) -> List[Tuple[int, List[torch.Tensor]]]:
     """Rows of this rank's checkpoint blocks from ``sources`` (per-shard ``[owned, w]`` tensors of
-    ``tables``, fetched from their owners; ``catch_up``: apply owed decay to table rows first).
-    Collective over the data-parallel group. Returns ``[(block, [rows per source])]``."""
+    ``tables``, read whole after the worker is idle), fetched from their owners. Collective over
+    the data-parallel group. Returns ``[(block, [rows per source])]``."""
+    from megatron_ext.stem.store import gather_rows
+
     blocks = my_blocks(tables.vocab_size, tables.dp_rank, tables.dp_size)
     ids = torch.cat([r for _, r in blocks]) if blocks else torch.empty(0, dtype=torch.long)
-    tables.drain()  # a table step may still run in the background
-    route = tables.exchange.route(ids)
-    if catch_up and tables.read_hook is not None and route.rows_out:
-        served = torch.unique(route.requested)
-        for i in range(len(tables.shards)):
-            tables.read_hook(i, served)
+    WORKER.wait()  # a table step may still run on the worker
+    exchange = tables.exchange
+    route = exchange.route(ids)
+    cpu = torch.device("cpu")
     dtype = sources[0].dtype
-    rows = tables.exchange.fetch(route, [s.to(dtype) for s in sources], torch.device("cpu"))
+    served = gather_rows([s.to(dtype) for s in sources], route.requested,
+                         exchange.serve_device(cpu), dtype)
+    rows = exchange.send_rows(route, served, [s.shape[1] for s in sources], cpu, dtype)
     out, start = [], 0
     for b, r in blocks:
         out.append((b, [x[start: start + r.numel()] for x in rows]))
@@ -101,7 +105,7 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
     values = [torch.cat([loaded[b][k].reshape(-1, widths[k]).double() for b, _ in blocks])
               if blocks else torch.zeros(0, widths[k], dtype=torch.float64)
               for k in range(len(targets))]
-    tables.drain()
+    WORKER.wait()
     route = tables.exchange.route(ids)
     device = tables.exchange.device
     rows, summed = tables.exchange.push(route, [v.to(device) for v in values])
@@ -113,6 +117,116 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
     rows = rows.cpu()
     for column, value in zip(columns, summed):
         column[rows.to(column.device)] = value.to(column.device, column.dtype)
+
+
+# -- the model's tables (StemMLP.sharded_state_dict / _load_from_state_dict) ---------------------
+def table_blocks(tables, index: int) -> List[Tuple[int, torch.Tensor]]:
+    """``[(block, rows)]``: layer ``index``'s rows of this rank's checkpoint blocks, with every
+    update and every owed decay applied. Collective over the data-parallel group."""
+    WORKER.wait()
+    return [(block, rows) for block, (rows,) in gather_blocks(tables, [tables.store.read(index)])]
+
+
+def load_table(tables, index: int, loaded: Dict[int, torch.Tensor]) -> None:
+    """Write this rank's loaded blocks (``{block: rows}``) of layer ``index``'s table into the
+    owners' stores. Collective over the data-parallel group."""
+    WORKER.wait()
+    target = tables.store.read(index)  # the shard itself unless tiered
+    scatter_blocks(tables, {b: [rows] for b, rows in loaded.items()}, [target])
+    tables.store.write(index, target)
+
+
+# -- the tables' optimizer state (StemTablesOptimizer) ---------------------------------------------
+def _optimizer_sources(optimizer):
+    """Per chunk: its tables and, per name, the per-shard tensors saved under that name."""
+    out = []
+    for t, adam in zip(optimizer.tables, optimizer.row_adams):
+        sources = {"exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq}
+        if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
+            sources["fp32_param"] = t.store.shards  # the master copy of a 16-bit model
+        if optimizer.mode == "sparse":
+            sources["stem_row_steps"] = adam.row_steps
+        out.append((t, sources))
+    return out
+
+
+def optimizer_state(optimizer) -> dict:
+    """The tables' moments (and the sparse optimizer's row steps, and the fp32 rows of a 16-bit
+    model) in the table checkpoint's row blocks, keyed ``optimizer.state.<name>.<table key>``,
+    with the mode, the iteration count and the decay product as common state. Needs the model's
+    ``sharded_state_dict`` built first (its blocks' keys). Collective over the data-parallel
+    group."""
+    from megatron_ext.stem.tiers import full_tensor
+
+    # The scalars are common state, which torch_dist saves from global rank 0 alone; that rank
+    # may hold no tables (a pipeline stage, or an interleaved chunk set, without STEM layers), so
+    # every rank gives them: the iteration clock runs on every rank alike.
+    common = {"mode": optimizer.mode, "step_count": optimizer.step_count,
+              "decay_product": optimizer.decay_product, "tensors": {}}
+    if not optimizer.tables:
+        return common
+    optimizer.drain()
+    optimizer.materialize()
+    tensors = {}
+    for t, sources in _optimizer_sources(optimizer):
+        for layer in t.layers:
+            if getattr(layer, "checkpoint_blocks", None) is None:
+                raise RuntimeError("the model's sharded_state_dict must be built before the "
+                                   "STEM table optimizer's")
+        for name in sources:
+            dtype = torch.float64 if name == "stem_row_steps" else torch.float32
+            # Tiered shards are read as one host copy of their two halves (full_tensor).
+            whole = [full_tensor(x).to(dtype) for x in sources[name]]
+            whole = [x.unsqueeze(1) if x.dim() == 1 else x for x in whole]
+            for block, per_layer in gather_blocks(t, whole):
+                for layer, rows in zip(t.layers, per_layer):
+                    model_block = layer.checkpoint_blocks[block]
+                    key = f"optimizer.state.{name}.{model_block.key}"
+                    data = rows[:, 0].clone() if name == "stem_row_steps" else rows
+                    tensors[f"{key}.block{block}"] = block_sharded_tensor(
+                        key, data, block, layer.vocab_size, _prepend_offsets(model_block),
+                        layer.tp_rank, layer.tp_size)
+    common["tensors"] = tensors
+    return common
+
+
+def load_optimizer_state(optimizer, saved: dict) -> None:
+    """Load what ``optimizer_state`` saved into the owners' optimizer state (any DP size,
+    ownership, placement). Collective over the data-parallel group."""
+    from megatron_ext.stem.tiers import full_tensor, write_back
+
+    if not optimizer.tables:
+        return
+    optimizer.drain()
+    if saved.get("mode") != optimizer.mode:
+        raise ValueError(f"the checkpoint's STEM table optimizer is --stem-optimizer "
+                         f"{saved.get('mode')}, this run's is {optimizer.mode}: the moments and "
+                         "step counts mean different things; resume with the same mode or pass "
+                         "--no-load-optim")
+    optimizer.step_count = int(saved["step_count"])
+    tensors = saved["tensors"]
+    for t, sources in _optimizer_sources(optimizer):
+        for name, targets in sources.items():
+            per_block = {}
+            for k, layer in enumerate(t.layers):
+                for block, model_block in layer.checkpoint_blocks.items():
+                    key = f"optimizer.state.{name}.{model_block.key}.block{block}"
+                    per_block.setdefault(block, [None] * len(t.layers))[k] = tensors[key]
+            # Tiered shards load into a host copy, then back into their two halves.
+            whole = [full_tensor(x) for x in targets]
+            scatter_blocks(t, per_block, whole)
+            for x, w in zip(targets, whole):
+                write_back(x, w)
+    if optimizer.mode == "sparse":  # rows were saved with their decay applied
+        for t in optimizer.tables:
+            t.store.decay.reset(float(saved["decay_product"]))
+
+
+def _prepend_offsets(sharded_tensor) -> tuple:
+    """The ``sharded_offsets`` (layer axes prepended by the block) a ShardedTensor was built with."""
+    p = sharded_tensor.prepend_axis_num
+    return tuple((axis, sharded_tensor.global_offset[axis], sharded_tensor.axis_fragmentations[axis])
+                 for axis in range(p))
 
 
 def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],

@@ -1,10 +1,13 @@
-"""Moving STEM table rows between data-parallel ranks: fetch rows from their owners, send row
-gradients back to them. Collectives over one process group (the data-parallel group); every rank
-of the group calls them in the same order with its own ids.
+"""Moving STEM table rows between data-parallel ranks: route ids to their owners, send the rows the
+owners read back to the askers, send row gradients to the owners. Collectives over one process
+group (the data-parallel group); every rank of the group calls them in the same order with its
+own ids, from the training thread (the rows themselves are read from and written to the store,
+``stem/store.py``, by host work that issues no collective).
 
 ``VocabExchange`` (``--stem-table-sharding vocab``): each rank owns the rows a ``RowOwnership``
-gives it. A fetch sends the batch's *deduplicated* ids to their owners (``all_to_all``), the owners
-gather those rows from their shards, and the rows come back the same way: per rank and step this
+gives it. A fetch sends the batch's *deduplicated* ids to their owners (``route``: two small
+``all_to_all``), the owners read those rows from their store, and the rows come back the same way
+(``send_rows``: one ``all_to_all`` for every layer of the chunk): per rank and step this
 moves ``uniq(ids) x width`` values, the STEM paper's Table 1 accounting. Pushing gradients is the
 same route backwards; an owner sums the gradients of a row that several ranks send: this *is* the
 data-parallel reduction of the tables (Megatron's DDP never sees them).
@@ -12,9 +15,8 @@ data-parallel reduction of the tables (Megatron's DDP never sees them).
 ``ReplicatedExchange`` (``replicated``): every rank holds every row; fetches are local and a push
 gathers all ranks' (id, gradient) pairs and sums them, so every rank steps the same rows alike.
 
-Device: the collectives run where the group's backend wants tensors (CUDA for NCCL, CPU for gloo);
-rows gathered from host shards for a GPU are written straight into a reusable pinned buffer
-(``PinnedStaging``) and moved by one asynchronous copy. Rows may travel in the model's 16-bit
+Device: the collectives run where the group's backend wants tensors (CUDA for NCCL, CPU for gloo:
+``serve_device``, where the owners' rows must be put for ``send_rows``). Rows may travel in the model's 16-bit
 dtype (``wire_dtype``): the layers cast them to it anyway, so the values they compute with are the
 same, and the bytes moved are halved.
 """
@@ -28,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.tiers import TieredShard
 
 
 def comm_device(group) -> torch.device:
@@ -43,106 +44,6 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-class PinnedStaging:
-    """A reusable page-locked host buffer for copies between host shards and the GPU (pinned
-    memory is what lets the copy engine move it while kernels run; allocating it is slow, so it
-    is allocated once and grows when a larger batch of rows comes). A view handed out is valid
-    until the next ``view()``, which first waits for the copy that ``record()`` marked."""
-
-    def __init__(self):
-        self._buffer: torch.Tensor | None = None
-        self._event = None
-
-    def view(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        need = numel * dtype.itemsize
-        if self._buffer is None or self._buffer.numel() < need:
-            self._buffer = None
-            self._buffer = torch.empty(need + need // 4 + 4096, dtype=torch.uint8,
-                                       pin_memory=True)
-        return self._buffer[:need].view(dtype)
-
-    def record(self) -> None:
-        """Mark the end of the copy that reads/writes the last view (on the current stream)."""
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream())
-
-    def take_event(self):
-        """The marked copy's event (None if none), handed to whoever will wait for it; the next
-        ``view()`` no longer waits for it: the taker must be done with the buffer first."""
-        event, self._event = self._event, None
-        return event
-
-
-def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
-                chunk: int = 1024) -> None:
-    """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
-    gather (``kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks of rows."""
-    from megatron_ext_kernels import row_adam_cpu
-
-    kernel = row_adam_cpu.load()
-    if kernel is not None and shard.is_contiguous() and shard.dtype == torch.float32:
-        kernel.gather_rows_(shard, index, out)
-        return
-    for start in range(0, index.numel(), chunk):
-        part = index[start: start + chunk]
-        rows = out[start: start + part.numel()]
-        if out.dtype == shard.dtype:
-            torch.index_select(shard, 0, part, out=rows)
-        else:
-            rows.copy_(shard[part])
-
-
-def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: torch.device,
-                dtype: torch.dtype, staging: PinnedStaging | None = None,
-                chunk: int = 1024) -> torch.Tensor:
-    """``cat([shard[index] for shard in shards], dim=1)`` as ``dtype`` on ``device``. From host
-    shards to a GPU the rows are gathered (and cast) straight into ``staging``'s pinned buffer,
-    one block per shard, in chunks of rows (no large temporaries), then moved in one
-    asynchronous copy and laid out side by side on the GPU."""
-    if shards and isinstance(shards[0], TieredShard):
-        return _gather_tiered(shards, index, device, dtype, staging)
-    widths = [s.shape[1] for s in shards]
-    n = index.numel()
-    on_host = all(s.device.type == "cpu" for s in shards)
-    if not (staging is not None and on_host and device.type == "cuda") or n == 0:
-        rows = torch.cat([s[index.to(s.device)] for s in shards], dim=1) if n else \
-            shards[0].new_empty(0, sum(widths))
-        return rows.to(device=device, dtype=dtype)
-    flat = staging.view(n * sum(widths), dtype)
-    index = index.to(torch.long).contiguous()
-    offset = 0
-    for s, w in zip(shards, widths):
-        host_gather(s, index, flat[offset: offset + n * w].view(n, w), chunk)
-        offset += n * w
-    moved = flat.to(device, non_blocking=True)
-    staging.record()
-    parts, offset = [], 0
-    for w in widths:
-        parts.append(moved[offset: offset + n * w].view(n, w))
-        offset += n * w
-    return torch.cat(parts, dim=1)
-
-
-def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
-                   dtype: torch.dtype, staging: PinnedStaging | None) -> torch.Tensor:
-    """``gather_rows`` of tiered shards: the GPU tier's rows are read where they are, the host
-    tier's through the host-shard path (pinned staging to a GPU)."""
-    widths = [s.shape[1] for s in shards]
-    hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
-    out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
-    if hot_pos.numel():
-        hot_dev = shards[0].hot.device
-        rows = torch.cat([s.hot[hot_rows.to(hot_dev)] for s in shards], dim=1)
-        out[hot_pos.to(device)] = rows.to(device, dtype)
-    if cold_pos.numel():
-        out[cold_pos.to(device)] = gather_rows([s.cold for s in shards], cold_rows, device, dtype,
-                                               staging)
-    return out
 
 
 @dataclass
@@ -188,23 +89,26 @@ class VocabExchange:
         local = self.ownership.local_index(requested.cpu())
         return Route(order=order, send_counts=send, recv_counts=recv, requested=local)
 
-    def fetch(self, route: Route, shards: Sequence[torch.Tensor], out_device: torch.device,
-              wire_dtype: torch.dtype | None = None, staging: PinnedStaging | None = None
-              ) -> List[torch.Tensor]:
-        """Rows of ``unique_ids`` (the route's) from every shard: one all-to-all for all layers.
-        Returns ``[len(unique_ids), width]`` fp32 per shard, in ``unique_ids`` order. The rows
-        travel as ``wire_dtype`` (default: the shards' dtype)."""
-        widths = [s.shape[1] for s in shards]
-        wire = wire_dtype or shards[0].dtype
-        served = gather_rows(shards, route.requested, self.device, wire, staging)
-        received = torch.empty(route.rows_in, sum(widths), dtype=wire, device=self.device)
+    def serve_device(self, out_device: torch.device) -> torch.device:
+        """Where the rows an owner serves must be for ``send_rows``: the group's device."""
+        return self.device
+
+    def send_rows(self, route: Route, served: torch.Tensor, widths: Sequence[int],
+                  out_device: torch.device, dtype: torch.dtype = torch.float32
+                  ) -> List[torch.Tensor]:
+        """The rows this rank serves (``served [rows_out, sum(widths)]``: the route's
+        ``requested`` rows of every shard, side by side, on ``serve_device``) go to the ranks that
+        asked; the rows this rank asked for come back (one all-to-all for all layers). Returns
+        ``[len(unique_ids), width]`` per shard, in ``unique_ids`` order, as ``dtype`` on
+        ``out_device``. The rows travel as ``served``'s dtype."""
+        received = torch.empty(route.rows_in, sum(widths), dtype=served.dtype, device=self.device)
         dist.all_to_all_single(received, served.contiguous(),
                                output_split_sizes=route.send_counts,
                                input_split_sizes=route.recv_counts, group=self.group)
         rows = torch.empty_like(received)
         rows[route.order.to(received.device)] = received
-        rows = _to(rows, out_device).to(shards[0].dtype)
-        return list(torch.split(rows, widths, dim=1))
+        rows = _to(rows, out_device).to(dtype)
+        return list(torch.split(rows, list(widths), dim=1))
 
     def push(self, route: Route, grads: Sequence[torch.Tensor]
              ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -237,13 +141,16 @@ class ReplicatedExchange:
         n = ids.numel()
         return Route(order=torch.arange(n), send_counts=[n], recv_counts=[n], requested=ids.cpu())
 
-    def fetch(self, route: Route, shards: Sequence[torch.Tensor], out_device: torch.device,
-              wire_dtype: torch.dtype | None = None, staging: PinnedStaging | None = None
-              ) -> List[torch.Tensor]:
-        widths = [s.shape[1] for s in shards]
-        rows = gather_rows(shards, route.requested, out_device, wire_dtype or shards[0].dtype,
-                           staging).to(shards[0].dtype)
-        return list(torch.split(rows, widths, dim=1))
+    def serve_device(self, out_device: torch.device) -> torch.device:
+        """Every rank serves itself: its rows go straight where the layers want them."""
+        return out_device
+
+    def send_rows(self, route: Route, served: torch.Tensor, widths: Sequence[int],
+                  out_device: torch.device, dtype: torch.dtype = torch.float32
+                  ) -> List[torch.Tensor]:
+        """``served`` are the route's (this rank's own) rows already: no collective."""
+        rows = _to(served, out_device).to(dtype)
+        return list(torch.split(rows, list(widths), dim=1))
 
     def push(self, route: Route, grads: Sequence[torch.Tensor]
              ) -> Tuple[torch.Tensor, List[torch.Tensor]]:

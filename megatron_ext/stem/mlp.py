@@ -37,7 +37,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.stem.config import StemConfig
-from megatron_ext.stem.tiers import write_back
 from megatron_ext_kernels import stem_gate
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
@@ -225,7 +224,7 @@ class StemMLP(MegatronModule):
         bound = self._rows_by_context.get(token_ids.untyped_storage().data_ptr(), self._rows)
         if bound is None or bound[1].shape != token_ids.shape:
             raise RuntimeError("managed STEM table used without rows for this micro-batch: the "
-                               "forward step must call StemTables.prepare(tokens) first")
+                               "forward step must fetch its rows first (StemTables.fetch_now)")
         rows, inverse = bound
         return rows, inverse
 
@@ -271,8 +270,7 @@ class StemMLP(MegatronModule):
 
             owner, index = self._owner()
             self.checkpoint_blocks = {}
-            local, catch_up = owner.checkpoint_rows(index)
-            for block, (rows,) in checkpoint.gather_blocks(owner, [local], catch_up):
+            for block, rows in checkpoint.table_blocks(owner, index):
                 # The checkpoint's dtype is the model's, as for an ordinary table parameter.
                 tensor = checkpoint.block_sharded_tensor(
                     f"{prefix}table", rows.to(self.config.params_dtype), block, self.vocab_size,
@@ -299,10 +297,8 @@ class StemMLP(MegatronModule):
             keys = [k for k in list(state_dict) if k.startswith(marker)]
             if keys:
                 owner, index = self._owner()
-                loaded = {int(k[len(marker):]): [state_dict.pop(k)] for k in keys}
-                target = owner.shard_copy(index)  # the shard itself unless tiered
-                checkpoint.scatter_blocks(owner, loaded, [target])
-                write_back(owner.shards[index], target)
+                checkpoint.load_table(owner, index,
+                                      {int(k[len(marker):]): state_dict.pop(k) for k in keys})
             elif f"{prefix}table" in state_dict:  # a whole table (a non-distributed dict)
                 raise RuntimeError(f"{prefix}table: managed STEM tables load from torch_dist "
                                    "checkpoints only")

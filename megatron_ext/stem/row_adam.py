@@ -83,10 +83,12 @@ class RowAdamW:
     """Optimizer state and step for a list of row shards (one per STEM layer) held by this rank.
 
     ``shards``: fp32 CPU tensors ``[rows, width]``, updated in place. ``step()`` takes, per shard,
-    the local indices of the touched rows (unique) and their gradients.
+    the local indices of the touched rows (unique) and their gradients. ``decay`` (sparse): the
+    ``LazyDecay`` of these shards that whoever reads them settles (default: a private one).
     """
 
-    def __init__(self, shards: Sequence[torch.Tensor], mode: str = "dense", kernel: str = "auto"):
+    def __init__(self, shards: Sequence[torch.Tensor], mode: str = "dense", kernel: str = "auto",
+                 decay: Optional["LazyDecay"] = None):
         if mode not in MODES:
             raise ValueError(f"--stem-optimizer={mode!r}: allowed {', '.join(MODES)}")
         if kernel not in KERNELS:
@@ -121,11 +123,26 @@ class RowAdamW:
         self.step_count = 0  # iterations stepped (dense: every row's step; sparse: the clock)
         if mode == "sparse":
             self.row_steps = [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
-            # Running product of (1 - lr_s wd) over iterations, and its value at each row's last
-            # decay: the row still owes decay_product / row_mark.
-            self.decay_product = 1.0
-            self.row_marks = [torch.ones(s.shape[0], dtype=torch.float64) for s in self.shards]
+            # The decay rows owe: the store of the rows may hold it (``stem/store.py``: its row
+            # reads settle it), else this optimizer keeps its own.
+            if decay is not None and [d.shape for d in decay.shards] != \
+                    [s.shape for s in self.shards]:
+                raise ValueError("the owed-decay state is for other shards")
+            self.decay = decay if decay is not None else LazyDecay(self.shards)
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
+
+    @property
+    def decay_product(self) -> float:
+        """Sparse: the running product of ``(1 - lr_s wd)`` over the iterations stepped."""
+        return self.decay.clock.product
+
+    @decay_product.setter
+    def decay_product(self, value: float) -> None:
+        self.decay.clock.product = value
+
+    @property
+    def row_marks(self) -> List[torch.Tensor]:
+        return self.decay.marks
 
     @property
     def kernel(self) -> str:
@@ -232,29 +249,78 @@ class RowAdamW:
         """Sparse mode: apply the decay rows of shard ``i`` missed since their last update
         (iterations they were not touched), up to the running ``product`` (default: now).
         Called before rows are read or stepped."""
-        if self.mode != "sparse":
-            return
-        product = self.decay_product if product is None else product
-        rows = rows.cpu()  # row_marks lives on the host, whatever the shard's device
-        owed = product / self.row_marks[i][rows]
-        pending = owed != 1.0
-        if bool(pending.any()):
-            late = rows[pending]
-            shard = self.shards[i]
-            if self.rowwise is not None:  # in place; the same fp32 products as below
-                self.rowwise.scale_rows_(shard, late.to(torch.long).contiguous(),
-                                         owed[pending].contiguous())
-            else:
-                shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
-            self.row_marks[i][late] = product
+        if self.mode == "sparse":
+            self.decay.settle(i, rows, product)
 
     def materialize(self) -> None:
         """Sparse mode: apply every row's outstanding decay, so the shards hold the values AdamW
         would (before saving or reading them whole)."""
-        if self.mode != "sparse":
+        if self.mode == "sparse":
+            self.decay.settle_all()
+
+
+class DecayClock:
+    """The running product of ``(1 - lr_s wd)`` over the iterations a sparse AdamW stepped."""
+
+    def __init__(self, product: float = 1.0):
+        self.product = product
+
+
+class LazyDecay:
+    """The decoupled weight decay that rows of ``shards`` owe (sparse AdamW): a row last decayed
+    when the clock stood at ``marks[i][row]`` still owes ``clock.product / mark``; ``settle``
+    applies it in place. Every read of a row's value settles it first (the rows' store does, for
+    fetches and checkpoints), and the sparse step settles and re-marks the rows it steps, so the
+    values anyone sees are those of decaying every row at every iteration. With the clock never
+    moved (the dense optimizer) nothing is owed and ``settle`` returns at once."""
+
+    def __init__(self, shards: Sequence[torch.Tensor], clock: Optional[DecayClock] = None,
+                 marks: Optional[List[torch.Tensor]] = None):
+        self.shards = list(shards)
+        self.clock = clock if clock is not None else DecayClock()
+        self.marks = marks if marks is not None else \
+            [torch.ones(s.shape[0], dtype=torch.float64) for s in self.shards]
+        self._kernel = None
+
+    def settle(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
+        """Apply the decay rows ``rows`` (local indices) of shard ``i`` owe, up to ``product``
+        (default: the clock's)."""
+        product = self.clock.product if product is None else product
+        if product == 1.0 or rows.numel() == 0:  # never decayed: nothing owed
             return
+        rows = rows.cpu()  # the marks live on the host, whatever the shard's device
+        owed = product / self.marks[i][rows]
+        pending = owed != 1.0
+        if bool(pending.any()):
+            late = rows[pending]
+            shard = self.shards[i]
+            kernel = self._row_kernel(shard)
+            if kernel is not None:  # in place; the same fp32 products as below
+                kernel.scale_rows_(shard, late.to(torch.long).contiguous(),
+                                   owed[pending].contiguous())
+            else:
+                shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
+            self.marks[i][late] = product
+
+    def settle_all(self) -> None:
         for i, shard in enumerate(self.shards):
-            self.catch_up(i, torch.arange(shard.shape[0]))
+            self.settle(i, torch.arange(shard.shape[0]))
+
+    def reset(self, product: float) -> None:
+        """Every row holds its value at clock ``product`` (a checkpoint load)."""
+        self.clock.product = product
+        for marks in self.marks:
+            marks.fill_(product)
+
+    def _row_kernel(self, shard: torch.Tensor):
+        if shard.device.type != "cpu" or shard.dtype != torch.float32 or \
+                not shard.is_contiguous():
+            return None
+        if self._kernel is None:
+            from megatron_ext_kernels import row_adam_cpu
+
+            self._kernel = row_adam_cpu.load() or False
+        return self._kernel or None
 
 
 def _torch_adamw(p, g, m, v, hyper: AdamHyper, steps: torch.Tensor) -> None:

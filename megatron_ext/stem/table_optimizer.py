@@ -11,19 +11,21 @@ built them; this class adds the tables to each step:
   the model's, so clipping uses one global norm;
 * ``step_with_ready_grads``: table gradients are clipped with the coefficient Megatron's
   ``clip_grad_by_total_norm_fp32`` applies to the parameters, then the rows step with
-  ``RowAdamW`` (``--stem-optimizer dense|sparse``) using the learning rate and weight decay that
-  Megatron's scheduler set on the default parameter group, and the optimizer's betas and eps.
-  Host shards with prefetch step in the background, overlapping the next training step
-  (``StemTables.run_step``); every read of the rows waits for the step of those rows.
+  ``RowAdamW`` (``--stem-optimizer dense|sparse``, one per chunk's store) using the learning rate
+  and weight decay that Megatron's scheduler set on the default parameter group, and the
+  optimizer's betas and eps. Host rows with prefetch step on the worker thread
+  (``stem/worker.py``), overlapping the next training step: first the rows the next step's first
+  micro-batch reads, then that micro-batch's read is released (``StemTables.release``), then the
+  other rows. Every later read of the rows is queued behind the step, so it sees it.
 
-``install()`` wraps ``megatron.training.training.get_megatron_optimizer`` so ``pretrain`` builds
-this optimizer whenever the model has managed tables.
+Checkpoint state (the tables' moments, step counts, fp32 rows) is laid out by
+``stem/checkpoint.py``. ``install()`` wraps ``megatron.training.training.get_megatron_optimizer``
+so ``pretrain`` builds this optimizer whenever the model has managed tables.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import List, Optional, Tuple
 
@@ -32,9 +34,11 @@ import torch.distributed as dist
 
 from megatron.core.optimizer import ChainedOptimizer
 
-from megatron_ext.stem.exchange import PinnedStaging, comm_device
+from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-from megatron_ext.stem.tiers import TieredRowAdamW, full_tensor, write_back
+from megatron_ext.stem.store import PinnedStaging
+from megatron_ext.stem.tiers import TieredRowAdamW
+from megatron_ext.stem.worker import WORKER
 
 
 class StemTablesOptimizer(ChainedOptimizer):
@@ -43,28 +47,61 @@ class StemTablesOptimizer(ChainedOptimizer):
             else [inner]
         super().__init__(chained)
         self.tables = tables
-        self.shards = [s for t in tables for s in t.shards]
+        self.mode = mode
+        self.shards = [s for t in tables for s in t.store.shards]
         self.tiered = any(t.tiered for t in tables)
-        self.row_adam = TieredRowAdamW(self.shards, mode=mode) if self.tiered else \
-            RowAdamW(self.shards, mode=mode)
-        offset = 0
-        for t in tables:
-            if mode == "sparse":
-                t.read_hook = (lambda base: (lambda i, rows: self.row_adam.catch_up(
-                    base + i, rows)))(offset)
-            offset += len(t.shards)
+        # One row optimizer per chunk, over its store's shards and owed-decay state; all advance
+        # the same clocks at every step.
+        decay = (lambda t: t.store.decay) if mode == "sparse" else (lambda t: None)
+        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, decay=decay(t)) if t.tiered
+                          else RowAdamW(t.store.shards, mode=mode, decay=decay(t))
+                          for t in tables]
         self.dp_size = tables[0].dp_size if tables else 1
         self.replicated = bool(tables) and tables[0].ownership is None
         self._grads: Optional[list] = None
         self._total_norm: Optional[float] = None
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
         self._staging = PinnedStaging()
+        self._step_tasks = []  # (table, future of (seconds, seconds before its read)), not waited
+        self._step_count = 0   # iterations stepped (every rank, with tables or not)
+
+    @property
+    def step_count(self) -> int:
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step_count = value
+        for adam in self.row_adams:
+            adam.step_count = value
+
+    @property
+    def decay_product(self) -> float:
+        return self.row_adams[0].decay_product if self.row_adams and self.mode == "sparse" \
+            else 1.0
+
+    @property
+    def kernel(self) -> str:
+        return self.row_adams[0].kernel if self.row_adams else "none"
+
+    def materialize(self) -> None:
+        """Sparse: apply every row's owed decay (before the rows are read whole)."""
+        for adam in self.row_adams:
+            adam.materialize()
 
     def drain(self) -> None:
-        """Wait for the tables' background work (the last step's rows): before their state is
-        read whole (checkpoints, dumps) or the gradient staging buffer is reused."""
-        for t in self.tables:
-            t.stats["optimizer_seconds_exposed"] += t.drain()
+        """Wait for the tables' host work (the last step's rows, reads queued behind it): before
+        their state is read whole (checkpoints, dumps) or the gradient staging buffer is reused.
+        The waited time counts as exposed optimizer time; the background steps' own times are
+        counted now, with the iteration they overlapped."""
+        waited = WORKER.wait()
+        for t in self.tables[:1]:
+            t.stats["optimizer_seconds_exposed"] += waited
+        for t, done in self._step_tasks:
+            took, before_read = done.result()
+            t.stats["optimizer_seconds"] += took
+            t.stats["optimizer_seconds_before_fetch"] += before_read
+        self._step_tasks.clear()
 
     # -- gradients -----------------------------------------------------------------------------
     def prepare_grads(self) -> bool:
@@ -76,14 +113,14 @@ class StemTablesOptimizer(ChainedOptimizer):
             rows, per_layer = t.collect_grads()
             # The gradients stay where the exchange left them (the GPU under NCCL) for scaling,
             # the finiteness check, the norm and clipping; they go to host shards at the step.
-            grads += [(rows, g) for g in per_layer]
+            grads.append([(rows, g) for g in per_layer])
         scale = 1.0 / self.dp_size
         loss_scale = self.get_loss_scale()
         if loss_scale is not None:
             scale = scale / float(loss_scale.item() if torch.is_tensor(loss_scale) else loss_scale)
         device = comm_device(dist.group.WORLD)
         flag = torch.zeros(1, device=device)
-        for _, g in grads:
+        for _, g in (x for per_table in grads for x in per_table):
             g.mul_(scale)
             flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().to(device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -91,11 +128,14 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.grad_seconds = time.perf_counter() - start
         return found_inf or bool(flag.item() > 0)
 
+    def _all_grads(self):
+        return [x for per_table in self._grads or [] for x in per_table]
+
     @torch.no_grad()
     def table_grad_norm_sq(self) -> float:
         device = comm_device(dist.group.WORLD)
         local = torch.zeros(1, dtype=torch.float64, device=device)
-        for _, g in self._grads or []:
+        for _, g in self._all_grads():
             local += (g.double() ** 2).sum().to(device)
         if self.replicated:
             local /= self.dp_size  # every data-parallel rank holds the same summed gradients
@@ -123,28 +163,36 @@ class StemTablesOptimizer(ChainedOptimizer):
                          weight_decay=float(group["weight_decay"]))
 
     def _grads_to_shards(self) -> Tuple[list, object]:
-        """The step's row gradients on their shards' device, and the event that marks their
-        arrival there (None: they are there). GPU gradients for host shards are copied, all in
-        one pass, into a reusable pinned buffer; the copies are queued before the model's
-        optimizer step so they are not stuck behind it."""
+        """The step's row gradients (per table) on their shards' device, and the event that
+        marks their arrival there (None: they are there). GPU gradients for host shards are
+        copied, all in one pass, into a reusable pinned buffer; the copies are queued before the
+        model's optimizer step so they are not stuck behind it."""
         if self.tiered:  # each tier takes its rows' gradients where it steps them
-            return [(rows.cpu(), g) for rows, g in self._grads], None
-        moves = [(i, g) for i, ((_, g), s) in enumerate(zip(self._grads, self.shards))
+            return [[(rows.cpu(), g) for rows, g in per] for per in self._grads], None
+        pairs = self._all_grads()
+        moves = [(i, g) for i, ((_, g), s) in enumerate(zip(pairs, self.shards))
                  if g.device != s.device]
-        out = [(rows.to(s.device), g) for (rows, g), s in zip(self._grads, self.shards)]
-        if not moves:
-            return out, None
-        if moves[0][1].device.type != "cuda" or any(s.device.type != "cpu" for s in self.shards):
-            return [(rows, g.to(s.device)) for (rows, g), s in zip(out, self.shards)], None
-        flat = self._staging.view(sum(g.numel() for _, g in moves), torch.float32)
-        offset = 0
-        for i, g in moves:
-            view = flat[offset: offset + g.numel()].view(g.shape)
-            view.copy_(g, non_blocking=True)
-            out[i] = (out[i][0], view)
-            offset += g.numel()
-        self._staging.record()
-        return out, self._staging.take_event()
+        out = [(rows.to(s.device), g) for (rows, g), s in zip(pairs, self.shards)]
+        if moves and (moves[0][1].device.type != "cuda" or
+                      any(s.device.type != "cpu" for s in self.shards)):
+            out = [(rows, g.to(s.device)) for (rows, g), s in zip(out, self.shards)]
+            moves = []
+        arrived = None
+        if moves:
+            flat = self._staging.view(sum(g.numel() for _, g in moves), torch.float32)
+            offset = 0
+            for i, g in moves:
+                view = flat[offset: offset + g.numel()].view(g.shape)
+                view.copy_(g, non_blocking=True)
+                out[i] = (out[i][0], view)
+                offset += g.numel()
+            self._staging.record()
+            arrived = self._staging.take_event()
+        per_table, base = [], 0
+        for t in self.tables:
+            per_table.append(out[base: base + len(t.store.shards)])
+            base += len(t.store.shards)
+        return per_table, arrived
 
     def step_with_ready_grads(self) -> bool:
         if self._grads is None:
@@ -153,79 +201,66 @@ class StemTablesOptimizer(ChainedOptimizer):
         if clip > 0.0 and self._total_norm is not None:
             coeff = clip / (self._total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
             if coeff < 1.0:
-                for _, g in self._grads:
+                for _, g in self._all_grads():
                     g.mul_(coeff)
         grads, arrived = self._grads_to_shards()
         # The model's step is queued on the GPU and runs while the CPU steps the rows.
         success = super().step_with_ready_grads()
-        plan = self.row_adam.begin_step(self._hyper())
-        split = self.row_adam.mode == "sparse"
-        base = 0
-        for t in self.tables:
-            n = len(t.shards)
-            t.run_step(grads[base: base + n],
-                       (lambda b: lambda i, rows, g: self.row_adam.step_rows(b + i, rows, g,
-                                                                             plan))(base),
-                       ready=arrived, split=split)
-            base += n
+        hyper = self._hyper()
+        self._step_count += 1
+        for t, adam, table_grads in zip(self.tables, self.row_adams, grads):
+            self._step_table(t, adam, adam.begin_step(hyper), table_grads, arrived)
         self._grads = None
         return success
 
+    def _step_table(self, t, adam, plan, grads, arrived) -> None:
+        """Step one chunk's rows. Without a deferred read (no overlap), here and now. With one,
+        on the worker: the rows that read needs, then the read is released, then (sparse) the
+        other rows; dense steps every row in one pass, so its whole step precedes the read."""
+        split = self.mode == "sparse"
 
-    # -- checkpoints (stem/checkpoint.py) -------------------------------------------------------
-    def _layer_sources(self):
-        """Per chunk: its layers and, per name, the per-shard tensors saved under that name."""
-        out, base = [], 0
-        for t in self.tables:
-            n = len(t.shards)
-            sources = {"exp_avg": self.row_adam.exp_avg[base: base + n],
-                       "exp_avg_sq": self.row_adam.exp_avg_sq[base: base + n]}
-            if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
-                sources["fp32_param"] = t.shards  # the master copy of a 16-bit model
-            if self.row_adam.mode == "sparse":
-                sources["stem_row_steps"] = self.row_adam.row_steps[base: base + n]
-            out.append((t, sources))
-            base += n
-        return out
+        def step(masks=None):
+            start = time.perf_counter()
+            if arrived is not None:  # the gradients are read only after their copy landed
+                arrived.synchronize()
+            for i, (rows, grad) in enumerate(grads):
+                if masks is not None:
+                    keep = torch.nonzero(masks[i]).squeeze(1)
+                    rows, grad = rows[keep], grad.index_select(0, keep.to(grad.device))
+                if rows.numel() or not split:
+                    adam.step_rows(i, rows, grad, plan)
+            return time.perf_counter() - start
 
+        fetch = t.deferred
+        if fetch is None:
+            t.stats["optimizer_seconds_exposed"] += WORKER.wait()
+            took = step()
+            t.stats["optimizer_seconds"] += took
+            t.stats["optimizer_seconds_exposed"] += took
+            return
+        reads = None
+        if split:  # the rows the deferred micro-batch reads, per shard
+            served = torch.unique(fetch.route.requested)
+            reads = [torch.isin(rows, served) for rows, _ in grads]
+
+        def first():
+            took = step(reads)
+            return took, took
+
+        self._step_tasks.append((t, WORKER.submit(first)))
+        t.release(fetch)
+        if split:
+            rest = [~r for r in reads]
+            self._step_tasks.append((t, WORKER.submit(lambda: (step(rest), 0.0))))
+
+    # -- checkpoints ---------------------------------------------------------------------------
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Megatron's optimizer state, plus the tables' moments (and the sparse optimizer's row
-        steps, and the fp32 rows of a 16-bit model) in the table checkpoint's row blocks, keyed
-        ``optimizer.state.<name>.<table key>``. Collective over the data-parallel group."""
+        """Megatron's optimizer state, plus the tables' (``stem/checkpoint.py``). Collective over
+        the data-parallel group."""
         from megatron_ext.stem import checkpoint
 
         inner = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        # The scalars are common state, which torch_dist saves from global rank 0 alone; that rank
-        # may hold no tables (a pipeline stage, or an interleaved chunk set, without STEM layers),
-        # so every rank gives them: the iteration clock runs on every rank alike.
-        common = {"mode": self.row_adam.mode, "step_count": self.row_adam.step_count,
-                  "decay_product": getattr(self.row_adam, "decay_product", 1.0), "tensors": {}}
-        if not self.tables:
-            return {"model_optim": inner, "stem_tables": common}
-        self.drain()
-        self.row_adam.materialize()
-        tensors = {}
-        for t, sources in self._layer_sources():
-            for layer in t.layers:
-                if getattr(layer, "checkpoint_blocks", None) is None:
-                    raise RuntimeError("the model's sharded_state_dict must be built before the "
-                                       "STEM table optimizer's")
-            for name in sources:
-                dtype = torch.float64 if name == "stem_row_steps" else torch.float32
-                # Tiered shards are read as one host copy of their two halves (full_tensor).
-                whole = [full_tensor(x).to(dtype) for x in sources[name]]
-                whole = [x.unsqueeze(1) if x.dim() == 1 else x for x in whole]
-                gathered = checkpoint.gather_blocks(t, whole, catch_up=False)
-                for block, per_layer in gathered:
-                    for layer, rows in zip(t.layers, per_layer):
-                        model_block = layer.checkpoint_blocks[block]
-                        key = f"optimizer.state.{name}.{model_block.key}"
-                        data = rows[:, 0].clone() if name == "stem_row_steps" else rows
-                        tensors[f"{key}.block{block}"] = checkpoint.block_sharded_tensor(
-                            key, data, block, layer.vocab_size, _prepend_offsets(model_block),
-                            layer.tp_rank, layer.tp_size)
-        common["tensors"] = tensors
-        return {"model_optim": inner, "stem_tables": common}
+        return {"model_optim": inner, "stem_tables": checkpoint.optimizer_state(self)}
 
     def load_state_dict(self, state_dict):
         from megatron_ext.stem import checkpoint
@@ -234,40 +269,7 @@ class StemTablesOptimizer(ChainedOptimizer):
             raise RuntimeError("this optimizer state has no STEM table state (saved by a run with "
                                "ordinary STEM tables?): load it with --no-load-optim")
         super().load_state_dict(state_dict["model_optim"])
-        saved = state_dict["stem_tables"]
-        if not self.tables:
-            return
-        self.drain()
-        if saved.get("mode") != self.row_adam.mode:
-            raise ValueError(f"the checkpoint's STEM table optimizer is --stem-optimizer "
-                             f"{saved.get('mode')}, this run's is {self.row_adam.mode}: the "
-                             "moments and step counts mean different things; resume with the "
-                             "same mode or pass --no-load-optim")
-        self.row_adam.step_count = int(saved["step_count"])
-        tensors = saved["tensors"]
-        for t, sources in self._layer_sources():
-            for name, targets in sources.items():
-                per_block = {}
-                for k, layer in enumerate(t.layers):
-                    for block, model_block in layer.checkpoint_blocks.items():
-                        key = f"optimizer.state.{name}.{model_block.key}.block{block}"
-                        per_block.setdefault(block, [None] * len(t.layers))[k] = tensors[key]
-                # Tiered shards load into a host copy, then back into their two halves.
-                whole = [full_tensor(x) for x in targets]
-                checkpoint.scatter_blocks(t, per_block, whole)
-                for x, w in zip(targets, whole):
-                    write_back(x, w)
-        if self.row_adam.mode == "sparse":
-            self.row_adam.decay_product = float(saved["decay_product"])
-            for marks in self.row_adam.row_marks:
-                marks.fill_(self.row_adam.decay_product)
-
-
-def _prepend_offsets(sharded_tensor) -> tuple:
-    """The ``sharded_offsets`` (layer axes prepended by the block) a ShardedTensor was built with."""
-    p = sharded_tensor.prepend_axis_num
-    return tuple((axis, sharded_tensor.global_offset[axis], sharded_tensor.axis_fragmentations[axis])
-                 for axis in range(p))
+        checkpoint.load_optimizer_state(self, state_dict["stem_tables"])
 
 
 _ACTIVE: List[StemTablesOptimizer] = []
@@ -283,11 +285,10 @@ def dump_tables(directory: str) -> None:
 
     for optimizer in _ACTIVE:
         optimizer.drain()
-        optimizer.row_adam.materialize()
         payload = {"chunks": [{
             "layers": [layer.layer_number for layer in t.layers],
             "ids": t.owned_ids.clone(),
-            "rows": [t.shard_copy(i).detach().cpu().clone() for i in range(len(t.shards))]}
+            "rows": [t.store.read(i).detach().cpu().clone() for i in range(len(t.shards))]}
             for t in optimizer.tables]}
         os.makedirs(directory, exist_ok=True)
         name = (f"tables_tp{ps.get_tensor_model_parallel_rank()}_pp"
@@ -349,7 +350,7 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     from megatron_ext_kernels import row_adam_cpu
 
     cores = row_adam_cpu.affinity_cores()  # the CPU optimizer's threads share them
-    threads = row_adam_cpu.threads() if optimizer.row_adam.kernel == "rowwise" else \
+    threads = row_adam_cpu.threads() if optimizer.kernel == "rowwise" else \
         torch.get_num_threads()
     tier = ""
     if optimizer.tiered:
@@ -361,7 +362,7 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows{tier}; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
             f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
-            f"{optimizer.row_adam.mode} ({optimizer.row_adam.kernel} kernel, {threads} CPU "
+            f"{optimizer.mode} ({optimizer.kernel} kernel, {threads} CPU "
             f"threads, {cores} cores in this process's affinity mask; row gathers "
             f"{row_adam_cpu.threads()} threads)")
 

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, StepPlan
+from megatron_ext.stem.row_adam import AdamHyper, DecayClock, LazyDecay, RowAdamW, StepPlan
 
 
 class TieredOwnership:
@@ -119,16 +119,52 @@ class TieredShard:
         return hot_pos, rows[hot_pos], cold_pos, rows[cold_pos] - self.num_hot
 
 
+class TieredDecay:
+    """``LazyDecay`` of tiered shards: one clock, the marks of all owned rows (host, local order),
+    viewed as the marks of each tier (``hot``, ``cold``: what each tier's optimizer uses)."""
+
+    def __init__(self, shards: Sequence[TieredShard]):
+        self.shards = list(shards)
+        self.clock = DecayClock()
+        self.marks = [torch.ones(s.shape[0], dtype=torch.float64) for s in self.shards]
+        self.hot = LazyDecay([s.hot for s in self.shards], self.clock,
+                             [m[: s.num_hot] for m, s in zip(self.marks, self.shards)])
+        self.cold = LazyDecay([s.cold for s in self.shards], self.clock,
+                              [m[s.num_hot:] for m, s in zip(self.marks, self.shards)])
+
+    def settle(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
+        if (self.clock.product if product is None else product) == 1.0 or rows.numel() == 0:
+            return
+        _, hot_rows, _, cold_rows = self.shards[i].split(rows)
+        self.hot.settle(i, hot_rows, product)
+        self.cold.settle(i, cold_rows, product)
+
+    def settle_all(self) -> None:
+        self.hot.settle_all()
+        self.cold.settle_all()
+
+    def reset(self, product: float) -> None:
+        self.clock.product = product
+        for marks in self.marks:
+            marks.fill_(product)
+
+
 class TieredRowAdamW:
     """``RowAdamW``'s interface over tiered shards: one ``RowAdamW`` for the GPU tier (torch
     kernel, on the model's device) and one for the host tier (CPU kernels), advanced together
-    (the same iteration clock, learning rate and decay product), each stepping its own rows."""
+    (one iteration clock and decay clock, the same learning rate), each stepping its own rows.
+    ``decay`` (sparse): the shards' ``TieredDecay`` (default: a private one)."""
 
-    def __init__(self, shards: Sequence[TieredShard], mode: str = "dense"):
+    def __init__(self, shards: Sequence[TieredShard], mode: str = "dense",
+                 decay: Optional[TieredDecay] = None):
         self.shards = list(shards)
         self.mode = mode
-        self.hot = RowAdamW([s.hot for s in self.shards], mode=mode)
-        self.cold = RowAdamW([s.cold for s in self.shards], mode=mode)
+        self.decay = decay if decay is not None else TieredDecay(self.shards)
+        sparse = mode == "sparse"
+        self.hot = RowAdamW([s.hot for s in self.shards], mode=mode,
+                            decay=self.decay.hot if sparse else None)
+        self.cold = RowAdamW([s.cold for s in self.shards], mode=mode,
+                             decay=self.decay.cold if sparse else None)
 
     @property
     def kernel(self) -> str:
@@ -144,11 +180,11 @@ class TieredRowAdamW:
 
     @property
     def decay_product(self) -> float:
-        return self.hot.decay_product
+        return self.decay.clock.product
 
     @decay_product.setter
     def decay_product(self, value: float) -> None:
-        self.hot.decay_product = self.cold.decay_product = value
+        self.decay.clock.product = value
 
     def _pair(self, name: str) -> List[TieredShard]:
         return [TieredShard(h, c) for h, c in zip(getattr(self.hot, name),
@@ -167,13 +203,12 @@ class TieredRowAdamW:
         return self._pair("row_steps")
 
     @property
-    def row_marks(self) -> List[TieredShard]:
-        return self._pair("row_marks")
+    def row_marks(self) -> List[torch.Tensor]:
+        return self.decay.marks
 
     def begin_step(self, hyper: AdamHyper) -> StepPlan:
-        plan = self.hot.begin_step(hyper)
-        if self.cold.begin_step(hyper) != plan:  # the same arithmetic on the same numbers
-            raise RuntimeError("tiered STEM optimizer: the tiers' iteration clocks diverged")
+        plan = self.hot.begin_step(hyper)  # moves the shared decay clock once
+        self.cold.step_count = plan.step
         return plan
 
     def step_rows(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
@@ -194,17 +229,12 @@ class TieredRowAdamW:
                               plan)
 
     def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
-        if self.mode != "sparse":
-            return
-        _, hot_rows, _, cold_rows = self.shards[i].split(rows)
-        if hot_rows.numel():
-            self.hot.catch_up(i, hot_rows, product)
-        if cold_rows.numel():
-            self.cold.catch_up(i, cold_rows, product)
+        if self.mode == "sparse":
+            self.decay.settle(i, rows, product)
 
     def materialize(self) -> None:
-        self.hot.materialize()
-        self.cold.materialize()
+        if self.mode == "sparse":
+            self.decay.settle_all()
 
 
 def write_back(x, whole: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
+from typing import Callable, Optional
 
 import torch
 
@@ -23,6 +25,62 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
+class TableReadAhead:
+    """The data read-ahead of one model chunk with managed STEM tables (``stem/tables.py``).
+
+    While training, with ``--stem-prefetch``: when micro-batch ``m`` of a step is taken, ``m + 1``
+    is read from the data iterator and its rows' fetch started, so the owners read them while
+    ``m`` computes. At the step's last micro-batch, if another step follows (``next_step``) and
+    the tables step on the host (``tables.overlap``), the next step's first micro-batch is read
+    and routed now and its rows are read after the table step (``after_step``). Read-ahead never
+    crosses an optimizer step otherwise. Evaluation fetches synchronously and leaves what was
+    read ahead for training."""
+
+    def __init__(self, tables):
+        self.tables = tables
+        self.next: Optional[tuple] = None  # (batch, Fetch) read ahead
+        self.microbatch = 0  # training micro-batches taken in this step
+
+    def take(self, read_batch: Callable[[], tuple], num_microbatches: int,
+             next_step: bool) -> tuple:
+        """The micro-batch to run now (``read_batch()``'s tuple, tokens first), its rows bound to
+        the chunk's STEM layers. Collective over the data-parallel group."""
+        tables = self.tables
+        training = torch.is_grad_enabled()
+        if training and self.next is not None:
+            batch, fetch = self.next
+            self.next = None
+            tables.finish_fetch(fetch)
+        else:
+            batch = read_batch()
+            tables.fetch_now(batch[0])
+        if not training:
+            return batch
+        self.microbatch += 1
+        if self.microbatch < num_microbatches:
+            if tables.prefetch:
+                upcoming = read_batch()
+                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True))
+        else:
+            self.microbatch = 0
+            if tables.overlap and next_step:
+                upcoming = read_batch()
+                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True,
+                                                          after_step=True))
+        return batch
+
+
+_READ_AHEAD = weakref.WeakKeyDictionary()
+
+
+def read_ahead_of(tables) -> TableReadAhead:
+    """The read-ahead of the chunk whose tables are ``tables`` (made on first use)."""
+    state = _READ_AHEAD.get(tables)
+    if state is None:
+        state = _READ_AHEAD[tables] = TableReadAhead(tables)
+    return state
+
+
 def forward_step(data_iterator, model):
     args = get_args()
     timers = get_timers()
@@ -36,14 +94,14 @@ def forward_step(data_iterator, model):
         return get_batch(data_iterator, args, vp_stage, token_layers_here)
 
     # Managed STEM tables: the batch comes with its rows bound (and, with prefetch, the next
-    # micro-batch's rows being fetched in the background). The last micro-batch of a step may
-    # read the next step's first one (the overlapped table step) when a next step will run here:
+    # micro-batch read and its rows' fetch started). The last micro-batch of a step may read the
+    # next step's first one (the overlapped table step) when a next step will run here:
     # ``curr_iteration`` is the number of steps done before this one.
     if tables is not None:
         upcoming = args.curr_iteration + 1
-        read_ahead = upcoming < args.train_iters and not (
+        next_step = upcoming < args.train_iters and not (
             args.exit_interval and upcoming % args.exit_interval == 0)
-        batch = tables.take_batch(read_batch, get_num_microbatches(), read_ahead=read_ahead)
+        batch = read_ahead_of(tables).take(read_batch, get_num_microbatches(), next_step)
     else:
         batch = read_batch()
     tokens, labels, loss_mask, attention_mask, position_ids = batch

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_ext.stem.exchange import ReplicatedExchange, VocabExchange
 from megatron_ext.stem.ownership import SCHEMES, RowOwnership
+from megatron_ext.stem.store import gather_rows
 
 VOCAB, WIDTHS = 37, (5, 3)
 
@@ -39,7 +40,9 @@ def main() -> None:
                 shards = [t[owned].clone() for t in tables]
             unique = torch.unique(batch_ids(rank, step))
             route = ex.route(unique)
-            rows = ex.fetch(route, shards, torch.device("cpu"))
+            cpu = torch.device("cpu")
+            served = gather_rows(shards, route.requested, ex.serve_device(cpu), torch.float32)
+            rows = ex.send_rows(route, served, WIDTHS, cpu)
             for t, r in zip(tables, rows):
                 if not torch.equal(r, t[unique]):
                     sys.exit(f"{scheme} step {step} rank {rank}: fetched rows differ")

@@ -1,0 +1,56 @@
+"""The layer side of managed STEM tables: a micro-batch's rows handed to the STEM layers of a
+chunk, and the row gradients taken back from them.
+
+Each layer gets a leaf tensor ``rows [n_unique, F/tp]`` (requires grad while training) and the
+inverse index ``[s, b]``; its lookup is ``rows[inverse]``, so autograd leaves the row gradients,
+already deduplicated per micro-batch, in ``rows.grad``. ``collect`` sums them per id over the
+step's micro-batches: what the exchange pushes to the owners (``stem/exchange.py``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+
+class RowBinding:
+    def __init__(self, layers: Sequence):
+        self.layers = list(layers)
+        self._pending: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
+
+    def bind(self, unique_ids: torch.Tensor, rows: Sequence[torch.Tensor],
+             inverse: torch.Tensor) -> None:
+        """Give each layer its rows (``unique_ids`` order) and the index of each token into them;
+        while training, keep the leaves for ``collect``."""
+        grad = torch.is_grad_enabled()
+        leaves = [r.detach().requires_grad_(grad) for r in rows]
+        for layer, leaf in zip(self.layers, leaves):
+            layer.bind_rows(leaf, inverse)
+        if grad:
+            self._pending.append((unique_ids, leaves))
+
+    def collect(self, widths: Sequence[int], device: torch.device
+                ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The ids the step's micro-batches read (unique, on the host) and, per layer, their row
+        gradients summed over the micro-batches (fp32; zeros where a layer got none). The layers
+        forget their rows."""
+        if self._pending:
+            ids = torch.cat([u for u, _ in self._pending])
+            grads = []
+            for i, width in enumerate(widths):
+                parts = [leaves[i].grad if leaves[i].grad is not None
+                         else torch.zeros(u.numel(), width, device=device)
+                         for u, leaves in self._pending]
+                grads.append(torch.cat(parts).float())
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            inverse = inverse.to(grads[0].device)
+            summed = [torch.zeros(unique.numel(), g.shape[1], device=g.device).index_add_(
+                0, inverse, g) for g in grads]
+        else:
+            unique = torch.empty(0, dtype=torch.long)
+            summed = [torch.zeros(0, w, device=device) for w in widths]
+        self._pending.clear()
+        for layer in self.layers:
+            layer.release_rows()
+        return unique, summed

@@ -1,0 +1,190 @@
+"""The rows of managed STEM tables that a rank holds (``--stem-table-placement cpu|gpu|tiered``,
+``--stem-table-sharding``): one shard per STEM layer of a model chunk, and every read of them.
+
+A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory, pinned when
+CUDA exists; the model's device; or a ``TieredShard``'s two halves), in the local row order of the
+rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and the decoupled weight decay its rows
+still owe under the sparse optimizer (``row_adam.LazyDecay``: the optimizer moves its clock and
+steps rows in place; every read here settles the rows it reads first). It knows nothing of other
+ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
+(``stem/table_optimizer.py``) writes them. Reads and writes of the shards are host work: they run
+on the process's worker thread (``stem/worker.py``) or, for checkpoints and dumps, on the training
+thread once the worker is idle.
+
+Reading rows (``gather_rows``): from host shards to a GPU the rows are gathered and cast straight
+into a reusable pinned buffer (``PinnedStaging``) and moved by one asynchronous copy.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron_ext.stem.row_adam import LazyDecay
+from megatron_ext.stem.tiers import TieredDecay, TieredShard, full_tensor, write_back
+
+
+class TableStore:
+    """The owned rows (``owned_ids``, local order) of each of a chunk's STEM layers.
+
+    ``tables``: the drawn ``[vocab, F/tp]`` values of each layer (every placement starts from the
+    same numbers); ``placement``: ``gpu`` keeps the shards on ``device``, ``cpu`` in host memory,
+    ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host memory."""
+
+    def __init__(self, tables, owned_ids: torch.Tensor, placement: str, device: torch.device,
+                 num_hot: Optional[int] = None):
+        cuda = torch.cuda.is_available()
+        self.placement = placement
+        self.shards: List = []
+        for full in tables:
+            shard = full[owned_ids].to(torch.float32).contiguous()
+            del full
+            if placement == "tiered":
+                hot, cold = shard[:num_hot], shard[num_hot:]
+                shard = TieredShard(hot.to(device).contiguous(),
+                                    cold.pin_memory() if cuda else cold.contiguous())
+            elif placement == "gpu" and cuda:
+                shard = shard.to(device)
+            elif cuda:
+                shard = shard.pin_memory()  # host rows go to the GPU by DMA
+            self.shards.append(shard)
+        self.decay = TieredDecay(self.shards) if placement == "tiered" else \
+            LazyDecay(self.shards)
+        self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
+
+    @property
+    def widths(self) -> List[int]:
+        return [s.shape[1] for s in self.shards]
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the rows step on the CPU (a tiered store's host tier does)."""
+        return all(s.device.type == "cpu" for s in self.shards)
+
+    def host_bytes(self) -> int:
+        return sum(s.host_bytes() if isinstance(s, TieredShard) else
+                   s.numel() * s.element_size() for s in self.shards if s.device.type == "cpu")
+
+    def gather(self, local_rows: torch.Tensor, device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+        """The rows ``local_rows`` of every shard, side by side, as ``dtype`` on ``device``, with
+        the decay they owe settled first. On a GPU, what is copied from host memory is queued on
+        the current stream (the worker's side stream when the worker runs it)."""
+        for i in range(len(self.shards)):
+            self.decay.settle(i, local_rows)
+        return gather_rows(self.shards, local_rows, device, dtype, self.staging)
+
+    def settle(self) -> None:
+        """Settle every row's owed decay (before the shards are read whole)."""
+        self.decay.settle_all()
+
+    def read(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a
+        host copy of a tiered one's two halves."""
+        self.decay.settle_all()
+        return full_tensor(self.shards[i])
+
+    def write(self, i: int, whole: torch.Tensor) -> None:
+        """After ``whole = read(i)`` was written in place: a tiered shard takes it back."""
+        write_back(self.shards[i], whole)
+
+
+class PinnedStaging:
+    """A reusable page-locked host buffer for copies between host shards and the GPU (pinned
+    memory is what lets the copy engine move it while kernels run; allocating it is slow, so it
+    is allocated once and grows when a larger batch of rows comes). A view handed out is valid
+    until the next ``view()``, which first waits for the copy that ``record()`` marked."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self._event = None
+
+    def view(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        need = numel * dtype.itemsize
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = None
+            self._buffer = torch.empty(need + need // 4 + 4096, dtype=torch.uint8,
+                                       pin_memory=True)
+        return self._buffer[:need].view(dtype)
+
+    def record(self) -> None:
+        """Mark the end of the copy that reads/writes the last view (on the current stream)."""
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream())
+
+    def take_event(self):
+        """The marked copy's event (None if none), handed to whoever will wait for it; the next
+        ``view()`` no longer waits for it: the taker must be done with the buffer first."""
+        event, self._event = self._event, None
+        return event
+
+
+def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
+                chunk: int = 1024) -> None:
+    """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
+    gather (``kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks of rows."""
+    from megatron_ext_kernels import row_adam_cpu
+
+    kernel = row_adam_cpu.load()
+    if kernel is not None and shard.is_contiguous() and shard.dtype == torch.float32:
+        kernel.gather_rows_(shard, index, out)
+        return
+    for start in range(0, index.numel(), chunk):
+        part = index[start: start + chunk]
+        rows = out[start: start + part.numel()]
+        if out.dtype == shard.dtype:
+            torch.index_select(shard, 0, part, out=rows)
+        else:
+            rows.copy_(shard[part])
+
+
+def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: torch.device,
+                dtype: torch.dtype, staging: PinnedStaging | None = None,
+                chunk: int = 1024) -> torch.Tensor:
+    """``cat([shard[index] for shard in shards], dim=1)`` as ``dtype`` on ``device``. From host
+    shards to a GPU the rows are gathered (and cast) straight into ``staging``'s pinned buffer,
+    one block per shard, in chunks of rows (no large temporaries), then moved in one
+    asynchronous copy and laid out side by side on the GPU."""
+    if shards and isinstance(shards[0], TieredShard):
+        return _gather_tiered(shards, index, device, dtype, staging)
+    widths = [s.shape[1] for s in shards]
+    n = index.numel()
+    on_host = all(s.device.type == "cpu" for s in shards)
+    if not (staging is not None and on_host and device.type == "cuda") or n == 0:
+        rows = torch.cat([s[index.to(s.device)] for s in shards], dim=1) if n else \
+            shards[0].new_empty(0, sum(widths))
+        return rows.to(device=device, dtype=dtype)
+    flat = staging.view(n * sum(widths), dtype)
+    index = index.to(torch.long).contiguous()
+    offset = 0
+    for s, w in zip(shards, widths):
+        host_gather(s, index, flat[offset: offset + n * w].view(n, w), chunk)
+        offset += n * w
+    moved = flat.to(device, non_blocking=True)
+    staging.record()
+    parts, offset = [], 0
+    for w in widths:
+        parts.append(moved[offset: offset + n * w].view(n, w))
+        offset += n * w
+    return torch.cat(parts, dim=1)
+
+
+def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype, staging: PinnedStaging | None) -> torch.Tensor:
+    """``gather_rows`` of tiered shards: the GPU tier's rows are read where they are, the host
+    tier's through the host-shard path (pinned staging to a GPU)."""
+    widths = [s.shape[1] for s in shards]
+    hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
+    out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
+    if hot_pos.numel():
+        hot_dev = shards[0].hot.device
+        rows = torch.cat([s.hot[hot_rows.to(hot_dev)] for s in shards], dim=1)
+        out[hot_pos.to(device)] = rows.to(device, dtype)
+    if cold_pos.numel():
+        out[cold_pos.to(device)] = gather_rows([s.cold for s in shards], cold_rows, device, dtype,
+                                               staging)
+    return out

@@ -1,0 +1,62 @@
+"""``launch/pretrain.py`` with every ``torch.distributed`` collective wrapped: a call from any
+thread but the training (main) thread is reported (``THREAD GUARD: <op> from thread <name>``) and
+raises, and at exit each rank prints how many calls of each operation it saw
+(``THREAD GUARD CALLS {...}``), so a test can tell a clean run from one that made no calls.
+
+Usage (as the test launches it): ``python tests/dist/thread_guard.py <pretrain flags>``."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import json
+import os
+import runpy
+import sys
+import threading
+
+import torch.distributed as dist
+
+# Every collective and point-to-point operation of torch.distributed that a training step, the
+# tables, checkpoints or logging may issue.
+OPS = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+       "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "barrier",
+       "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter",
+       "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+       "monitored_barrier", "_all_gather_base", "_reduce_scatter_base"]
+
+CALLS = collections.Counter()
+MAIN = threading.main_thread()
+
+
+def wrap(name, fn):
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        thread = threading.current_thread()
+        if thread is not MAIN:
+            print(f"THREAD GUARD: torch.distributed.{name} from thread {thread.name}",
+                  file=sys.stderr, flush=True)
+            raise RuntimeError(f"torch.distributed.{name} called from thread {thread.name}, "
+                               "not the training thread")
+        CALLS[name] += 1
+        return fn(*args, **kwargs)
+
+    return guarded
+
+
+for op in OPS:
+    if hasattr(dist, op):
+        setattr(dist, op, wrap(op, getattr(dist, op)))
+
+
+@atexit.register
+def report() -> None:
+    print(f"THREAD GUARD CALLS rank {os.environ.get('RANK', '0')} "
+          f"{json.dumps(dict(sorted(CALLS.items())))}", flush=True)
+
+
+if __name__ == "__main__":
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.argv = [os.path.join(root, "launch", "pretrain.py")] + sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
