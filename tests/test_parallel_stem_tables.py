@@ -114,6 +114,8 @@ def runs(tmp_path_factory):
     run("resume_tiered_dp2_from_cpu", TIERED + ["--load", str(tmp / "ck_vocab")] + at5)
     run("resume_cpu_dp1_from_tiered", CPU_VOCAB + ["--load", str(tmp / "ck_tiered")] + at5,
         nproc=1)
+    run("tiered_from_ordinary", TIERED + ["--load", str(tmp / "ck_ref"), "--no-load-optim",
+                                          "--train-iters", "6"] + at5)
     run("resume_tiered_sparse_dp1_other_tier", TIERED + [
         "--stem-gpu-tier", "100", "--stem-optimizer", "sparse", "--load",
         str(tmp / "ck_tiered_sparse")] + at5, nproc=1)
@@ -287,6 +289,7 @@ def test_resume_continues_the_loss_curve(runs, resumed, original):
 
 
 @pytest.mark.parametrize("run_name,reference", [("managed_from_ordinary", "ref"),
+                                                ("tiered_from_ordinary", "ref"),
                                                 ("ordinary_from_managed", "cpu_vocab_dp2")])
 def test_ordinary_and_managed_read_each_others_tables(runs, run_name, reference):
     """Same checkpoint key and global shape: the weights of step 5 give the loss of step 6
