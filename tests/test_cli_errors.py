@@ -145,3 +145,39 @@ def test_entry_point_reports_bad_sigma_flags_without_traceback(extra, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_help_prints_every_flag():
+    """``--help`` prints Megatron's flags (one of whose help texts has a bare '%') and ours."""
+    proc = subprocess.run([sys.executable, PRETRAIN, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--moe-paged-stash-buffer-size-factor-cuda", "--num-layers",
+                 "--stem-table-placement", "--sigma-sparsify-at", "--structmoe-rank"):
+        assert flag in proc.stdout, flag
+
+
+def test_entry_point_without_torchrun_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, PRETRAIN, *TINY_GPT, "--train-iters", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "megatron-ext: launch/pretrain.py runs under torchrun" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_sigma_switch_beyond_training_is_announced(capsys):
+    from megatron_ext.training.arguments import validate_sigma_args
+
+    args = parse(SIGMA + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                          "--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "12",
+                          "--train-iters", "10"])
+    validate_sigma_args(args)
+    assert "the switch will not happen in this run" in capsys.readouterr().err
+    args = parse(SIGMA + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                          "--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "0.5",
+                          "--train-iters", "10"])
+    validate_sigma_args(args)
+    assert "will not happen" not in capsys.readouterr().err

@@ -101,9 +101,34 @@ def _fix_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+def _fix_help_percent_signs() -> bool:
+    """``--help`` fails: megatron-core 0.19.2's help text of
+    ``--moe-paged-stash-buffer-size-factor-cuda`` has a bare ``%``, which argparse's help
+    formatter takes for a format directive ("unsupported format character ')'"), so the first
+    command a user types prints no flag at all. Extends ``argparse.HelpFormatter._expand_help``:
+    a help string that cannot be expanded is printed as written."""
+    import argparse
+
+    original = argparse.HelpFormatter._expand_help
+    if getattr(original, "_megatron_ext_fixed", False):
+        return False
+
+    @functools.wraps(original)
+    def _expand_help(self, action):
+        try:
+            return original(self, action)
+        except (ValueError, TypeError, KeyError):
+            return self._get_help_string(action)
+
+    _expand_help._megatron_ext_fixed = True
+    argparse.HelpFormatter._expand_help = _expand_help
+    return True
+
+
 FIXES = {
     "distrib_optimizer_torch_adam_resume": _fix_distrib_optimizer_torch_adam_resume,
     "prebuilt_dataset_helpers": _fix_prebuilt_dataset_helpers,
+    "help_percent_signs": _fix_help_percent_signs,
 }
 
 

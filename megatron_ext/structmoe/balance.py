@@ -1,8 +1,9 @@
 """Load balancing of StructMoE's router: the Switch loss, routing fractions, and their logging.
 
-The loss is upstream's ``switch_load_balancing_loss_func`` (``L / k * sum_l f_l P_l`` times the
-coefficient, with ``f_l`` the fraction of routing slots given to expert ``l`` and ``P_l`` its mean
-router probability over the micro-batch), attached to the routed update through upstream's
+The loss is upstream's ``switch_load_balancing_loss_func`` (``L * sum_l f_l P_l`` times the
+coefficient, with ``f_l = count_l / (T k)`` the share of the micro-batch's ``T k`` routing slots
+given to expert ``l``, summing to 1 over the experts, and ``P_l`` its mean router probability over
+the ``T`` tokens; a balanced router gives 1), attached to the routed update through upstream's
 ``MoEAuxLossAutoScaler``, exactly as Megatron's ``TopKRouter`` does. Two things upstream does only
 for models with ``config.num_moe_experts`` (StructMoE is a dense model to Megatron) are done here:
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Optional
 
 from megatron_ext.stem.config import (
@@ -172,7 +173,13 @@ def validate_sigma_args(args) -> None:
     sigma = sigma_config_from_args(args)
     if sigma is None:
         return
-    sigma.switch_iteration(args.train_iters)  # a fraction needs --train-iters
+    switch = sigma.switch_iteration(args.train_iters)  # a fraction needs --train-iters
+    if switch is not None and args.train_iters and switch >= args.train_iters \
+            and os.environ.get("RANK", "0") == "0":
+        print(f"megatron-ext: warning: --sigma-sparsify-at={args.sigma_sparsify_at} switches to "
+              f"the target top-k after step {switch}, at or beyond --train-iters="
+              f"{args.train_iters}: the switch will not happen in this run", file=sys.stderr,
+              flush=True)
     required = [
         (args.moe_ffn_hidden_size is not None, "--moe-ffn-hidden-size (the expert width)"),
         (args.swiglu, "--swiglu (SwiGLU experts)"),

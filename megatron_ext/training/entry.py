@@ -72,6 +72,10 @@ def main(argv=None) -> None:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise SystemExit("megatron-ext: launch/pretrain.py runs under torchrun (MASTER_ADDR/"
+                         "MASTER_PORT are not set): torchrun --nproc_per_node=N "
+                         "launch/pretrain.py <flags>, or launch/single_node.sh")
     stem = stem_config_from_args(args)
     if stem is not None:
         from megatron_ext.stem.checkpoint import install_shape_check
