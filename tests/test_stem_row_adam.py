@@ -144,8 +144,8 @@ def test_host_row_kernels_match_torch(dtype):
 
 @pytest.mark.parametrize("kernel", kernels("sparse"))
 def test_sparse_step_in_parts_with_reads_between(kernel):
-    """The overlapped table step (stem/tables.py ``run_step``): an iteration's rows step in two
-    parts, and rows outside the second part are read (owed decay applied) between them. The
+    """The overlapped table step (``StemTablesOptimizer._step_table``): an iteration's rows step
+    in two parts, and rows outside the second part are read (owed decay applied) between them. The
     result is bitwise that of the one-call step followed by the same reads, and the
     reference's."""
     parts_shard, whole_shard = initial(), initial()

@@ -79,7 +79,25 @@ class StepPlan:
     decay_after: float
 
 
-class RowAdamW:
+class OwedDecayView:
+    """The sparse optimizer's owed-decay state (``self.decay``, a ``LazyDecay`` or a tiered one)
+    under the names checkpoints and tests use."""
+
+    @property
+    def decay_product(self) -> float:
+        """Sparse: the running product of ``(1 - lr_s wd)`` over the iterations stepped."""
+        return self.decay.clock.product
+
+    @decay_product.setter
+    def decay_product(self, value: float) -> None:
+        self.decay.clock.product = value
+
+    @property
+    def row_marks(self) -> List[torch.Tensor]:
+        return self.decay.marks
+
+
+class RowAdamW(OwedDecayView):
     """Optimizer state and step for a list of row shards (one per STEM layer) held by this rank.
 
     ``shards``: fp32 CPU tensors ``[rows, width]``, updated in place. ``step()`` takes, per shard,
@@ -130,19 +148,6 @@ class RowAdamW:
                 raise ValueError("the owed-decay state is for other shards")
             self.decay = decay if decay is not None else LazyDecay(self.shards)
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
-
-    @property
-    def decay_product(self) -> float:
-        """Sparse: the running product of ``(1 - lr_s wd)`` over the iterations stepped."""
-        return self.decay.clock.product
-
-    @decay_product.setter
-    def decay_product(self, value: float) -> None:
-        self.decay.clock.product = value
-
-    @property
-    def row_marks(self) -> List[torch.Tensor]:
-        return self.decay.marks
 
     @property
     def kernel(self) -> str:

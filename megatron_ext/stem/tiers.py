@@ -25,7 +25,14 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.row_adam import AdamHyper, DecayClock, LazyDecay, RowAdamW, StepPlan
+from megatron_ext.stem.row_adam import (
+    AdamHyper,
+    DecayClock,
+    LazyDecay,
+    OwedDecayView,
+    RowAdamW,
+    StepPlan,
+)
 
 
 class TieredOwnership:
@@ -149,7 +156,7 @@ class TieredDecay:
             marks.fill_(product)
 
 
-class TieredRowAdamW:
+class TieredRowAdamW(OwedDecayView):
     """``RowAdamW``'s interface over tiered shards: one ``RowAdamW`` for the GPU tier (torch
     kernel, on the model's device) and one for the host tier (CPU kernels), advanced together
     (one iteration clock and decay clock, the same learning rate), each stepping its own rows.
@@ -178,14 +185,6 @@ class TieredRowAdamW:
     def step_count(self, value: int) -> None:
         self.hot.step_count = self.cold.step_count = value
 
-    @property
-    def decay_product(self) -> float:
-        return self.decay.clock.product
-
-    @decay_product.setter
-    def decay_product(self, value: float) -> None:
-        self.decay.clock.product = value
-
     def _pair(self, name: str) -> List[TieredShard]:
         return [TieredShard(h, c) for h, c in zip(getattr(self.hot, name),
                                                   getattr(self.cold, name))]
@@ -201,10 +200,6 @@ class TieredRowAdamW:
     @property
     def row_steps(self) -> List[TieredShard]:
         return self._pair("row_steps")
-
-    @property
-    def row_marks(self) -> List[torch.Tensor]:
-        return self.decay.marks
 
     def begin_step(self, hyper: AdamHyper) -> StepPlan:
         plan = self.hot.begin_step(hyper)  # moves the shared decay clock once
