@@ -181,3 +181,36 @@ def test_sigma_switch_beyond_training_is_announced(capsys):
                           "--train-iters", "10"])
     validate_sigma_args(args)
     assert "will not happen" not in capsys.readouterr().err
+
+
+def run_entry(flags, tmp_path):
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    return subprocess.run([sys.executable, PRETRAIN, *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_missing_dataset_is_named_before_anything_is_built(tmp_path):
+    flags = [f for f in TINY_GPT if f != "--mock-data"] + [
+        "--train-iters", "1", "--data-path", "0.5", str(tmp_path / "corpus"), "0.5",
+        str(tmp_path / "missing")]
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    proc = run_entry(flags, tmp_path)
+    assert proc.returncode != 0
+    assert (f"megatron-ext: --data-path: no indexed dataset at {tmp_path / 'missing'} "
+            f"({tmp_path / 'missing'}.bin does not exist") in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_unwritable_save_dir_is_refused_at_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = run_entry(TINY_GPT + ["--train-iters", "1", "--save", str(blocker / "ck")], tmp_path)
+    assert proc.returncode != 0
+    assert f"megatron-ext: --save={blocker / 'ck'}: cannot create or write" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    from megatron_ext.training.preflight import check_save_dir
+
+    check_save_dir(str(tmp_path / "new" / "ck"), rank=3)  # created, probe removed
+    assert os.listdir(tmp_path / "new" / "ck") == []

@@ -8,11 +8,18 @@ the same layout (tests/test_parallel_stem.py shows that layout matches TP=1 / PP
 from __future__ import annotations
 
 import glob
+import json
+import os
+import re
 
 import pytest
 import torch
 
-from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
+from multirank import PRETRAIN, TINY_GPT, assert_close_curves, require_ok, torchrun
+
+# launch/pretrain.py with every torch.distributed collective wrapped: a call from a thread other
+# than the training thread fails the run (tests/dist/thread_guard.py).
+THREAD_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "thread_guard.py")
 
 STEM = TINY_GPT + ["--model-family", "stem", "--stem-layers", "1,3", "--train-iters", "10"]
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
@@ -27,8 +34,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stem_tables")
     out = {"tmp": tmp}
 
-    def run(name, flags, nproc=2, env=None):
-        out[name] = torchrun(name, str(tmp), STEM + flags, nproc=nproc, env=env)
+    def run(name, flags, nproc=2, env=None, entry=PRETRAIN):
+        out[name] = torchrun(name, str(tmp), STEM + flags, nproc=nproc, env=env, entry=entry)
 
     run("ref", ["--save", str(tmp / "ck_ref"), "--save-interval", "5"], nproc=1)  # 4 micro-b.
     run("cpu_vocab_dp2", CPU_VOCAB + ["--stem-dump-tables", str(tmp / "dump_cpu_vocab"),
@@ -102,12 +109,15 @@ def runs(tmp_path_factory):
     run("tiered_dp2", TIERED + ["--stem-dump-tables", str(tmp / "dump_tiered"), "--save",
                                 str(tmp / "ck_tiered"), "--save-interval", "5"])
     run("tiered_tp2_dp2", TIERED + tp2, nproc=4)
+    # These two run with every torch.distributed collective wrapped (THREAD_GUARD): two chunks
+    # of tables per rank, and sparse with evaluation and a checkpoint; prefetch and the
+    # overlapped table step on in both.
     run("tiered_pp2_vpp_dp2_recompute", TIERED + vpp + [
         "--recompute-granularity", "full", "--recompute-method", "uniform",
-        "--recompute-num-layers", "1"], nproc=4)
+        "--recompute-num-layers", "1"], nproc=4, entry=THREAD_GUARD)
     run("tiered_sparse_dp2", TIERED + ["--stem-optimizer", "sparse", "--save",
                                        str(tmp / "ck_tiered_sparse"), "--save-interval", "5"]
-        + evals)
+        + evals, entry=THREAD_GUARD)
     run("tiered_sparse_dp2_no_prefetch", TIERED + ["--stem-optimizer", "sparse",
                                                    "--no-stem-prefetch"] + evals)
     # Across placements and DP sizes, and with the GPU tier chosen anew at resume.
@@ -200,6 +210,26 @@ def test_tiered_tables(runs):
     assert len(lines) == 2 and all("1,024 rows (256 in the GPU tier" in line for line in lines)
     assert "tables (fp32, also the master copy) 0.4 MiB" in lines[0]
     assert "STEM GPU tier: 100 of 1024 rows" in runs["resume_tiered_sparse_dp1_other_tier"].log
+
+
+@pytest.mark.parametrize("run_name,ranks", [("tiered_pp2_vpp_dp2_recompute", 4),
+                                            ("tiered_sparse_dp2", 2)])
+def test_collectives_come_from_the_training_thread_only(runs, run_name, ranks):
+    """Tiered runs with prefetch and the overlapped table step (two chunks of tables per rank
+    under interleaved 1F1B; sparse with evaluation and a checkpoint) with every torch.distributed
+    collective wrapped: none came from another thread (the earlier design's background thread
+    routed ids and sent rows: this failed on it), and the tables' exchanges did run through the
+    wrapper on every rank with tables (per step at least the 3 all-to-alls of a fetch and the 3 of
+    the gradient push)."""
+    run = runs[run_name]
+    assert "THREAD GUARD:" not in run.log, run.log[-6000:]
+    require_ok(run)
+    calls = {int(m.group(1)): json.loads(m.group(2))
+             for m in re.finditer(r"THREAD GUARD CALLS rank (\d+) (\{.*\})", run.log)}
+    assert sorted(calls) == list(range(ranks))
+    with_tables = [c for c in calls.values() if c.get("all_to_all_single", 0)]
+    assert len(with_tables) >= 2
+    assert all(c["all_to_all_single"] >= 10 * 6 for c in with_tables), calls
 
 
 def test_sparse_optimizer_is_layout_invariant_and_trains(runs):

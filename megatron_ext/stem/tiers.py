@@ -253,16 +253,10 @@ _COUNTS = {}  # (prefixes, vocab) -> token counts: counted once per process
 def data_prefixes(args) -> List[str]:
     """The indexed-dataset prefixes of the training data (``--data-path`` with or without weights,
     ``--train-data-path``); empty for mock data."""
-    paths = list(getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
-                 or [])
-    out = []
-    for entry in paths:
-        for part in str(entry).split():
-            try:
-                float(part)  # a blend weight
-            except ValueError:
-                out.append(part)
-    return out
+    from megatron_ext.training.preflight import dataset_prefixes
+
+    return dataset_prefixes(getattr(args, "train_data_path", None)
+                            or getattr(args, "data_path", None))
 
 
 def choose_hot_mask(args, vocab: int, tier_spec: str) -> tuple:

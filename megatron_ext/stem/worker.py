@@ -5,7 +5,7 @@ queues copies and the GPU tier's row updates on a side stream): gathering the ro
 needs into a pinned buffer, the table step (``RowAdamW``). It never issues a collective: every
 ``torch.distributed`` call of the tables (routing ids, sending rows, pushing gradients) is made by
 the training thread, in the same program order on every rank, so the tables' collectives and
-Megatron's never interleave differently on two ranks (``tests/test_stem_threads.py`` checks it).
+Megatron's never interleave differently on two ranks (``tests/test_parallel_stem_tables.py`` checks it).
 
 Tasks run one at a time in submission order, which is the training thread's program order: a
 row read submitted after a table step sees the step. One worker serves every model chunk of the

@@ -72,6 +72,13 @@ def main(argv=None) -> None:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
+    try:
+        from megatron_ext.training.preflight import check_data_paths, check_save_dir
+
+        check_data_paths(args)
+        check_save_dir(args.save, int(os.environ.get("RANK", "0")))
+    except ValueError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         raise SystemExit("megatron-ext: launch/pretrain.py runs under torchrun (MASTER_ADDR/"
                          "MASTER_PORT are not set): torchrun --nproc_per_node=N "

@@ -1,0 +1,52 @@
+"""Checks at start-up, before Megatron builds anything, of paths that would otherwise fail late or
+as tracebacks: the indexed datasets named by the data flags, and the checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def dataset_prefixes(paths) -> List[str]:
+    """The dataset prefixes of one data flag's values (blend weights left out)."""
+    out = []
+    for entry in paths or []:
+        for part in str(entry).split():
+            try:
+                float(part)  # a blend weight
+            except ValueError:
+                out.append(part)
+    return out
+
+
+def check_data_paths(args) -> None:
+    """Every prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` has its ``.bin`` and
+    ``.idx`` (Megatron's indexed dataset); else one line naming the flag and the missing file."""
+    if getattr(args, "mock_data", False):
+        return
+    for flag in DATA_FLAGS:
+        for prefix in dataset_prefixes(getattr(args, flag, None)):
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(prefix + suffix):
+                    raise ValueError(
+                        f"--{flag.replace('_', '-')}: no indexed dataset at {prefix} ({prefix}"
+                        f"{suffix} does not exist; a prefix names the files without .bin/.idx)")
+
+
+def check_save_dir(save: Optional[str], rank: int = 0) -> None:
+    """``--save`` can be created and written now, not only at the first save many iterations
+    later. Each rank writes and removes a probe file of its own (torch_dist writes from every
+    rank)."""
+    if not save:
+        return
+    probe = os.path.join(save, f".megatron_ext_write_check.{rank}")
+    try:
+        os.makedirs(save, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"--save={save}: cannot create or write the checkpoint directory "
+                         f"({exc.strerror or exc}); checkpoints would fail at the first save")
