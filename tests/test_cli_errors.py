@@ -205,7 +205,8 @@ def test_missing_dataset_is_named_before_anything_is_built(tmp_path):
 def test_unwritable_save_dir_is_refused_at_start(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    proc = run_entry(TINY_GPT + ["--train-iters", "1", "--save", str(blocker / "ck")], tmp_path)
+    proc = run_entry(TINY_GPT + ["--train-iters", "1", "--save", str(blocker / "ck"),
+                               "--save-interval", "1"], tmp_path)
     assert proc.returncode != 0
     assert f"megatron-ext: --save={blocker / 'ck'}: cannot create or write" in proc.stderr, \
         proc.stderr[-2000:]
