@@ -183,7 +183,7 @@ def test_sigma_switch_beyond_training_is_announced(capsys):
     assert "will not happen" not in capsys.readouterr().err
 
 
-def run_entry(flags, tmp_path):
+def run_entry(flags):
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     return subprocess.run([sys.executable, PRETRAIN, *flags], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=env)
@@ -195,7 +195,7 @@ def test_missing_dataset_is_named_before_anything_is_built(tmp_path):
         str(tmp_path / "missing")]
     (tmp_path / "corpus.bin").write_bytes(b"")
     (tmp_path / "corpus.idx").write_bytes(b"")
-    proc = run_entry(flags, tmp_path)
+    proc = run_entry(flags)
     assert proc.returncode != 0
     assert (f"megatron-ext: --data-path: no indexed dataset at {tmp_path / 'missing'} "
             f"({tmp_path / 'missing'}.bin does not exist") in proc.stderr, proc.stderr[-2000:]
@@ -206,7 +206,7 @@ def test_unwritable_save_dir_is_refused_at_start(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     proc = run_entry(TINY_GPT + ["--train-iters", "1", "--save", str(blocker / "ck"),
-                               "--save-interval", "1"], tmp_path)
+                               "--save-interval", "1"])
     assert proc.returncode != 0
     assert f"megatron-ext: --save={blocker / 'ck'}: cannot create or write" in proc.stderr, \
         proc.stderr[-2000:]

@@ -69,13 +69,12 @@ def block_sharded_tensor(key: str, data: torch.Tensor, block: int, vocab: int,
 def gather_blocks(tables, sources: Sequence[torch.Tensor]
                   ) -> List[Tuple[int, List[torch.Tensor]]]:
     """Rows of this rank's checkpoint blocks from ``sources`` (per-shard ``[owned, w]`` tensors of
-    ``tables``, read whole after the worker is idle), fetched from their owners. Collective over
-    the data-parallel group. Returns ``[(block, [rows per source])]``."""
+    ``tables``, which the caller read whole after waiting for the worker), fetched from their
+    owners. Collective over the data-parallel group. Returns ``[(block, [rows per source])]``."""
     from megatron_ext.stem.store import gather_rows
 
     blocks = my_blocks(tables.vocab_size, tables.dp_rank, tables.dp_size)
     ids = torch.cat([r for _, r in blocks]) if blocks else torch.empty(0, dtype=torch.long)
-    WORKER.wait()  # a table step may still run on the worker
     exchange = tables.exchange
     route = exchange.route(ids)
     cpu = torch.device("cpu")
@@ -93,8 +92,8 @@ def gather_blocks(tables, sources: Sequence[torch.Tensor]
 def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
                    targets: Sequence[torch.Tensor]) -> None:
     """Write loaded checkpoint blocks (``{block: [rows per target]}``, this rank's blocks) into
-    the owners' ``targets`` (per-shard ``[owned, w]`` or ``[owned]`` tensors). Collective over the
-    data-parallel group."""
+    the owners' ``targets`` (per-shard ``[owned, w]`` or ``[owned]`` tensors, which the caller
+    read after waiting for the worker). Collective over the data-parallel group."""
     blocks = my_blocks(tables.vocab_size, tables.dp_rank, tables.dp_size)
     if sorted(loaded) != [b for b, _ in blocks]:
         raise RuntimeError(f"STEM checkpoint: expected blocks {[b for b, _ in blocks]}, "
@@ -105,7 +104,6 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
     values = [torch.cat([loaded[b][k].reshape(-1, widths[k]).double() for b, _ in blocks])
               if blocks else torch.zeros(0, widths[k], dtype=torch.float64)
               for k in range(len(targets))]
-    WORKER.wait()
     route = tables.exchange.route(ids)
     device = tables.exchange.device
     rows, summed = tables.exchange.push(route, [v.to(device) for v in values])

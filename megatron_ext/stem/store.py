@@ -35,7 +35,6 @@ class TableStore:
     def __init__(self, tables, owned_ids: torch.Tensor, placement: str, device: torch.device,
                  num_hot: Optional[int] = None):
         cuda = torch.cuda.is_available()
-        self.placement = placement
         self.shards: List = []
         for full in tables:
             shard = full[owned_ids].to(torch.float32).contiguous()
@@ -74,10 +73,6 @@ class TableStore:
         for i in range(len(self.shards)):
             self.decay.settle(i, local_rows)
         return gather_rows(self.shards, local_rows, device, dtype, self.staging)
-
-    def settle(self) -> None:
-        """Settle every row's owed decay (before the shards are read whole)."""
-        self.decay.settle_all()
 
     def read(self, i: int) -> torch.Tensor:
         """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a

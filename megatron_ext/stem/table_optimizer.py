@@ -95,8 +95,8 @@ class StemTablesOptimizer(ChainedOptimizer):
         The waited time counts as exposed optimizer time; the background steps' own times are
         counted now, with the iteration they overlapped."""
         waited = WORKER.wait()
-        for t in self.tables[:1]:
-            t.stats["optimizer_seconds_exposed"] += waited
+        if self.tables:  # one wait for every chunk: counted once
+            self.tables[0].stats["optimizer_seconds_exposed"] += waited
         for t, done in self._step_tasks:
             took, before_read = done.result()
             t.stats["optimizer_seconds"] += took

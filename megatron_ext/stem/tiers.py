@@ -27,7 +27,6 @@ import torch
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import (
     AdamHyper,
-    DecayClock,
     LazyDecay,
     OwedDecayView,
     RowAdamW,
@@ -126,34 +125,24 @@ class TieredShard:
         return hot_pos, rows[hot_pos], cold_pos, rows[cold_pos] - self.num_hot
 
 
-class TieredDecay:
+class TieredDecay(LazyDecay):
     """``LazyDecay`` of tiered shards: one clock, the marks of all owned rows (host, local order),
     viewed as the marks of each tier (``hot``, ``cold``: what each tier's optimizer uses)."""
 
     def __init__(self, shards: Sequence[TieredShard]):
-        self.shards = list(shards)
-        self.clock = DecayClock()
-        self.marks = [torch.ones(s.shape[0], dtype=torch.float64) for s in self.shards]
+        super().__init__(shards)
         self.hot = LazyDecay([s.hot for s in self.shards], self.clock,
                              [m[: s.num_hot] for m, s in zip(self.marks, self.shards)])
         self.cold = LazyDecay([s.cold for s in self.shards], self.clock,
                               [m[s.num_hot:] for m, s in zip(self.marks, self.shards)])
 
     def settle(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
+        """Each tier settles its own rows of ``rows`` (local indices)."""
         if (self.clock.product if product is None else product) == 1.0 or rows.numel() == 0:
             return
         _, hot_rows, _, cold_rows = self.shards[i].split(rows)
         self.hot.settle(i, hot_rows, product)
         self.cold.settle(i, cold_rows, product)
-
-    def settle_all(self) -> None:
-        self.hot.settle_all()
-        self.cold.settle_all()
-
-    def reset(self, product: float) -> None:
-        self.clock.product = product
-        for marks in self.marks:
-            marks.fill_(product)
 
 
 class TieredRowAdamW(OwedDecayView):
