@@ -46,6 +46,15 @@ def _kernels():
     return kernels("_structmoe_routed_triton")
 
 
+# The codes GEMM ``u = x A_cat`` on bf16/fp16 tensor cores (``tl.dot`` of the raw tiles). Off:
+# on an H100 (Triton 3.6, 2026-11-24) that path gave wrong codes for about 1% of the tokens at
+# L = r = 16 (relative error up to 0.38 of the largest code, scattered token pairs, at H = 64
+# as at 2048; L = r = 8 and the fp32 path were right): scripts/gpu/structmoe_codes_check.py
+# shows it. The fp32 dot of the upcast tiles (what the fp32 inputs use) is the default until
+# the tensor-core path is understood.
+BF16_DOT = False
+
+
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
@@ -106,7 +115,8 @@ class RouteCodes(torch.autograd.Function):
                 x, w_router, a_cat, probs, indices, weights, codes, u, counts,
                 n, hidden, x.stride(0), w_router.stride(0), a_cat.stride(0), codes.stride(0),
                 N_EXPERTS=n_experts, RANK=rank, TOPK=topk, L_P=l_p, R_P=r_p,
-                IEEE_DOT=interpreted() or x.dtype == torch.float32, **blocks, **launch)
+                IEEE_DOT=interpreted() or x.dtype == torch.float32 or not BF16_DOT,
+                **blocks, **launch)
         ctx.save_for_backward(x, w_router, a_cat, u, probs, indices, weights)
         ctx.shape = (n_experts, rank, topk, l_p, r_p)
         counts = counts.to(torch.int64)  # torch.bincount's dtype, as route()'s Routing has

@@ -215,3 +215,30 @@ def test_unwritable_save_dir_is_refused_at_start(tmp_path):
 
     check_save_dir(str(tmp_path / "new" / "ck"), rank=3)  # created, probe removed
     assert os.listdir(tmp_path / "new" / "ck") == []
+
+
+def test_fusions_without_their_kernels_are_turned_off():
+    """Megatron defaults rope and gradient-accumulation fusion on; without Transformer Engine or
+    Apex (this machine, and a GPU machine without the extras) the run falls back to the unfused
+    paths instead of failing at model build or at the first backward."""
+    import argparse
+    import importlib.util
+
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_ext.training.arguments import drop_unavailable_fusions
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine provides both fusions")
+    assert rope_utils.fused_apply_rotary_pos_emb is None and not layers._grad_accum_fusion_available
+    assert importlib.util.find_spec("scaled_masked_softmax_cuda") is None
+    args = argparse.Namespace(apply_rope_fusion=True, gradient_accumulation_fusion=True,
+                              masked_softmax_fusion=True)
+    lines = drop_unavailable_fusions(args)
+    assert not (args.apply_rope_fusion or args.gradient_accumulation_fusion
+                or args.masked_softmax_fusion)
+    assert len(lines) == 3 and "--no-rope-fusion" in lines[0]
+    off = argparse.Namespace(apply_rope_fusion=False, gradient_accumulation_fusion=False,
+                             masked_softmax_fusion=False)
+    assert drop_unavailable_fusions(off) == []

@@ -87,6 +87,7 @@ def test_active_without_cuda():
     assert "ACTIVE" in stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is for CPU-only machines")
 def test_initial_weights_do_not_depend_on_the_micro_batch_size(tmp_path):
     """Same global batch (8 sequences) as 4 micro-batches of 2 or 2 of 4: the first loss is the
     loss of the same initial model on the same tokens (Megatron's JIT warm-up draws tensors of

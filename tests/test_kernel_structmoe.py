@@ -160,7 +160,7 @@ def test_the_checks_can_fail():
             check_close(codes.bfloat16(), wrong, torch.bfloat16, "codes")
 
     # The same objective with the probabilities detached (no Switch-loss gradient) is caught.
-    grad_out = torch.randn(x.shape[0], b.shape[-1])
+    grad_out = torch.randn(x.shape[0], b.shape[-1], device=DEVICE)
     out = dense_masked_expand(codes, b, routing)
     full = torch.autograd.grad(objective(out, routing, grad_out), w, retain_graph=True)[0]
     detached = Routing(routing.probs.detach(), routing.indices, routing.weights,

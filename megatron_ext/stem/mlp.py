@@ -239,7 +239,7 @@ class StemMLP(MegatronModule):
             raise RuntimeError(
                 f"STEM token ids have shape {tuple(token_ids.shape)} but the MLP input covers "
                 f"{tuple(fc1_out.shape[:2])} [sequence, batch] positions")
-        if self.kernel == "triton":
+        if self.kernel == "triton" and stem_gate.runs_on(fc1_out):
             table, index = self._table_and_index(token_ids)
             intermediate = stem_gate.stem_gate(fc1_out, table, index, self.variant)
             return self.linear_fc2(intermediate)

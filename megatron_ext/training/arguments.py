@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import List, Optional
 
 from megatron_ext.stem.config import (
     INITS,
@@ -321,3 +321,45 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
                 if bad:
                     raise ValueError(f"{where} does not support {flag} yet; use the default "
                                      "--stem-table-placement gpu --stem-table-sharding replicated")
+
+
+def drop_unavailable_fusions(args) -> List[str]:
+    """Turn off the fused paths whose kernels this machine lacks; returns one line per change.
+
+    Megatron defaults ``--apply-rope-fusion`` and ``--gradient-accumulation-fusion`` on, and
+    fails only when the model is built (rope: Transformer Engine) or at the first backward
+    (weight-gradient accumulation: Transformer Engine or Apex's ``fused_weight_gradient_mlp_cuda``).
+    The plugin runs without those extras, so a GPU run without them falls back to the unfused
+    PyTorch paths (the same numbers) instead of failing. Availability is read from the very
+    module-level flags Megatron checks (``rope_utils``, ``tensor_parallel.layers``).
+    """
+    changed = []
+    if getattr(args, "apply_rope_fusion", False):
+        from megatron.core.models.common.embeddings import rope_utils
+
+        if (rope_utils.fused_apply_rotary_pos_emb is None
+                and rope_utils.fused_apply_rotary_pos_emb_thd is None):
+            args.apply_rope_fusion = False
+            changed.append("rope fusion off (no Transformer Engine): as --no-rope-fusion")
+    if getattr(args, "gradient_accumulation_fusion", False):
+        from megatron.core.tensor_parallel import layers
+
+        import importlib.util
+
+        # With Transformer Engine its own linear layers fuse the accumulation (and older TE
+        # refuses the flag off), so only a machine with neither extra changes.
+        if (not layers._grad_accum_fusion_available
+                and importlib.util.find_spec("transformer_engine") is None):
+            args.gradient_accumulation_fusion = False
+            changed.append("gradient-accumulation fusion off (no Transformer Engine or Apex "
+                           "fused_weight_gradient_mlp_cuda): as --no-gradient-accumulation-fusion")
+    if getattr(args, "masked_softmax_fusion", False):
+        import importlib.util
+
+        # Megatron's FusedScaleMaskSoftmax imports this extension (built by Apex or Megatron's
+        # own fused_kernels) when the fusion is on.
+        if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
+            args.masked_softmax_fusion = False
+            changed.append("masked-softmax fusion off (no scaled_masked_softmax_cuda extension): "
+                           "as --no-masked-softmax-fusion")
+    return changed

@@ -68,6 +68,11 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     args = parse_and_validate_args(extra_args_provider=add_extension_args)
+    from megatron_ext.training.arguments import drop_unavailable_fusions
+
+    for line in drop_unavailable_fusions(args):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-ext: {line}", flush=True)
     try:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
     except ValueError as exc:
