@@ -35,11 +35,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
 
-# Flags a CPU rank needs: gloo, and no CUDA-only fused kernels (docs/cpu_backend.md).
-CPU_FLAGS = ["--distributed-backend", "gloo", "--use-cpu-initialization",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-             "--no-bias-swiglu-fusion", "--no-rope-fusion"]
-
 # Flags the harness sets from the layout and the sweep; giving them after `--` would make the
 # row describe a run other than the one trained.
 OWNED_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -288,8 +283,8 @@ def torchrun_command(layout: Layout, opts, extra: Sequence[str], report: str,
     else:
         cmd += ["--mock-data", "--tokenizer-type", "NullTokenizer",
                 "--vocab-size", str(null_tokenizer_vocab(opts.preset, opts.vocab_size))]
-    if not cuda:
-        cmd += CPU_FLAGS
+    # Without CUDA the entry point's CPU backend defaults (gloo, CPU initialization, no fused
+    # kernels: megatron_ext/compat/cpu.py) apply.
     cmd += ["--ext-run-report", report, *extra]
     return cmd
 

@@ -3,6 +3,7 @@ curve."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from megatron_ext.compat.standalone import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
 
-# A tiny model on Megatron's mock data, deterministic: dropout off, CPU initialization.
+# A tiny model on Megatron's mock data, deterministic: dropout off.
 TINY_GPT = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
@@ -25,12 +26,12 @@ TINY_GPT = [
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
     "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
     "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--distributed-backend", "gloo",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seed", "1234",
-    "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
     "--ckpt-format", "torch_dist",
+    # gloo, CPU initialization and no fused CUDA kernels: the CPU backend's defaults
+    # (megatron_ext/compat/cpu.py, CPU_DEFAULT_FLAGS).
 ]
 
 
@@ -123,6 +124,96 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
         scalars = read_tensorboard_scalars(tb)
         losses = dict(scalars.get("lm loss", []))  # none when the run trains no step
     return Run(name, returncode, log, losses, scalars)
+
+
+MULTI_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "multi_config.py")
+
+
+def torchrun_many(workdir: str, items: Sequence[Tuple[str, Sequence[str]]], nproc: int = 2,
+                  timeout: int = 600, env: Optional[Dict[str, str]] = None) -> Dict[str, Run]:
+    """``torchrun`` of each ``(name, flags)`` in order, all in one launch of ``nproc`` ranks
+    (``tests/dist/multi_config.py``: one start-up, Megatron's state torn down between trainings).
+    Each ``Run`` is what ``torchrun`` would give, its log being its ranks' output; a training
+    after a failed one is not run (return code -1). ``timeout`` is per training."""
+    from megatron_ext.training.metrics import read_tensorboard_scalars
+
+    plan, dirs = [], {}
+    for name, flags in items:
+        out_dir = dirs[name] = os.path.join(workdir, name)
+        os.makedirs(out_dir, exist_ok=True)
+        argv = [*flags, "--tensorboard-dir", os.path.join(out_dir, "tb"),
+                "--tensorboard-log-interval", "1"]
+        plan.append({"name": name, "argv": argv, "log_dir": os.path.join(out_dir, "ranks")})
+    plan_path = os.path.join(workdir, f"plan_{items[0][0]}.json")
+    with open(plan_path, "w") as f:
+        json.dump(plan, f, indent=1)
+    status, launch_log = launch_ranks([MULTI_CONFIG, plan_path], nproc, env,
+                                      timeout * len(items))
+    runs: Dict[str, Run] = {}
+    for item in plan:
+        name, out_dir = item["name"], dirs[item["name"]]
+        logs = []
+        for rank in range(nproc):
+            path = os.path.join(item["log_dir"], f"rank{rank}.log")
+            if os.path.exists(path):
+                with open(path) as f:
+                    logs.append(f.read())
+        log = "".join(logs)
+        done = len(logs) == nproc and all(f"MULTI-CONFIG OK {name}" in text for text in logs)
+        returncode = 0 if done else (status or 1) if logs else -1
+        if not done:
+            log += f"\n[launch of {len(plan)} trainings, status {status}]\n" + launch_log
+        with open(os.path.join(out_dir, "log.txt"), "w") as f:
+            f.write(f"({nproc} ranks, in one launch with {[p['name'] for p in plan]}) "
+                    f"{sys.executable} {PRETRAIN} " + " ".join(item["argv"]) + "\n" + log)
+        losses: Dict[int, float] = {}
+        scalars: Dict[str, List] = {}
+        if returncode == 0:
+            scalars = read_tensorboard_scalars(os.path.join(out_dir, "tb"))
+            losses = dict(scalars.get("lm loss", []))
+        runs[name] = Run(name, returncode, log, losses, scalars)
+    return runs
+
+
+class Launches:
+    """The trainings of a test module, added in the order they must run (a resume after the
+    run that saves its checkpoint). ``run()`` launches them: consecutive ones with the same rank
+    count and environment share one launch (``torchrun_many``); one with another ``entry`` or
+    ``alone=True`` (a training expected to fail, which would end a shared launch) runs by itself
+    (``torchrun``)."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.items: List[tuple] = []
+
+    def add(self, name: str, flags: Sequence[str], nproc: int = 2,
+            env: Optional[Dict[str, str]] = None, entry: str = PRETRAIN,
+            alone: bool = False) -> None:
+        self.items.append((name, list(flags), nproc, dict(env or {}), entry, alone))
+
+    def run(self) -> Dict[str, Run]:
+        runs: Dict[str, Run] = {}
+        group: List[tuple] = []
+
+        def flush():
+            if group:
+                _, _, nproc, env, _, _ = group[0]
+                runs.update(torchrun_many(self.workdir, [(g[0], g[1]) for g in group], nproc,
+                                          env=env))
+                group.clear()
+
+        for item in self.items:
+            name, flags, nproc, env, entry, alone = item
+            if alone or entry != PRETRAIN:
+                flush()
+                runs[name] = torchrun(name, self.workdir, flags, nproc=nproc, env=env or None,
+                                      entry=entry)
+                continue
+            if group and (group[0][2], group[0][3]) != (nproc, env):
+                flush()
+            group.append(item)
+        flush()
+        return runs
 
 
 def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 1e-5) -> None:

@@ -242,3 +242,66 @@ def test_fusions_without_their_kernels_are_turned_off():
     off = argparse.Namespace(apply_rope_fusion=False, gradient_accumulation_fusion=False,
                              masked_softmax_fusion=False)
     assert drop_unavailable_fusions(off) == []
+
+
+def test_load_without_a_checkpoint_is_refused_unless_it_is_the_save_dir(tmp_path):
+    """A mistyped --load (no checkpoint there) stops at start-up naming it; the same empty
+    directory as --load and --save (auto-resume's first run) starts fresh with one line."""
+    typo = tmp_path / "ck_typo"
+    proc = run_entry(TINY_GPT + ["--train-iters", "1", "--load", str(typo)])
+    assert proc.returncode != 0
+    assert f"megatron-ext: --load={typo}: no checkpoint there" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    from megatron_ext.training.preflight import check_load_dir
+
+    same = tmp_path / "ck"
+    assert "training starts from scratch" in check_load_dir(str(same), str(same))
+    (same / "iter_0000002").mkdir(parents=True)
+    assert check_load_dir(str(same), str(tmp_path / "other")) is None  # a checkpoint: loads
+    with pytest.raises(ValueError, match="no checkpoint there"):
+        check_load_dir(str(typo), str(tmp_path / "other"))
+
+
+@pytest.mark.multirank
+def test_workers_exit_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL of the torchrun launcher: its worker (in a session of its own) exits too, instead
+    of training and saving on its own (megatron_ext/training/entry.py, exit_with_launcher)."""
+    import signal
+    import time
+
+    import psutil
+
+    from megatron_ext.compat.standalone import free_port
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    log = open(tmp_path / "log.txt", "w+")
+    launcher = subprocess.Popen(
+        [torchrun, "--nproc_per_node=1", f"--master-port={free_port()}", PRETRAIN, *TINY_GPT,
+         "--train-iters", "100000", "--save", str(tmp_path / "ck"), "--save-interval", "1000"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    workers = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and launcher.poll() is None:
+            log.seek(0)
+            if " iteration        2/" in log.read():
+                break
+            time.sleep(0.5)
+        log.seek(0)
+        assert launcher.poll() is None, log.read()[-3000:]
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                   if PRETRAIN in " ".join(p.cmdline())]
+        assert workers, log.read()[-3000:]
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"workers still running after their launcher died: {alive}"
+    finally:
+        for p in workers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        log.close()

@@ -88,6 +88,7 @@ def test_active_without_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is for CPU-only machines")
+@pytest.mark.multirank
 def test_initial_weights_do_not_depend_on_the_micro_batch_size(tmp_path):
     """Same global batch (8 sequences) as 4 micro-batches of 2 or 2 of 4: the first loss is the
     loss of the same initial model on the same tokens (Megatron's JIT warm-up draws tensors of
@@ -99,3 +100,19 @@ def test_initial_weights_do_not_depend_on_the_micro_batch_size(tmp_path):
     four = require_ok(torchrun("mbs4", str(tmp_path), flags + ["--micro-batch-size", "4"],
                                nproc=1))
     assert abs(two.losses[1] - four.losses[1]) <= 1e-5
+
+
+def test_cpu_defaults_fill_only_what_the_user_left_out(monkeypatch):
+    """Without CUDA the entry point adds the CPU backend's flags (gloo, CPU initialization, no
+    fused kernels) that the command line lacks; a flag the user gives wins; with the backend not
+    installed (a CUDA machine) nothing is added."""
+    monkeypatch.setattr(cpu, "_INSTALLED", True)
+    argv, added = cpu.default_flags(["--num-layers", "2", "--distributed-backend=nccl",
+                                     "--no-rope-fusion"])
+    assert added == ["--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+                     "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion"]
+    assert argv == ["--num-layers", "2", "--distributed-backend=nccl", "--no-rope-fusion", *added]
+    _, added = cpu.default_flags([])
+    assert added[:2] == ["--distributed-backend", "gloo"] and len(added) == 7
+    monkeypatch.setattr(cpu, "_INSTALLED", False)
+    assert cpu.default_flags(["--seed", "1"]) == (["--seed", "1"], [])

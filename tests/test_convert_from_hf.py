@@ -33,6 +33,8 @@ import torch
 from convert_support import TIED, base, hf_logits, megatron_logits, tokens
 from multirank import ROOT, require_ok, torchrun
 
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
+
 VOCAB = 1000
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 SUCCESSOR_LOGIT = 8.0  # the crafted model's logit of the next token t+1 (see _llama)

@@ -183,6 +183,43 @@ def test_cli_error_message(synthetic, tmp_path):
     assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
 
 
+def test_out_that_cannot_be_made_is_one_line_and_leaves_nothing(synthetic, tmp_path,
+                                                                  monkeypatch, capsys):
+    """--out under a regular file, in a directory that cannot be written (a read-only file
+    system), or failing when the staging directory is made: one line, exit 2, nothing written."""
+    import errno
+    import tempfile
+
+    ck, _ = synthetic
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+
+    def one_line_error(out):
+        assert to_hf.main(["--load", ck, "--out", out, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("to-hf: error: ")]
+        assert len(errors) == 1 and err.splitlines()[-1] == errors[0], err
+        assert "Traceback" not in err, err
+        return errors[0]
+
+    assert f"{blocker} is a file, not a directory" in one_line_error(str(blocker / "hf"))
+    access = os.access  # root passes permission bits: a read-only mount is what refuses it
+    monkeypatch.setattr(os, "access",
+                        lambda p, m: False if str(p) == str(readonly) else access(p, m))
+    assert f"cannot write in {readonly}" in one_line_error(str(readonly / "sub" / "hf"))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "late"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    assert "cannot create the output directory (Read-only file system" in one_line_error(
+        str(tmp_path / "late" / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "ck", "late", "ro"]
+    assert os.listdir(tmp_path / "late") == [] and os.listdir(readonly) == []
+
+
 PEAK_SCRIPT = r"""
 import sys, threading, time, psutil, torch
 from megatron_ext.convert import to_hf

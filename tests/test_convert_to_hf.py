@@ -20,6 +20,8 @@ import pytest
 
 from convert_support import TIED, hf_logits, hf_model, megatron_logits, to_hf, tokens, train
 
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
+
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]

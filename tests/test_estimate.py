@@ -211,6 +211,7 @@ BUILT = {
 
 
 @pytest.mark.parametrize("name", sorted(BUILT))
+@pytest.mark.multirank
 def test_estimate_matches_the_built_model(name, tmp_path):
     from multirank import launch_ranks
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
+from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
 SIGMA = TINY_GPT + [
     "--model-family", "sigma", "--num-experts", "32", "--moe-ffn-hidden-size", "16",
@@ -39,27 +41,25 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sigma_parallel")
     init = str(tmp / "init")
     ck = str(tmp / "ck")
-    r = {"init": torchrun("init", str(tmp), SIGMA + A2A + [
-        "--train-iters", "1", "--lr-warmup-iters", "0", "--save", init, "--save-interval", "1"])}
-    require_ok(r["init"])
     start = ["--load", init, "--finetune"]
-    r["ref"] = torchrun("ref", str(tmp), SIGMA + A2A + ITERS + start +
-                        ["--save", ck, "--save-interval", "2"])  # DP=2, EP=1
-    r["ep2_alltoall"] = torchrun("ep2_alltoall", str(tmp), SIGMA + A2A + ITERS + start + EP2)
-    r["ep2_allgather"] = torchrun("ep2_allgather", str(tmp), SIGMA + AG + ITERS + start + EP2)
-    r["tp2_ep2_alltoall"] = torchrun("tp2_ep2_alltoall", str(tmp),
-                                     SIGMA + A2A + ITERS + start + EP2 + TP2_SP, nproc=4)
-    r["tp2_ep2_allgather"] = torchrun("tp2_ep2_allgather", str(tmp),
-                                      SIGMA + AG + ITERS + start + EP2 + TP2_SP, nproc=4)
+    # In order; those of one rank count in one launch (tests/multirank.py, Launches).
+    launches = Launches(str(tmp))
+    launches.add("init", SIGMA + A2A + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save",
+                                        init, "--save-interval", "1"])
+    launches.add("ref", SIGMA + A2A + ITERS + start + ["--save", ck, "--save-interval", "2"])
+    launches.add("ep2_alltoall", SIGMA + A2A + ITERS + start + EP2)  # DP=2, EP=1 above
+    launches.add("ep2_allgather", SIGMA + AG + ITERS + start + EP2)
     # DP=1 (8 micro-batches) with PP=2 and full recompute (the no-grad first pass must not add
     # to the statistics; the per-layer logs come from both stages).
-    r["pp2_recompute"] = torchrun("pp2_recompute", str(tmp), SIGMA + A2A + ITERS + start + [
+    launches.add("pp2_recompute", SIGMA + A2A + ITERS + start + [
         "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
         "--recompute-method", "uniform", "--recompute-num-layers", "1"])
-    r["resume_before"] = torchrun("resume_before", str(tmp), SIGMA + A2A + ITERS +
-                                  ["--load", ck, "--ckpt-step", "2"])
-    r["resume_after"] = torchrun("resume_after", str(tmp), SIGMA + A2A + ITERS +
-                                 ["--load", ck, "--ckpt-step", "4"])
+    launches.add("resume_before", SIGMA + A2A + ITERS + ["--load", ck, "--ckpt-step", "2"])
+    launches.add("resume_after", SIGMA + A2A + ITERS + ["--load", ck, "--ckpt-step", "4"])
+    launches.add("tp2_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + TP2_SP, nproc=4)
+    launches.add("tp2_ep2_allgather", SIGMA + AG + ITERS + start + EP2 + TP2_SP, nproc=4)
+    r = launches.run()
+    require_ok(r["init"])
     return r
 
 

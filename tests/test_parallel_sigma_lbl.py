@@ -17,7 +17,9 @@ import os
 import pytest
 import torch
 
-from multirank import TINY_GPT, require_ok, torchrun
+from multirank import TINY_GPT, Launches, require_ok
+
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
 SIGMA = TINY_GPT + ["--model-family", "sigma", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
                     "--group-query-attention", "--num-query-groups", "2",
@@ -28,39 +30,48 @@ LAYOUTS = {  # name: (ranks, micro-batch size); global batch 8
     "dp2_m2": (2, 2), "dp1_m4": (1, 2), "dp1_m2": (1, 4), "dp1_m1": (1, 8)}
 
 
-def launch(tmp, name, lbl, nproc, mbs, start):
+def layout_flags(tmp, name, lbl, mbs, start):
     dump = str(tmp / name / "grads")
-    run = torchrun(name, str(tmp), SIGMA + start + [
-        "--sigma-lbl", lbl, "--micro-batch-size", str(mbs), "--sigma-dump-router-grads", dump],
-        nproc=nproc)
-    return run, dump
+    return SIGMA + start + ["--sigma-lbl", lbl, "--micro-batch-size", str(mbs),
+                            "--sigma-dump-router-grads", dump], dump
 
 
-def init_checkpoint(tmp, lbl):
+def init_flags(tmp, lbl):
     """The common start of one LBL's runs: on CPU the initial weights depend on
     --micro-batch-size (Megatron's JIT warm-up draws random tensors of that size from the CPU
     generator before the model is built), so every layout loads the same weights (--finetune).
     The checkpoint also holds the routers' statistics of its step: step 1 already has LBL
-    gradient weights."""
+    gradient weights. Returns the training's flags and the flags to start from it."""
     path = str(tmp / f"init_{lbl}")
-    require_ok(torchrun(f"init_{lbl}", str(tmp), SIGMA + [
-        "--sigma-lbl", lbl, "--train-iters", "1", "--save", path, "--save-interval", "1"]))
-    return ["--load", path, "--finetune"]
+    return (SIGMA + ["--sigma-lbl", lbl, "--train-iters", "1", "--save", path,
+                     "--save-interval", "1"], ["--load", path, "--finetune"])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sigma_lbl")
-    r = {}
-    start = init_checkpoint(tmp, "global")
-    for name, (nproc, mbs) in LAYOUTS.items():
-        r[("global", name)] = launch(tmp, f"global_{name}", "global", nproc, mbs, start)
-    r[("none", "dp1_m1")] = launch(tmp, "none_dp1_m1", "none", 1, 8, start)
-    start = init_checkpoint(tmp, "top1")
-    for name in ("dp2_m2", "dp1_m1"):
-        nproc, mbs = LAYOUTS[name]
-        r[("top1", name)] = launch(tmp, f"top1_{name}", "top1", nproc, mbs, start)
-    return r
+    plan = []  # (key, name, lbl, layout) in order; the inits first
+    for lbl, layouts in (("global", list(LAYOUTS)), ("top1", ["dp2_m2", "dp1_m1"])):
+        plan += [((lbl, name), f"{lbl}_{name}", lbl, name) for name in layouts]
+    plan.append((("none", "dp1_m1"), "none_dp1_m1", "none", "dp1_m1"))
+    # Those of one rank count in one launch (tests/multirank.py, Launches): the 2-rank runs
+    # with the inits, then the 1-rank runs.
+    launches = Launches(str(tmp))
+    starts, dumps = {}, {}
+    for lbl in ("global", "top1"):
+        flags, starts[lbl] = init_flags(tmp, lbl)
+        launches.add(f"init_{lbl}", flags)
+    start_of = {"none": starts["global"], "global": starts["global"], "top1": starts["top1"]}
+    for want in (2, 1):
+        for key, name, lbl, layout in plan:
+            nproc, mbs = LAYOUTS[layout]
+            if nproc == want:
+                flags, dumps[key] = layout_flags(tmp, name, lbl, mbs, start_of[lbl])
+                launches.add(name, flags, nproc=nproc)
+    done = launches.run()
+    for lbl in ("global", "top1"):
+        require_ok(done[f"init_{lbl}"])
+    return {key: (done[name], dumps[key]) for key, name, _, _ in plan}
 
 
 def dumped(runs, lbl, layout, step):

@@ -4,10 +4,14 @@ identical whatever the layout. fp32, CPU, gloo, 2 ranks."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
+from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
 STEM = TINY_GPT + ["--model-family", "stem", "--stem-ratio", "1/2"]  # STEM layers 1 and 3
 ITERS = ["--train-iters", "6"]
@@ -27,32 +31,28 @@ def runs(tmp_path_factory):
     ck_init, ck_ref, ck_tp2, ck_dopt = (str(tmp / n) for n in
                                         ("ck_init", "ck_ref", "ck_tp2", "ck_dopt"))
     start = ["--load", ck_init, "--finetune"]
-    require_ok(torchrun("init", str(tmp), STEM + ["--train-iters", "1", "--lr-warmup-iters", "0",
-                                                   "--save", ck_init, "--save-interval", "1"]))
-    r = {}
+    # In order, in one launch of 2 ranks (tests/multirank.py, Launches) but the kernel's run.
+    launches = Launches(str(tmp))
+    launches.add("init", STEM + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save",
+                                 ck_init, "--save-interval", "1"])
     # Reference layout TP=1 x DP=2; it also saves at iteration 3 without stopping.
-    r["ref"] = torchrun("ref", str(tmp), STEM + ITERS + start +
-                        ["--save", ck_ref, "--save-interval", "3"])
-    r["tp2"] = torchrun("tp2", str(tmp), STEM + ITERS + start + TP2 +
-                        ["--save", ck_tp2, "--save-interval", "3"])
-    r["tp2_sp"] = torchrun("tp2_sp", str(tmp), STEM + ITERS + start + TP2 +
-                           ["--sequence-parallel"])
+    launches.add("ref", STEM + ITERS + start + ["--save", ck_ref, "--save-interval", "3"])
+    launches.add("tp2", STEM + ITERS + start + TP2 + ["--save", ck_tp2, "--save-interval", "3"])
+    launches.add("tp2_sp", STEM + ITERS + start + TP2 + ["--sequence-parallel"])
+    launches.add("pp2_recompute", STEM + ITERS + start + PP2_RECOMPUTE)
+    # Interleaved 1F1B: chunks hold layers {0, 2} (dense) and {1, 3} (STEM) of the two stages.
+    launches.add("pp2_vpp", STEM + ITERS + start + PP2_VPP)
+    launches.add("resume", STEM + ITERS + ["--load", ck_ref, "--ckpt-step", "3"])
+    launches.add("resume_tp2_as_tp1", STEM + ITERS + ["--load", ck_tp2, "--ckpt-step", "3"])
+    # Distributed optimizer with torch's Adam (no Apex/TE): needs megatron_ext.compat.upstream_fixes.
+    launches.add("dopt", STEM + ITERS + start + DOPT + ["--save", ck_dopt, "--save-interval", "3"])
+    launches.add("dopt_resume", STEM + ITERS + DOPT + ["--load", ck_dopt, "--ckpt-step", "3"])
     # The fused lookup-and-gate kernel (Triton's interpreter on the CPU), its row gradients going
     # into Megatron DDP's main_grad, under TP=2 + SP.
-    r["tp2_sp_kernel"] = torchrun("tp2_sp_kernel", str(tmp), STEM + ITERS + start + TP2 +
-                                  ["--sequence-parallel", "--stem-kernel", "triton"],
-                                  env=INTERPRET)
-    r["pp2_recompute"] = torchrun("pp2_recompute", str(tmp), STEM + ITERS + start + PP2_RECOMPUTE)
-    # Interleaved 1F1B: chunks hold layers {0, 2} (dense) and {1, 3} (STEM) of the two stages.
-    r["pp2_vpp"] = torchrun("pp2_vpp", str(tmp), STEM + ITERS + start + PP2_VPP)
-    r["resume"] = torchrun("resume", str(tmp), STEM + ITERS + ["--load", ck_ref, "--ckpt-step", "3"])
-    r["resume_tp2_as_tp1"] = torchrun("resume_tp2_as_tp1", str(tmp),
-                                      STEM + ITERS + ["--load", ck_tp2, "--ckpt-step", "3"])
-    # Distributed optimizer with torch's Adam (no Apex/TE): needs megatron_ext.compat.upstream_fixes.
-    r["dopt"] = torchrun("dopt", str(tmp), STEM + ITERS + start + DOPT +
-                         ["--save", ck_dopt, "--save-interval", "3"])
-    r["dopt_resume"] = torchrun("dopt_resume", str(tmp), STEM + ITERS + DOPT +
-                                ["--load", ck_dopt, "--ckpt-step", "3"])
+    launches.add("tp2_sp_kernel", STEM + ITERS + start + TP2 +
+                 ["--sequence-parallel", "--stem-kernel", "triton"], env=INTERPRET)
+    r = launches.run()
+    require_ok(r.pop("init"))
     return r
 
 
@@ -72,6 +72,26 @@ def test_resume_continues_the_curve_exactly(runs):
     ref, resumed = require_ok(runs["ref"]), require_ok(runs["resume"])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert resumed.curve(AFTER_RESUME) == ref.curve(AFTER_RESUME)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend's defaults")
+def test_cpu_runs_need_no_cpu_flags(runs):
+    """TINY_GPT names no backend, initialization or fusion flag: without CUDA the entry point
+    chooses them and says so (megatron_ext/compat/cpu.py)."""
+    log = require_ok(runs["ref"]).log
+    assert ("megatron-ext: no CUDA: CPU backend defaults --distributed-backend gloo "
+            "--use-cpu-initialization --no-gradient-accumulation-fusion") in log
+
+
+def test_console_losses_after_resume_are_the_iterations_own(runs):
+    """The loss the console prints for each iteration after a resume is that iteration's (as in
+    tensorboard), not the mean of the first two (megatron_ext/compat/upstream_fixes.py)."""
+    resumed = require_ok(runs["resume"])
+    printed = {int(i): float(v) for i, v in
+               re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", resumed.log)}
+    assert sorted(printed) == AFTER_RESUME
+    for i in AFTER_RESUME:
+        assert abs(printed[i] - resumed.losses[i]) <= 1e-6 * abs(resumed.losses[i]), (i, printed)
 
 
 def test_tp2_checkpoint_resumes_with_tp1(runs):

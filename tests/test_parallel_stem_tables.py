@@ -15,7 +15,9 @@ import re
 import pytest
 import torch
 
-from multirank import PRETRAIN, TINY_GPT, assert_close_curves, require_ok, torchrun
+from multirank import PRETRAIN, TINY_GPT, Launches, assert_close_curves, require_ok
+
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
 # launch/pretrain.py with every torch.distributed collective wrapped: a call from a thread other
 # than the training thread fails the run (tests/dist/thread_guard.py).
@@ -32,42 +34,59 @@ VOCAB, FFN = 1024, 128  # padded vocab of TINY_GPT, --ffn-hidden-size
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stem_tables")
-    out = {"tmp": tmp}
+    launches = Launches(str(tmp))
 
-    def run(name, flags, nproc=2, env=None, entry=PRETRAIN):
-        out[name] = torchrun(name, str(tmp), STEM + flags, nproc=nproc, env=env, entry=entry)
+    def run(name, flags, nproc=2, env=None, entry=PRETRAIN, alone=False):
+        launches.add(name, STEM + flags, nproc=nproc, env=env, entry=entry, alone=alone)
+
+    # In the order they run. Trainings of one rank count share a launch (tests/multirank.py,
+    # Launches), so those of a count are together, each resume after the run it loads from.
+    at5 = ["--ckpt-step", "5"]
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    vpp = pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    evals = ["--eval-interval", "4", "--eval-iters", "2"]
 
     run("ref", ["--save", str(tmp / "ck_ref"), "--save-interval", "5"], nproc=1)  # 4 micro-b.
+
+    # Two ranks.
     run("cpu_vocab_dp2", CPU_VOCAB + ["--stem-dump-tables", str(tmp / "dump_cpu_vocab"),
                                       "--save", str(tmp / "ck_vocab"), "--save-interval", "5"])
     # Resume at step 5 with another DP size, sharding or placement (and the model weights of an
     # ordinary checkpoint into managed tables and back).
-    at5 = ["--ckpt-step", "5"]
-    run("resume_gpu_vocab_dp1", ["--stem-table-sharding", "vocab", "--load",
-                                 str(tmp / "ck_vocab")] + at5, nproc=1)
     run("resume_cpu_replicated_dp2", ["--stem-table-placement", "cpu", "--load",
                                       str(tmp / "ck_vocab")] + at5)
     run("managed_from_ordinary", CPU_VOCAB + ["--load", str(tmp / "ck_ref"), "--no-load-optim",
                                               "--train-iters", "6"] + at5)
-    run("ordinary_from_managed", ["--load", str(tmp / "ck_vocab"), "--no-load-optim",
-                                  "--train-iters", "6"] + at5, nproc=1)
-    run("bad_vocab", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--vocab-size", "2000"],
-        nproc=1)
-    run("bad_ffn", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--ffn-hidden-size", "64"],
-        nproc=1)
     run("cpu_vocab_dp2_no_prefetch", CPU_VOCAB + ["--no-stem-prefetch"])
     run("cpu_replicated_dp2", ["--stem-table-placement", "cpu", "--stem-cpu-threads", "3"])
     # Megatron's distributed optimizer (with overlapped gradient reduce and parameter gather) for
     # the rest of the model, chained with the table optimizer.
     run("cpu_vocab_dp2_dopt", CPU_VOCAB + ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                            "--overlap-param-gather"])
+    # Sparse, overlapped table step (prefetch on) vs synchronous, with evaluation and a checkpoint
+    # between steps while the step of the rows may still run in the background.
+    run("sparse_dp2", CPU_VOCAB + ["--stem-optimizer", "sparse", "--save",
+                                   str(tmp / "ck_sparse"), "--save-interval", "5"] + evals)
+    run("sparse_dp2_no_prefetch", CPU_VOCAB + ["--stem-optimizer", "sparse",
+                                               "--no-stem-prefetch"] + evals)
+    # Tiered tables (a quarter of the rows in the "GPU" tier: the model's device, here the CPU).
+    run("tiered_dp2", TIERED + ["--stem-dump-tables", str(tmp / "dump_tiered"), "--save",
+                                str(tmp / "ck_tiered"), "--save-interval", "5"])
+    run("tiered_sparse_dp2_no_prefetch", TIERED + ["--stem-optimizer", "sparse",
+                                                   "--no-stem-prefetch"] + evals)
+    # Across placements and DP sizes.
+    run("resume_tiered_dp2_from_cpu", TIERED + ["--load", str(tmp / "ck_vocab")] + at5)
+    run("tiered_from_ordinary", TIERED + ["--load", str(tmp / "ck_ref"), "--no-load-optim",
+                                          "--train-iters", "6"] + at5)
     # The fused lookup-and-gate kernel on the managed rows (Triton's interpreter on the CPU).
     run("cpu_vocab_dp2_kernel", CPU_VOCAB + ["--stem-kernel", "triton"],
         env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
-    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+    # Four ranks.
     run("ref_tp2_dp2", tp2, nproc=4)
     run("gpu_vocab_tp2_dp2", ["--stem-table-sharding", "vocab"] + tp2, nproc=4)
-    pp2 = ["--pipeline-model-parallel-size", "2"]
+    run("tiered_tp2_dp2", TIERED + tp2, nproc=4)
     run("ref_pp2_dp2", pp2, nproc=4)
     run("cpu_vocab_pp2_dp2", CPU_VOCAB + pp2 + ["--stem-row-ownership", "contiguous"], nproc=4)
     # Full recompute under 1F1B: a recomputed layer must read its own micro-batch's rows, not
@@ -78,7 +97,6 @@ def runs(tmp_path_factory):
     # Interleaved 1F1B: both chunks of the second stage (layers 1 and 3) have tables, so two
     # chunks share the rank's background thread and prefetch group (measured: a gloo collective
     # mismatch when each chunk had its own thread).
-    vpp = pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
     run("ref_pp2_vpp_dp2", vpp, nproc=4)
     run("cpu_vocab_pp2_vpp_dp2", CPU_VOCAB + vpp, nproc=4)
     run("sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse", "--save",
@@ -87,48 +105,46 @@ def runs(tmp_path_factory):
     run("sparse_pp2_vpp_dp2_no_prefetch", CPU_VOCAB + vpp + ["--stem-optimizer", "sparse",
                                                              "--no-stem-prefetch"], nproc=4)
     # Its step-5 checkpoint, whose global rank 0 holds no tables (stage 0: layers 0 and 2),
-    # resumed interleaved, and as PP=2 x DP=1 (stage 0: layers 0 and 1).
+    # resumed interleaved, and as PP=2 x DP=1 (stage 0: layers 0 and 1, below).
     run("resume_sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + [
         "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5, nproc=4)
-    run("resume_sparse_pp2_dp1", CPU_VOCAB + pp2 + [
-        "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5)
-    # Sparse, overlapped table step (prefetch on) vs synchronous, with evaluation and a checkpoint
-    # between steps while the step of the rows may still run in the background.
-    evals = ["--eval-interval", "4", "--eval-iters", "2"]
-    run("sparse_dp2", CPU_VOCAB + ["--stem-optimizer", "sparse", "--save",
-                                   str(tmp / "ck_sparse"), "--save-interval", "5"] + evals)
-    run("sparse_dp2_no_prefetch", CPU_VOCAB + ["--stem-optimizer", "sparse",
-                                               "--no-stem-prefetch"] + evals)
-    run("sparse_dp1", CPU_VOCAB + ["--stem-optimizer", "sparse"], nproc=1)
-    run("resume_sparse_replicated_dp1", ["--stem-table-placement", "cpu", "--stem-optimizer",
-                                         "sparse", "--load", str(tmp / "ck_sparse"),
-                                         "--ckpt-step", "5"], nproc=1)
-    run("resume_sparse_as_dense", CPU_VOCAB + ["--load", str(tmp / "ck_sparse"),
-                                               "--ckpt-step", "5"], nproc=1)
-    # Tiered tables (a quarter of the rows in the "GPU" tier: the model's device, here the CPU).
-    run("tiered_dp2", TIERED + ["--stem-dump-tables", str(tmp / "dump_tiered"), "--save",
-                                str(tmp / "ck_tiered"), "--save-interval", "5"])
-    run("tiered_tp2_dp2", TIERED + tp2, nproc=4)
-    # These two run with every torch.distributed collective wrapped (THREAD_GUARD): two chunks
-    # of tables per rank, and sparse with evaluation and a checkpoint; prefetch and the
-    # overlapped table step on in both.
+
+    # These two run with every torch.distributed collective wrapped (THREAD_GUARD), each in its
+    # own launch: two chunks of tables per rank, and sparse with evaluation and a checkpoint;
+    # prefetch and the overlapped table step on in both.
     run("tiered_pp2_vpp_dp2_recompute", TIERED + vpp + [
         "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"], nproc=4, entry=THREAD_GUARD)
     run("tiered_sparse_dp2", TIERED + ["--stem-optimizer", "sparse", "--save",
                                        str(tmp / "ck_tiered_sparse"), "--save-interval", "5"]
         + evals, entry=THREAD_GUARD)
-    run("tiered_sparse_dp2_no_prefetch", TIERED + ["--stem-optimizer", "sparse",
-                                                   "--no-stem-prefetch"] + evals)
-    # Across placements and DP sizes, and with the GPU tier chosen anew at resume.
-    run("resume_tiered_dp2_from_cpu", TIERED + ["--load", str(tmp / "ck_vocab")] + at5)
+    run("resume_sparse_pp2_dp1", CPU_VOCAB + pp2 + [
+        "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5)
+
+    # One rank: resumes from the checkpoints above.
+    run("resume_gpu_vocab_dp1", ["--stem-table-sharding", "vocab", "--load",
+                                 str(tmp / "ck_vocab")] + at5, nproc=1)
+    run("ordinary_from_managed", ["--load", str(tmp / "ck_vocab"), "--no-load-optim",
+                                  "--train-iters", "6"] + at5, nproc=1)
+    run("sparse_dp1", CPU_VOCAB + ["--stem-optimizer", "sparse"], nproc=1)
+    run("resume_sparse_replicated_dp1", ["--stem-table-placement", "cpu", "--stem-optimizer",
+                                         "sparse", "--load", str(tmp / "ck_sparse"),
+                                         "--ckpt-step", "5"], nproc=1)
     run("resume_cpu_dp1_from_tiered", CPU_VOCAB + ["--load", str(tmp / "ck_tiered")] + at5,
         nproc=1)
-    run("tiered_from_ordinary", TIERED + ["--load", str(tmp / "ck_ref"), "--no-load-optim",
-                                          "--train-iters", "6"] + at5)
+    # With the GPU tier chosen anew at resume.
     run("resume_tiered_sparse_dp1_other_tier", TIERED + [
         "--stem-gpu-tier", "100", "--stem-optimizer", "sparse", "--load",
         str(tmp / "ck_tiered_sparse")] + at5, nproc=1)
+    # Refused checkpoints: each fails, so each has its own launch.
+    run("bad_vocab", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--vocab-size", "2000"],
+        nproc=1, alone=True)
+    run("bad_ffn", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--ffn-hidden-size", "64"],
+        nproc=1, alone=True)
+    run("resume_sparse_as_dense", CPU_VOCAB + ["--load", str(tmp / "ck_sparse"),
+                                               "--ckpt-step", "5"], nproc=1, alone=True)
+    out = launches.run()
+    out["tmp"] = tmp
     return out
 
 

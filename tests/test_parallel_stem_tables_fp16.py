@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import TINY_GPT, require_ok, torchrun
+from multirank import TINY_GPT, require_ok, torchrun_many
+
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
 FP16 = TINY_GPT + ["--model-family", "stem", "--stem-layers", "1,3", "--train-iters", "10",
                    "--fp16", "--initial-loss-scale", "67108864", "--hysteresis", "1",
@@ -22,9 +24,9 @@ FP16 = TINY_GPT + ["--model-family", "stem", "--stem-layers", "1,3", "--train-it
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("stem_tables_fp16"))
-    return {"ordinary": torchrun("ordinary", tmp, FP16),
-            "managed": torchrun("managed", tmp, FP16 + ["--stem-table-placement", "cpu",
-                                                        "--stem-table-sharding", "vocab"])}
+    return torchrun_many(tmp, [("ordinary", FP16),
+                               ("managed", FP16 + ["--stem-table-placement", "cpu",
+                                                   "--stem-table-sharding", "vocab"])])
 
 
 def test_skipped_steps_and_losses_match(runs):

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun
+from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
 # k = 2 of 4 experts of rank 4; D'_ff from Eq. 8 (112 for this shape: divisible by TP=2).
 SMOE = TINY_GPT + ["--model-family", "structmoe", "--structmoe-num-experts", "4",
@@ -24,38 +26,37 @@ FIRST5 = [1, 2, 3, 4, 5]
 LAYERS, EXPERTS = 4, 4
 
 
-def init_checkpoint(name, tmp, flags):
-    """One step of training saved as the common start; returns the flags to start from it."""
-    path = str(tmp / name)
-    run = require_ok(torchrun(name, str(tmp), flags + [
-        "--train-iters", "1", "--lr-warmup-iters", "0", "--save", path, "--save-interval", "1"]))
-    return ["--load", path, "--finetune"], run
+def init_flags(path):
+    """One step of training saved as the common start (``--save path``)."""
+    return ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", path, "--save-interval", "1"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structmoe_parallel")
-    ck_tp2 = str(tmp / "ck_tp2")
-    start, init = init_checkpoint("init", tmp, SMOE)
-    r = {"init": init}
-    r["ref"] = torchrun("ref", str(tmp), SMOE + ITERS + start)  # TP=1 x DP=2, 2 micro-batches
-    r["tp2"] = torchrun("tp2", str(tmp), SMOE + ITERS + start + TP2 +
-                        ["--save", ck_tp2, "--save-interval", "3"])
-    r["tp2_sp"] = torchrun("tp2_sp", str(tmp), SMOE + ITERS + start + TP2 + ["--sequence-parallel"])
-    # The fused router + codes kernel (Triton's interpreter on the CPU) under TP=2 + SP.
-    r["tp2_sp_triton"] = torchrun("tp2_sp_triton", str(tmp), SMOE + ITERS + start + TP2 +
-                                  ["--sequence-parallel", "--structmoe-backend", "triton"],
-                                  env={} if torch.cuda.is_available() else
-                                  {"TRITON_INTERPRET": "1"})
-    r["dp1"] = torchrun("dp1", str(tmp), SMOE + ITERS + start, nproc=1)  # 4 micro-batches
+    ck_tp2, ck_init, ck_gelu = (str(tmp / n) for n in ("ck_tp2", "init", "gelu_init"))
+    start, gelu_start = (["--load", ck, "--finetune"] for ck in (ck_init, ck_gelu))
     resume = ["--load", ck_tp2, "--ckpt-step", "3"]
-    r["resume_tp2"] = torchrun("resume_tp2", str(tmp), SMOE + ITERS + TP2 + resume)
-    r["resume_tp2_as_tp1"] = torchrun("resume_tp2_as_tp1", str(tmp), SMOE + ITERS + resume)
-    gelu_start, _ = init_checkpoint("gelu_init", tmp, GELU_GLU)
-    r["gelu_ref"] = torchrun("gelu_ref", str(tmp), GELU_GLU + ITERS + gelu_start +
-                             ["--structmoe-backend", "grouped"])
-    r["gelu_tp2_sp"] = torchrun("gelu_tp2_sp", str(tmp), GELU_GLU + ITERS + gelu_start + TP2 +
-                                ["--sequence-parallel", "--structmoe-backend", "dense-masked"])
+    # In order; those of 2 ranks in one launch (tests/multirank.py, Launches).
+    launches = Launches(str(tmp))
+    launches.add("init", SMOE + init_flags(ck_init))
+    launches.add("ref", SMOE + ITERS + start)  # TP=1 x DP=2, 2 micro-batches
+    launches.add("tp2", SMOE + ITERS + start + TP2 + ["--save", ck_tp2, "--save-interval", "3"])
+    launches.add("tp2_sp", SMOE + ITERS + start + TP2 + ["--sequence-parallel"])
+    launches.add("resume_tp2", SMOE + ITERS + TP2 + resume)
+    launches.add("resume_tp2_as_tp1", SMOE + ITERS + resume)
+    launches.add("gelu_init", GELU_GLU + init_flags(ck_gelu))
+    launches.add("gelu_ref", GELU_GLU + ITERS + gelu_start + ["--structmoe-backend", "grouped"])
+    launches.add("gelu_tp2_sp", GELU_GLU + ITERS + gelu_start + TP2 +
+                 ["--sequence-parallel", "--structmoe-backend", "dense-masked"])
+    # The fused router + codes kernel (Triton's interpreter on the CPU) under TP=2 + SP.
+    launches.add("tp2_sp_triton", SMOE + ITERS + start + TP2 +
+                 ["--sequence-parallel", "--structmoe-backend", "triton"],
+                 env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
+    launches.add("dp1", SMOE + ITERS + start, nproc=1)  # 4 micro-batches
+    r = launches.run()
+    require_ok(r["init"])
+    require_ok(r.pop("gelu_init"))
     return r
 
 

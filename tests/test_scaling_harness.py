@@ -139,7 +139,9 @@ def test_torchrun_command_cpu():
     cmd = sh.torchrun_command(opts.layout_list[0], opts, extra, "/r.json", cuda=False)
     text = " ".join(cmd)
     assert "--nproc_per_node=2" in cmd and "--train-iters 7" in text
-    assert "--tensor-model-parallel-size 2" in text and "--distributed-backend gloo" in text
+    assert "--tensor-model-parallel-size 2" in text
+    # gloo and the rest come from the entry point's CPU defaults (megatron_ext/compat/cpu.py).
+    assert "--distributed-backend" not in text and "--use-cpu-initialization" not in text
     assert "--vocab-size 511" in text and "--ext-run-report /r.json" in text
     assert cmd[-2:] == ["--seed", "7"]  # the user's flags come last, so they win
 

@@ -10,6 +10,8 @@ import pytest
 
 from multirank import ROOT, launch_ranks
 
+pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
+
 SCRIPT = os.path.join(ROOT, "tests", "dist", "stem_exchange_check.py")
 
 

@@ -369,6 +369,31 @@ def _patch_uneven_sequence_parallel_collectives() -> None:
 
 _mode: _CudaToCpuMode | None = None
 
+# Megatron flags a CPU run needs, given by default when the CPU backend is active (no CUDA); a
+# flag the user gives wins. (flag, value or None, the flags that count as the user's choice)
+CPU_DEFAULT_FLAGS = [
+    ("--distributed-backend", "gloo", ("--distributed-backend",)),  # NCCL needs GPUs
+    ("--use-cpu-initialization", None, ("--use-cpu-initialization",)),
+    # Fused CUDA kernels (Apex / Transformer Engine / nvFuser): the unfused paths compute the same.
+    ("--no-gradient-accumulation-fusion", None, ("--no-gradient-accumulation-fusion",)),
+    ("--no-masked-softmax-fusion", None, ("--no-masked-softmax-fusion",)),
+    ("--no-bias-swiglu-fusion", None, ("--no-bias-swiglu-fusion",)),
+    ("--no-rope-fusion", None, ("--no-rope-fusion",)),
+]
+
+
+def default_flags(argv: List[str]) -> tuple:
+    """``argv`` with the CPU backend's defaults added where the user gave none (only while the
+    backend is installed: never with CUDA), and the flags added."""
+    if not _INSTALLED:
+        return list(argv), []
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    added: List[str] = []
+    for flag, value, choices in CPU_DEFAULT_FLAGS:
+        if not given.intersection(choices):
+            added += [flag] if value is None else [flag, value]
+    return list(argv) + added, added
+
 
 def install() -> bool:
     """Install the CPU backend if (and only if) CUDA is unavailable. Returns whether it is active."""

@@ -125,10 +125,39 @@ def _fix_help_percent_signs() -> bool:
     return True
 
 
+def _fix_first_logged_loss_after_resume() -> bool:
+    """After a resume the console's loss of the second iteration is the mean of the first two:
+    megatron-core 0.19.2's ``training_log`` keeps its accumulators on a process's first iteration
+    (``should_reset = not is_first_iteration``, meant for a first iteration inside a logging
+    interval), also when that iteration ends an interval, so the next interval adds to it.
+    Tensorboard has the right values. Extends ``megatron.training.training.training_log``: a first
+    iteration that ends a logging interval is logged as any other (its accumulators reset)."""
+    from megatron.training import training
+
+    upstream = training.training_log
+    if getattr(upstream, "_megatron_ext_first_iteration", False):
+        return False
+
+    @functools.wraps(upstream)
+    def training_log(*args, **kwargs):
+        if kwargs.get("is_first_iteration"):
+            from megatron.training import get_args
+
+            iteration = args[3] if len(args) > 3 else kwargs["iteration"]
+            if iteration % get_args().log_interval == 0:
+                kwargs["is_first_iteration"] = False
+        return upstream(*args, **kwargs)
+
+    training_log._megatron_ext_first_iteration = True
+    training.training_log = training_log
+    return True
+
+
 FIXES = {
     "distrib_optimizer_torch_adam_resume": _fix_distrib_optimizer_torch_adam_resume,
     "prebuilt_dataset_helpers": _fix_prebuilt_dataset_helpers,
     "help_percent_signs": _fix_help_percent_signs,
+    "first_logged_loss_after_resume": _fix_first_logged_loss_after_resume,
 }
 
 

@@ -14,6 +14,25 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_output_path(target: str, flag: str = "--out") -> None:
+    """Fail before any work when ``target`` cannot be created: its nearest existing ancestor is
+    a file, or not writable (a read-only file system). Raises ``ValueError`` naming the path;
+    creates nothing."""
+    target = os.path.abspath(target)
+    ancestor = target
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if ancestor == target:
+        if not os.path.isdir(target):
+            raise ValueError(f"{flag} {target}: exists and is not a directory")
+        ancestor = os.path.dirname(target)  # the directory is replaced: its parent is written
+    elif not os.path.isdir(ancestor):
+        raise ValueError(f"{flag} {target}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {target}: cannot write in {ancestor} (read-only file system or "
+                         "no permission)")
+
+
 @contextlib.contextmanager
 def staged_directory(target: str) -> Iterator[str]:
     """A fresh directory beside ``target`` to write into; renamed to ``target`` when the block
@@ -22,8 +41,12 @@ def staged_directory(target: str) -> Iterator[str]:
     only replaces an absent or empty directory)."""
     target = os.path.abspath(target)
     parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=parent)
+    except OSError as exc:
+        raise ValueError(f"{target}: cannot create the output directory ({exc.strerror or exc}: "
+                         f"{exc.filename or parent})") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename

@@ -30,7 +30,8 @@ import torch
 
 from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
 from megatron_ext.convert.layout import split_gated_fc1, split_qkv
-from megatron_ext.convert.output import DTYPES, progress as progress_bar, staged_directory
+from megatron_ext.convert.output import (DTYPES, check_output_path, progress as progress_bar,
+                                         staged_directory)
 
 HF_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 HF_CODE_FILES = ("configuration_megatron_ext.py", "modeling_megatron_ext.py")
@@ -485,6 +486,7 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} exists; choose a new --out (or pass --overwrite)")
+    check_output_path(out)  # before reading the checkpoint
     ck = MegatronCheckpoint(load, step)
     vocab, tok = tokenizer_info(ck, tokenizer, vocab_size)
     desc = describe(ck, vocab)

@@ -372,6 +372,9 @@ def install() -> None:
     configuration has managed tables)."""
     from megatron.training import training
 
+    from megatron_ext.training import log_hooks
+
+    log_hooks.register(report_stats)  # again after a teardown (megatron_ext/training/teardown.py)
     upstream = training.get_megatron_optimizer
     if getattr(upstream, "_stem_tables", False):
         return
@@ -396,6 +399,3 @@ def install() -> None:
 
     get_megatron_optimizer._stem_tables = True
     training.get_megatron_optimizer = get_megatron_optimizer
-    from megatron_ext.training import log_hooks
-
-    log_hooks.register(report_stats)

@@ -16,8 +16,34 @@ def _default_transformer_impl(argv):
     return argv + ["--transformer-impl", "local"]
 
 
+def exit_with_launcher() -> None:
+    """Ask Linux to end this process (SIGTERM) when the process that started it dies.
+
+    torchrun starts its workers in sessions of their own, so a SIGKILL of the launcher (a job
+    scheduler's hard stop, a ``kill -9``) left them training and saving checkpoints on their own.
+    ``prctl(PR_SET_PDEATHSIG)`` ties each worker to its launcher; if the launcher died before
+    that took effect, exit now. Elsewhere than Linux: nothing."""
+    import ctypes
+    import os
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before prctl took effect
+        raise SystemExit("megatron-ext: the launcher of this process is gone; exiting")
+
+
 def main(argv=None) -> None:
     import os
+
+    exit_with_launcher()
 
     # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
     # scripts export it. A value set by the user wins.
@@ -41,6 +67,10 @@ def main(argv=None) -> None:
         from megatron_ext.training.dry_run import main as dry_run_main
 
         raise SystemExit(dry_run_main(expanded, raw_argv))
+    expanded, cpu_added = cpu.default_flags(expanded)
+    if cpu_added and os.environ.get("RANK", "0") == "0":
+        print(f"megatron-ext: no CUDA: CPU backend defaults {' '.join(cpu_added)} "
+              "(docs/cpu_backend.md; a flag given wins)", flush=True)
     sys.argv = [sys.argv[0]] + _default_transformer_impl(expanded)
 
     from megatron.core.enums import ModelType
@@ -78,9 +108,13 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     try:
-        from megatron_ext.training.preflight import check_data_paths, check_save_dir
+        from megatron_ext.training.preflight import (check_data_paths, check_load_dir,
+                                                     check_save_dir)
 
         check_data_paths(args)
+        note = check_load_dir(args.load, args.save)  # before --save's directory is made
+        if note and os.environ.get("RANK", "0") == "0":
+            print(f"megatron-ext: {note}", flush=True)
         check_save_dir(args.save, int(os.environ.get("RANK", "0")))
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None

@@ -50,3 +50,31 @@ def check_save_dir(save: Optional[str], rank: int = 0) -> None:
     except OSError as exc:
         raise ValueError(f"--save={save}: cannot create or write the checkpoint directory "
                          f"({exc.strerror or exc}); checkpoints would fail at the first save")
+
+
+# Megatron's tracker file (megatron.training.checkpointing.get_checkpoint_tracker_filename).
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def has_checkpoint(path: str) -> bool:
+    """``path`` holds a Megatron checkpoint: its tracker file, an ``iter_*`` or ``release``
+    directory (``--ckpt-step`` reads an ``iter_*`` directory without the tracker)."""
+    if not os.path.isdir(path):
+        return False
+    return any(name == TRACKER or name == "release" or
+               (name.startswith("iter_") and os.path.isdir(os.path.join(path, name)))
+               for name in os.listdir(path))
+
+
+def check_load_dir(load: Optional[str], save: Optional[str]) -> Optional[str]:
+    """``--load`` names a checkpoint. Megatron warns and trains from scratch when it does not
+    (then saves into the mistyped directory): refused unless ``--load`` is also ``--save`` (the
+    auto-resume pattern, whose first run finds nothing), for which a line to print is returned."""
+    if not load or has_checkpoint(load):
+        return None
+    if save and os.path.realpath(load) == os.path.realpath(save):
+        return (f"--load={load}: no checkpoint there yet: training starts from scratch (the "
+                "directory is also --save, so a later run resumes from it)")
+    raise ValueError(f"--load={load}: no checkpoint there (no {TRACKER}, iter_* or release "
+                     "directory); a mistyped path would train from scratch. Check the path, or "
+                     "give the same directory to --save to start there and resume later")

@@ -1,0 +1,89 @@
+"""Several ``launch/pretrain.py`` trainings in one launch of the ranks, one after the other.
+
+Usage (as ``tests/multirank.torchrun_many`` launches it): ``python tests/dist/multi_config.py
+PLAN.json``, where the plan is ``[{"name", "argv", "log_dir"}, ...]``.
+
+Most of a tiny test training is start-up: Python, torch and Megatron imports, the process group.
+Here they happen once per launch; between trainings Megatron's global state is torn down with
+``megatron_ext.training.teardown.destroy_training_state`` (upstream's
+``destroy_global_state``, what its in-process restart uses, and the state the plugin keeps per
+process). ``initialize_megatron`` then finds the process group up and builds the model
+parallel groups of the next training anew; every training seeds its generators itself.
+
+Each training's output (every rank's, fd 1 and 2) goes to ``log_dir/rank<R>.log``; a training
+that ends is marked there with ``MULTI-CONFIG OK``. A training that raises or exits ends the
+launch (this rank exits with its status; the launcher stops the others): the trainings after it
+are not run, and their logs say so by their absence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+OK = "MULTI-CONFIG OK"
+
+
+def teardown() -> None:
+    import torch
+
+    from megatron_ext.training.teardown import destroy_training_state
+
+    destroy_training_state()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def run_one(entry_main, name: str, argv, log_dir: str, rank: int) -> None:
+    os.makedirs(log_dir, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    status = 0
+    try:
+        sys.argv = [os.path.join(ROOT, "launch", "pretrain.py"), *argv]
+        try:
+            entry_main()
+        except SystemExit as exc:  # an error the entry point reports, or Megatron's early exit
+            code = exc.code
+            if code not in (None, 0):
+                print(code if isinstance(code, str) else f"exit status {code}", file=sys.stderr)
+                status = code if isinstance(code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        if status == 0:
+            teardown()
+            print(f"{OK} {name}", flush=True)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(log)
+    if status:
+        print(f"multi_config: {name} failed (status {status}); the rest of the launch is not run",
+              file=sys.stderr, flush=True)
+        os._exit(status)  # the launcher stops the other ranks
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    rank = int(os.environ.get("RANK", "0"))
+    from megatron_ext.training.entry import main as entry_main
+
+    for item in plan:
+        run_one(entry_main, item["name"], item["argv"], item["log_dir"], rank)
+
+
+if __name__ == "__main__":  # the guard matters: torch_dist checkpoint saving starts processes
+    main()
