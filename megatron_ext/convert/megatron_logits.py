@@ -44,7 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron_ext.training.presets import expand_argv
     from megatron_ext.training.entry import _default_transformer_impl
 
-    sys.argv = [sys.argv[0]] + _default_transformer_impl(expand_argv(rest)) + [
+    argv, _ = cpu.default_flags(expand_argv(rest))  # gloo etc. without CUDA, as pretrain
+    sys.argv = [sys.argv[0]] + _default_transformer_impl(argv) + [
         "--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
 
     import torch
@@ -63,7 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron_ext.training.model_provider import model_provider
 
     # megatron.training 0.19 parses the arguments before initialising (as ``pretrain`` callers do).
-    parse_and_validate_args(extra_args_provider=add_extension_args)
+    from megatron_ext.training.arguments import drop_unavailable_fusions
+
+    drop_unavailable_fusions(parse_and_validate_args(extra_args_provider=add_extension_args))
     initialize_megatron()
     args = get_args()
     if args.load is None:
