@@ -34,13 +34,20 @@ def tokens(seed: int = 0, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, SEQ), generator=g)
 
 
+def train_flags(workdir: str, name: str, flags: Sequence[str], iters: int = 2,
+                extra: Sequence[str] = ()) -> tuple:
+    """The flags of a short training run that saves its last iteration, and its --save
+    directory (``train``; or add them to a ``multirank.Launches``)."""
+    save = os.path.join(workdir, name, "ckpt")
+    return base(flags) + ["--train-iters", str(iters), "--save", save, "--save-interval",
+                          str(iters), *extra], save
+
+
 def train(workdir: str, name: str, flags: Sequence[str], nproc: int = 2, iters: int = 2,
           extra: Sequence[str] = ()) -> str:
     """A short training run that saves its last iteration; returns the --save directory."""
-    save = os.path.join(workdir, name, "ckpt")
-    require_ok(torchrun(name, workdir, base(flags) + [
-        "--train-iters", str(iters), "--save", save, "--save-interval", str(iters), *extra],
-        nproc=nproc))
+    full, save = train_flags(workdir, name, flags, iters, extra)
+    require_ok(torchrun(name, workdir, full, nproc=nproc))
     return save
 
 

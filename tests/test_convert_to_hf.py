@@ -7,7 +7,8 @@ rank: the classic conversion bugs), STEM tables resident on the host and sharded
 (saved as row blocks by their DP owners), every STEM variant, StructMoE, Sigma with expert
 parallelism before the sparsification switch (per-layer top-k: exported code) and after it
 (uniform top-1: native Qwen3-MoE, loaded without remote code). Each torchrun launch costs 20-40 s
-here, so each family trains once and is evaluated under the layouts it was not trained with.
+here, so each family trains once (all seven trainings in one launch: tests/multirank.py, Launches)
+and is evaluated under the layouts it was not trained with.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import os
 
 import pytest
 
-from convert_support import TIED, hf_logits, hf_model, megatron_logits, to_hf, tokens, train
+from convert_support import (TIED, hf_logits, hf_model, megatron_logits, to_hf, tokens,
+                             train_flags)
+from multirank import Launches, require_ok
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -73,10 +76,36 @@ def _check_directory(out: str, arch: str) -> dict:
     return cfg
 
 
+SIGMA_EP2 = "sigma_ep2"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Every case's training run (and Sigma's, saving each of its 3 steps), in one launch of 2
+    ranks (tests/multirank.py, Launches): the --save directory of each."""
+    workdir = str(tmp_path_factory.mktemp("to_hf_train"))
+    launches, saves = Launches(workdir), {}
+    for case, (model, train_layout, _, _) in CASES.items():
+        flags, saves[case] = train_flags(workdir, case, model + train_layout)
+        launches.add(case, flags)
+    flags, saves[SIGMA_EP2] = train_flags(workdir, SIGMA_EP2,
+                                          SIGMA + ["--expert-model-parallel-size", "2"], iters=3,
+                                          extra=["--save-interval", "1"])
+    launches.add(SIGMA_EP2, flags)
+    runs = launches.run()
+    return {name: (runs[name], save) for name, save in saves.items()}
+
+
+def trained(checkpoints, name):
+    run, save = checkpoints[name]
+    require_ok(run)
+    return save
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_megatron(case, tmp_path):
+def test_logits_match_megatron(case, checkpoints, tmp_path):
     model, train_layout, layouts, arch = CASES[case]
-    ck = train(str(tmp_path), "train", model + train_layout)
+    ck = trained(checkpoints, case)
     # A small shard size: the output has several shards and an index that must cover them.
     out = to_hf(ck, str(tmp_path / "hf"), "--max-shard-size", "300KB")
     _check_directory(out, arch)
@@ -110,11 +139,10 @@ def _lm_eval(model, tmp_path):
     assert out["results"][lm.TASK]["acc,none"] == pytest.approx(acc)
 
 
-def test_sigma_before_and_after_the_switch(tmp_path):
+def test_sigma_before_and_after_the_switch(checkpoints, tmp_path):
     """Expert parallelism in training; before the switch layers 0-1 route to 2 experts (exported
     code, per-layer top-k), after it every layer to 1 (native Qwen3-MoE, no remote code)."""
-    ck = train(str(tmp_path), "train", SIGMA + ["--expert-model-parallel-size", "2"], iters=3,
-               extra=["--save-interval", "1"])
+    ck = trained(checkpoints, SIGMA_EP2)
     ids = tokens(1)
     before = to_hf(ck, str(tmp_path / "hf_step1"), "--ckpt-step", "1")
     cfg = _check_directory(before, CUSTOM)
