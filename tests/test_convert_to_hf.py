@@ -159,3 +159,57 @@ def test_sigma_before_and_after_the_switch(checkpoints, tmp_path):
     diff = (hf_logits(hf, ids) - ref).abs().max().item()
     assert diff <= TOL, f"Sigma step 3 (TP=2 + SP): {diff:.2e}"
     assert hf.generate(ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoints, tmp_path):
+    """to-hf checks the checkpoint against the manifest the trainer wrote beside it: a truncated
+    .distcp (a bare EOFError from DCP before) and 4 KiB of garbage in one (converted silently
+    before) are refused in one line naming the file, with nothing written;
+    --no-verify-checkpoint converts the second anyway."""
+    import shutil
+    import subprocess
+    import sys
+
+    from multirank import ROOT
+
+    from megatron_ext import checkpoint_manifest as cm
+
+    save = trained(checkpoints, "dense_gqa")
+    folder, _ = cm.resolve_checkpoint_dir(save)
+
+    def run(load, out, *extra):
+        return subprocess.run([sys.executable, "-m", "megatron_ext.convert", "to-hf", "--load",
+                               load, "--out", out, "--no-progress", *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+
+    ok = run(save, str(tmp_path / "hf_ok"))
+    assert ok.returncode == 0, ok.stderr
+    assert f"{folder}: {len(cm.read_manifest(folder)['files'])} files match their checksums" \
+        in ok.stdout + ok.stderr
+    for damage in ("truncate", "garbage"):
+        copy = str(tmp_path / f"ck_{damage}")
+        shutil.copytree(save, copy)
+        cfolder, _ = cm.resolve_checkpoint_dir(copy)
+        target = os.path.join(cfolder, sorted(n for n in os.listdir(cfolder)
+                                              if n.endswith(".distcp"))[0])
+        size = os.path.getsize(target)
+        with open(target, "r+b") as f:
+            if damage == "truncate":
+                f.truncate(size // 2)
+            else:
+                f.seek(size // 2)
+                f.write(b"\x5a" * 4096)
+        out = str(tmp_path / f"hf_{damage}")
+        proc = run(copy, out)
+        assert proc.returncode == 2
+        why = (f"{size // 2} bytes, the manifest says {size} (truncated" if damage == "truncate"
+               else "its SHA-256 differs from the manifest's")
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"to-hf: error: checkpoint {cfolder} is damaged: {target}: {why}"
+            + (" or rewritten)" if damage == "truncate" else "")
+            + ". Load another iteration (--ckpt-step), or pass --no-verify-checkpoint to load "
+            "it anyway"), proc.stderr
+        assert "Traceback" not in proc.stderr and not os.path.exists(out)
+    unchecked = run(str(tmp_path / "ck_garbage"), str(tmp_path / "hf_unchecked"),
+                    "--no-verify-checkpoint")
+    assert unchecked.returncode == 0, unchecked.stderr

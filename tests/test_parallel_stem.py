@@ -4,12 +4,14 @@ identical whatever the layout. fp32, CPU, gloo, 2 ranks."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 
 import pytest
 import torch
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import TINY_GPT, Launches, assert_close_curves, require_ok, torchrun
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -23,6 +25,7 @@ DOPT = ["--use-distributed-optimizer"]
 FIRST5 = [1, 2, 3, 4, 5]
 INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 AFTER_RESUME = [4, 5, 6]
+CKPT = {}  # the fixture's checkpoint directories
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,7 @@ def runs(tmp_path_factory):
                  ["--sequence-parallel", "--stem-kernel", "triton"], env=INTERPRET)
     r = launches.run()
     require_ok(r.pop("init"))
+    CKPT.update(ref=ck_ref, workdir=str(tmp))
     return r
 
 
@@ -106,3 +110,42 @@ def test_distributed_optimizer_matches_and_resumes_exactly(runs):
     assert_close_curves(dopt, require_ok(runs["ref"]), [1, 2, 3, 4, 5, 6])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert resumed.curve(AFTER_RESUME) == dopt.curve(AFTER_RESUME)
+
+
+def test_saves_write_checksum_manifests_and_resume_verifies_them(runs):
+    """Every save of the trainer leaves a manifest (written by rank 0's manifest thread) that
+    matches the files; the resume checks the checkpoint against it before loading."""
+    from megatron_ext import checkpoint_manifest as cm
+
+    require_ok(runs["ref"])
+    for it in (3, 6):
+        folder = cm.iteration_dir(CKPT["ref"], it)
+        manifest = cm.verify(folder)
+        assert manifest is not None and manifest["iteration"] == it
+        assert sorted(manifest["files"]) == cm.checkpoint_files(folder)
+        assert any(n.endswith(".distcp") for n in manifest["files"])
+    resumed = require_ok(runs["resume"])
+    assert re.search(rf"megatron-ext: checkpoint {re.escape(cm.iteration_dir(CKPT['ref'], 3))}: "
+                     r"\d+ files match their checksums", resumed.log), resumed.log[-3000:]
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(runs):
+    """4 KiB of garbage written into a .distcp: DCP loads it silently (no checksums); the trainer
+    stops on every rank before loading, naming the file."""
+    from megatron_ext import checkpoint_manifest as cm
+
+    require_ok(runs["ref"])
+    damaged = os.path.join(CKPT["workdir"], "ck_damaged")
+    shutil.copytree(CKPT["ref"], damaged)
+    folder = cm.iteration_dir(damaged, 3)
+    target = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[-1]
+    with open(os.path.join(folder, target), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(folder, target)) // 2)
+        f.write(b"\x5a" * 4096)
+    run = torchrun("damaged_resume", CKPT["workdir"], STEM + ITERS +
+                   ["--load", damaged, "--ckpt-step", "3"])
+    assert run.returncode != 0
+    line = (f"megatron-ext: checkpoint {folder} is damaged: {os.path.join(folder, target)}: its "
+            "SHA-256 differs from the manifest's")
+    assert line in run.log, run.log[-3000:]
+    assert "Traceback" not in run.log

@@ -28,41 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be converted; the message says why and what to do."""
-
-
-def resolve_checkpoint_dir(path: str, step: Optional[int] = None) -> Tuple[str, Optional[int]]:
-    """``path`` is a ``--save`` directory (with ``latest_checkpointed_iteration.txt`` and
-    ``iter_*`` folders) or one ``iter_*`` folder. Returns the folder and its iteration."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if os.path.exists(os.path.join(path, ".metadata")):
-        m = re.search(r"iter_(\d+)$", os.path.normpath(path))
-        return path, int(m.group(1)) if m else None
-    if step is None:
-        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-        if not os.path.exists(tracker):
-            raise CheckpointError(
-                f"{path}: neither a checkpoint folder (.metadata) nor a --save directory with "
-                "latest_checkpointed_iteration.txt")
-        with open(tracker) as f:
-            text = f.read().strip()
-        if text == "release":  # Megatron's release checkpoints (e.g. written by from-hf)
-            folder = os.path.join(path, "release")
-            if not os.path.isdir(folder):
-                raise CheckpointError(f"{folder}: the tracker says 'release' but it is missing")
-            return folder, None
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', "
-                                  f"found {text!r}")
-        step = int(text)
-    folder = os.path.join(path, f"iter_{step:07d}")
-    if not os.path.isdir(folder):
-        have = sorted(d for d in os.listdir(path) if d.startswith("iter_"))
-        raise CheckpointError(f"{folder}: no checkpoint of iteration {step} (found: {have})")
-    return folder, step
+# The tracker, folder names and the checksum manifest (CheckpointError and resolve_checkpoint_dir
+# are re-exported for the converter's modules).
+from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
 
 
 class _RegionPlanner(LoadPlanner):

@@ -630,7 +630,11 @@ def convert(hf_dir: str, save: str, stem_layers: Optional[str] = None,
                 f"({'release' if iteration is None else f'iteration {iteration}'})")
             with _quiet(verbose):
                 save_megatron(model, iteration)
-            log(f"saved in {time.time() - t:.1f} s")
+            from megatron_ext.checkpoint_manifest import iteration_dir, write_manifest
+
+            manifest = write_manifest(iteration_dir(tmp, iteration), iteration)
+            log(f"saved in {time.time() - t:.1f} s (checksum manifest: {len(manifest['files'])} "
+                f"files, {manifest['seconds']:.1f} s of it)")
             info = describe_result(hf_dir, save, m, stem, divisible_by, padded, iteration,
                                    dtype)
             with open(os.path.join(tmp, INFO_FILE), "w") as f:

@@ -28,6 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from megatron_ext.checkpoint_manifest import resolve_checkpoint_dir, unverified_note
+from megatron_ext.checkpoint_manifest import verify as verify_manifest
 from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
 from megatron_ext.convert.layout import split_gated_fc1, split_qkv
 from megatron_ext.convert.output import (DTYPES, check_output_path, progress as progress_bar,
@@ -481,12 +483,20 @@ def tokenizer_info(ck: MegatronCheckpoint, tokenizer_dir: Optional[str], vocab: 
 def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto",
             max_shard_size: str = "2GB", tokenizer: Optional[str] = None,
             vocab_size: Optional[int] = None, overwrite: bool = False,
-            progress: bool = True) -> str:
-    """Convert and return ``out``. See the module docstring."""
+            progress: bool = True, verify: bool = True) -> str:
+    """Convert and return ``out``. See the module docstring. ``verify``: check the checkpoint's
+    files against its checksum manifest first (megatron_ext/checkpoint_manifest.py)."""
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} exists; choose a new --out (or pass --overwrite)")
     check_output_path(out)  # before reading the checkpoint
+    if verify:
+        folder, _ = resolve_checkpoint_dir(load, step)
+        start = time.time()
+        manifest = verify_manifest(folder)  # before DCP reads a damaged file
+        log(unverified_note(folder) if manifest is None else
+            f"{folder}: {len(manifest['files'])} files match their checksums "
+            f"({manifest['bytes'] / 2**20:.1f} MiB, {time.time() - start:.1f} s)")
     ck = MegatronCheckpoint(load, step)
     vocab, tok = tokenizer_info(ck, tokenizer, vocab_size)
     desc = describe(ck, vocab)
@@ -560,11 +570,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="true vocabulary size (default: from the tokenizer)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="read the checkpoint without checking its files against the checksum "
+                        "manifest written beside it at save time")
     a = p.parse_args(argv)
     try:
         convert(a.load, a.out, step=a.ckpt_step, dtype=a.dtype, max_shard_size=a.max_shard_size,
                 tokenizer=a.tokenizer, vocab_size=a.vocab_size, overwrite=a.overwrite,
-                progress=not a.no_progress)
+                progress=not a.no_progress, verify=not a.no_verify_checkpoint)
     except (CheckpointError, ValueError) as e:
         print(f"to-hf: error: {e}", file=sys.stderr)
         return 2

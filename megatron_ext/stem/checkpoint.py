@@ -233,21 +233,14 @@ def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],
     fit this model's ``[vocab, d_ff]`` (``expected``: checkpoint key -> shape): ``d_ff`` must be
     equal; the (padded) vocabulary may differ, as the padding depends on the TP size, as long as
     the checkpoint has a row for each of the tokenizer's ``token_ids`` ids."""
-    import os
-
     from megatron.core import dist_checkpointing
-    from megatron.training.checkpointing import read_metadata
 
-    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
+    from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
+
+    try:
+        path, _ = resolve_checkpoint_dir(load_dir, step)
+    except CheckpointError:
         return  # nothing to load (Megatron says so itself)
-    iteration, release = read_metadata(tracker)
-    if step:
-        iteration, release = step, False
-    name = "release" if release else f"iter_{iteration:07d}"
-    path = os.path.join(load_dir, name)
-    if not os.path.isdir(path):
-        return
     try:
         metadata = dist_checkpointing.load_tensors_metadata(path)
     except Exception:  # not a torch_dist checkpoint: Megatron's loader reports it

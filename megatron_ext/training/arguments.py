@@ -40,6 +40,9 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="manifest.json written by megatron_ext.training.data_prep; checked "
                             "against the tokenizer at start-up (found automatically next to a "
                             "--data-path prefix)")
+    group.add_argument("--no-verify-checkpoint", action="store_true",
+                       help="load --load's checkpoint without checking its files against the "
+                            "checksum manifest written beside it at save time")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,

@@ -143,9 +143,18 @@ def main(argv=None) -> None:
         from megatron_ext.training.run_report import install as install_run_report
 
         install_run_report(args.ext_run_report)
+    # Last: its load check runs before the others' (they read the checkpoint it verifies).
+    from megatron_ext.checkpoint_manifest import CheckpointError
+    from megatron_ext.training import checkpoint_hooks
+
+    checkpoint_hooks.install()
     cfg = pretrain_cfg_container_from_args(args)
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=model_provider)
+    try:
+        pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                 forward_step, model_provider=model_provider)
+    except CheckpointError as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
+    checkpoint_hooks.WRITER.wait()  # the last save's manifest
     if stem is not None and stem.managed_tables and args.stem_dump_tables:
         from megatron_ext.stem.table_optimizer import dump_tables
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from megatron_ext.checkpoint_manifest import TRACKER
+
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
@@ -52,8 +54,6 @@ def check_save_dir(save: Optional[str], rank: int = 0) -> None:
                          f"({exc.strerror or exc}); checkpoints would fail at the first save")
 
 
-# Megatron's tracker file (megatron.training.checkpointing.get_checkpoint_tracker_filename).
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def has_checkpoint(path: str) -> bool:

@@ -26,6 +26,9 @@ def destroy_training_state() -> None:
     from megatron_ext.training import log_hooks, run_report
 
     WORKER.wait()
+    from megatron_ext.training.checkpoint_hooks import WRITER
+
+    WRITER.wait()
     try:
         writer = get_tensorboard_writer()
     except Exception:  # global state already gone

@@ -1,0 +1,126 @@
+"""Checksum manifests for the trainer's checkpoints (``megatron_ext/checkpoint_manifest.py``).
+
+Wraps ``megatron.training.training.save_checkpoint`` (the name ``pretrain`` and
+``save_checkpoint_and_time`` call): after upstream's save of a persistent checkpoint, rank 0
+hands the folder to ``WRITER``, whose thread hashes it once complete (at once for a synchronous
+save, whose tracker upstream has written before returning; for ``--async-save`` when the
+tracker names the iteration). Non-persistent checkpoints (``--non-persistent-save-interval``)
+are replaced by the next one and get no manifest.
+
+Wraps ``megatron.training.training.load_checkpoint``: before upstream reads, the ranks check the
+folder it will read against its manifest, each rank hashing its share of the files (the largest
+first, to the least loaded rank), and all of them stop with one line naming the first damaged
+file. ``--no-verify-checkpoint`` loads without the check.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from typing import List, Optional, Sequence
+
+from megatron_ext import checkpoint_manifest as cm
+
+
+def _log(line: str) -> None:
+    print(f"megatron-ext: {line}", flush=True)
+
+
+WRITER = cm.ManifestWriter(log=_log)
+atexit.register(WRITER.close)  # a manifest being hashed at exit is finished
+
+
+def share(sizes: Sequence[int], rank: int, world: int) -> List[int]:
+    """Indices of the files ``rank`` hashes: largest first, each to the least loaded rank
+    (ties to the lowest rank); every rank computes the same split."""
+    load = [0] * world
+    mine = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        load[r] += sizes[i]
+        if r == rank:
+            mine.append(i)
+    return mine
+
+
+def _load_folder(load_dir: str, step: Optional[int]) -> Optional[str]:
+    """The folder upstream's ``load_checkpoint`` will read, or None when it finds none (upstream
+    then says so itself)."""
+    try:
+        folder, _ = cm.resolve_checkpoint_dir(load_dir, step)
+    except cm.CheckpointError:
+        return None
+    return folder
+
+
+def verify_distributed(folder: str) -> Optional[dict]:
+    """Every rank of the default group checks its share of ``folder``; raises
+    ``CheckpointError`` on all of them when any file is damaged. Returns the manifest (None
+    without one)."""
+    import torch
+
+    manifest = cm.read_manifest(folder)
+    if manifest is None:
+        return None
+    dist = torch.distributed
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    names = sorted(manifest["files"])
+    mine = [names[i] for i in share([manifest["files"][n]["size"] for n in names], rank, world)]
+    problems = cm.check_files(folder, manifest, mine)
+    if world > 1:
+        gathered: List[Optional[List[str]]] = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [p for part in gathered for p in (part or [])]
+    if problems:
+        raise cm.CheckpointError(cm.damaged_message(folder, sorted(problems)))
+    return manifest
+
+
+def install() -> None:
+    from megatron.training import training
+
+    save_upstream = training.save_checkpoint
+    if not getattr(save_upstream, "_ext_manifest", False):
+
+        def save_checkpoint(iteration, *args, **kwargs):
+            result = save_upstream(iteration, *args, **kwargs)
+            from megatron.training import get_args
+
+            margs = get_args()
+            import torch
+
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            if rank == 0 and margs.save and not kwargs.get("non_persistent_ckpt", False):
+                release = kwargs.get("release", False)
+                folder = cm.iteration_dir(margs.save, None if release else iteration)
+                WRITER.submit(folder, None if release else iteration,
+                              save_dir=margs.save if margs.async_save else None)
+            return result
+
+        save_checkpoint._ext_manifest = True
+        training.save_checkpoint = save_checkpoint
+
+    load_upstream = training.load_checkpoint
+    if not getattr(load_upstream, "_ext_manifest", False):
+
+        def load_checkpoint(model, *args, **kwargs):
+            from megatron.training import get_args
+
+            margs = get_args()
+            load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
+            folder = _load_folder(load_dir, margs.ckpt_step) if load_dir else None
+            if folder is not None and not margs.no_verify_checkpoint:
+                start = time.perf_counter()
+                manifest = verify_distributed(folder)
+                if int(os.environ.get("RANK", "0")) == 0:
+                    if manifest is None:
+                        _log(cm.unverified_note(folder))
+                    else:
+                        _log(f"checkpoint {folder}: {len(manifest['files'])} files match their "
+                             f"checksums ({manifest['bytes'] / 2**20:.1f} MiB, "
+                             f"{time.perf_counter() - start:.2f} s)")
+            return load_upstream(model, *args, **kwargs)
+
+        load_checkpoint._ext_manifest = True
+        training.load_checkpoint = load_checkpoint
