@@ -218,6 +218,11 @@ def test_dense_import_is_exact(imported):
     assert info["padded_vocab_size"] == 1024 and info["checkpoint"] == "release"
     assert info["make_vocab_size_divisible_by_per_tp"]["2"] == 128
     assert not [f for f in os.listdir(imported["root"]) if ".partial-" in f]
+    # The checksum manifest, written in the staged directory before the rename, lists every file.
+    from megatron_ext import checkpoint_manifest as cm
+
+    release = os.path.join(imported["dense"], "release")
+    assert sorted(cm.verify(release)["files"]) == cm.checkpoint_files(release)
 
 
 # --------------------------------------------------------------------------------------------

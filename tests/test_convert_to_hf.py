@@ -203,10 +203,10 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoints, tmp_path):
         proc = run(copy, out)
         assert proc.returncode == 2
         why = (f"{size // 2} bytes, the manifest says {size} (truncated" if damage == "truncate"
-               else "its SHA-256 differs from the manifest's")
+               else "its SHA-256 differs from the manifest's (damaged bytes")
         assert proc.stderr.strip().splitlines()[-1] == (
             f"to-hf: error: checkpoint {cfolder} is damaged: {target}: {why}"
-            + (" or rewritten)" if damage == "truncate" else "")
+            + (" or rewritten)" if damage == "truncate" else ")")
             + ". Load another iteration (--ckpt-step), or pass --no-verify-checkpoint to load "
             "it anyway"), proc.stderr
         assert "Traceback" not in proc.stderr and not os.path.exists(out)
