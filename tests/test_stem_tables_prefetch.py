@@ -82,15 +82,22 @@ def test_gather_rows_through_pinned_staging(dtype):
         assert torch.equal(got.cpu(), want)
 
 
-def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
+@pytest.mark.parametrize("slow", [False, True])
+def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, monkeypatch, slow):
     """Two steps of three micro-batches with host shards and prefetch, through the forward step's
-    read-ahead and the table optimizer's step split (the rows the next step's first micro-batch
-    reads, its read, the rest), with plain SGD as the row rule: every bound row equals a plain
-    table updated by the same rule after every step, and the shards end equal to it."""
-    from megatron_ext.stem.table_optimizer import StemTablesOptimizer
+    read-ahead and the table optimizer's sparse step left with the store (every read steps the
+    rows it needs first, the worker the rest in chunks), with plain SGD as the row rule: every
+    bound row equals a plain table updated by the same rule after every step, and the shards end
+    equal to it. ``slow``: one row per chunk and 4 ms per row step, so the reads of the step's
+    later micro-batches come while most of the step is still owed."""
+    import time
+
+    from megatron_ext.stem.table_optimizer import OwedStep, StemTablesOptimizer
     from megatron_ext.stem.worker import WORKER
     from megatron_ext.training.forward_step import TableReadAhead
 
+    if slow:
+        monkeypatch.setattr(OwedStep, "CHUNK_ELEMENTS", 1)
     g = torch.Generator().manual_seed(2)
     full, layers, tables, device = host_tables(g)
     assert tables.overlap
@@ -109,7 +116,12 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
             return None
 
         def step_rows(self, i, rows, grad, plan):
+            if slow:
+                time.sleep(0.004 * rows.numel())
+            stepped.extend((i, int(r)) for r in rows)
             tables.store.shards[i].index_add_(0, rows, grad.to(torch.float32), alpha=-lr)
+
+    stepped = []
 
     optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # only its table step
     optimizer.mode, optimizer._step_tasks = "sparse", []
@@ -124,16 +136,105 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank):
                 assert torch.equal(looked_up.detach().cpu(), want[batch[0].t().cpu()]), (step, m)
                 loss = loss + (looked_up * w).sum()
             loss.backward()
+        WORKER.wait()  # as the optimizer's prepare_grads does (drain) before collecting
         local, grads = tables.collect_grads()
         grads = [x.cpu() for x in grads]
         for want, x in zip(expected, grads):  # the plain rule: SGD on the touched rows
             want.index_add_(0, tables.owned_ids[local], x, alpha=-lr)
         # After the first step the next step's first micro-batch waits for this step.
         assert (tables.deferred is not None) == (step == 0)
+        stepped.clear()
         optimizer._step_table(tables, SGD(), None, [(local, x) for x in grads], None)
         assert tables.deferred is None
+        if step == 1:
+            WORKER.wait()
+            # every touched row of every table exactly once, whoever stepped it
+            assert sorted(stepped) == sorted((i, int(r)) for i in range(2) for r in local)
     WORKER.wait()
-    assert sum(done.result()[0] for _, done in optimizer._step_tasks) > 0
+    assert tables.store.owed_step is None
+    results = [done.result() for _, done in optimizer._step_tasks]
+    assert sum(took for took, _ in results) > 0
+    if slow:  # the reads stepped their rows (part of the step) before the rest was done
+        assert sum(in_reads for _, in_reads in results) > 0
+        assert all(in_reads < took for took, in_reads in results)
     assert next(reader) is batches[6]  # read ahead exactly one micro-batch: the step's first
     for shard, want in zip(tables.shards, expected):
         assert torch.equal(shard, want[tables.owned_ids])
+
+
+class SlowJob:
+    """A background job of ``n`` chunks of ``pause`` seconds, recording its chunks in ``log``."""
+
+    def __init__(self, n, pause, log, fail_at=None):
+        self.n, self.pause, self.log, self.fail_at, self.done = n, pause, log, fail_at, 0
+
+    def run_chunk(self):
+        import time
+
+        if self.done == self.fail_at:
+            raise ValueError("chunk failed")
+        time.sleep(self.pause)
+        self.log.append(f"chunk{self.done}")
+        self.done += 1
+        return self.done == self.n
+
+    def result(self):
+        return self.done
+
+
+def test_worker_runs_tasks_before_the_rest_of_a_background_job():
+    """A task submitted while a background job runs waits for one chunk, not for the job; jobs
+    keep their order; wait() waits for both lanes and re-raises a job's error."""
+    import threading
+    import time
+
+    from megatron_ext.stem.worker import HostWorker
+
+    worker, log = HostWorker(), []
+    first = worker.submit_background(SlowJob(10, 0.02, log))
+    second = worker.submit_background(SlowJob(2, 0.0, log))
+    time.sleep(0.03)  # the first job is under way
+    task = worker.submit(lambda: (log.append("task"), threading.current_thread().name)[1])
+    assert task.result(timeout=5) == "stem-worker"
+    at = log.index("task")
+    assert 1 <= at <= 3, log  # after the chunk that was running
+    worker.wait()
+    assert first.result() == 10 and second.result() == 2
+    assert log.index("chunk9") < len(log) - 2  # the second job after the first
+    assert log[at + 1:].count("chunk0") == 1  # the second job's first chunk, after the task
+
+    failing = worker.submit_background(SlowJob(3, 0.0, [], fail_at=1))
+    after = worker.submit(lambda: "still runs")
+    with pytest.raises(ValueError, match="chunk failed"):
+        worker.wait()
+    assert failing.exception() is not None and after.result() == "still runs"
+
+
+def test_owed_step_steps_every_row_once_in_reads_and_chunks(monkeypatch):
+    """Reads step the owed rows they need (and no other); the chunks the rest, in budget-sized
+    pieces; every position once."""
+    from megatron_ext.stem.table_optimizer import OwedStep
+
+    monkeypatch.setattr(OwedStep, "CHUNK_ELEMENTS", 40)
+    rows = [torch.tensor([5, 9, 2, 7, 11]), torch.tensor([9, 3])]
+    calls = []
+
+    def step(positions):
+        calls.append([p.tolist() for p in positions])
+        return 0.001
+
+    owed = OwedStep(step, rows, widths=[8, 16])
+    owed.settle(torch.tensor([9, 4]))  # row 9 in both shards; 4 is not owed
+    assert calls == [[[1], [0]]]
+    owed.settle(torch.tensor([9]))  # already stepped: nothing
+    assert len(calls) == 1
+    chunks = 0
+    while not owed.run_chunk():
+        chunks += 1
+    assert owed.done and chunks >= 1
+    stepped = [(i, rows[i][p].item()) for c in calls for i, ps in enumerate(c) for p in ps]
+    assert sorted(stepped) == sorted((i, r.item()) for i, rs in enumerate(rows) for r in rs)
+    for c in calls[1:]:  # each chunk within the budget (one row at least)
+        size = len(c[0]) * 8 + len(c[1]) * 16
+        assert size <= 40 or len(c[0]) + len(c[1]) == 1
+    assert owed.result() == pytest.approx((0.001 * len(calls), 0.001))

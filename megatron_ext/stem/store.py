@@ -7,7 +7,9 @@ rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and the decoupled w
 still owe under the sparse optimizer (``row_adam.LazyDecay``: the optimizer moves its clock and
 steps rows in place; every read here settles the rows it reads first). It knows nothing of other
 ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
-(``stem/table_optimizer.py``) writes them. Reads and writes of the shards are host work: they run
+(``stem/table_optimizer.py``) writes them, and leaves here the part of a sparse step it has not
+run yet (``owed_step``): a read steps the rows it needs of it first, as it settles their decay.
+Reads and writes of the shards are host work: they run
 on the process's worker thread (``stem/worker.py``) or, for checkpoints and dumps, on the training
 thread once the worker is idle.
 
@@ -51,6 +53,9 @@ class TableStore:
         self.decay = TieredDecay(self.shards) if placement == "tiered" else \
             LazyDecay(self.shards)
         self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
+        # The part of a sparse table step still to run (``table_optimizer.OwedStep``): rows a
+        # read needs are stepped first. Set and cleared by the optimizer; used on the worker.
+        self.owed_step = None
 
     @property
     def widths(self) -> List[int]:
@@ -70,6 +75,8 @@ class TableStore:
         """The rows ``local_rows`` of every shard, side by side, as ``dtype`` on ``device``, with
         the decay they owe settled first. On a GPU, what is copied from host memory is queued on
         the current stream (the worker's side stream when the worker runs it)."""
+        if self.owed_step is not None:  # before the decay: the step applies what the row owes
+            self.owed_step.settle(local_rows)
         for i in range(len(self.shards)):
             self.decay.settle(i, local_rows)
         return gather_rows(self.shards, local_rows, device, dtype, self.staging)
@@ -77,6 +84,8 @@ class TableStore:
     def read(self, i: int) -> torch.Tensor:
         """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a
         host copy of a tiered one's two halves."""
+        if self.owed_step is not None:
+            self.owed_step.finish()
         self.decay.settle_all()
         return full_tensor(self.shards[i])
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,76 @@ from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
 from megatron_ext.stem.tiers import TieredRowAdamW
 from megatron_ext.stem.worker import WORKER
+
+
+class OwedStep:
+    """The part of a sparse table step not run yet, kept by the store (``TableStore.owed_step``).
+
+    ``step(positions)`` steps the rows at ``positions`` (one index tensor per shard) of the step's
+    gradients. A read of the store first steps the rows it reads (``settle``); the worker runs
+    the rest in chunks of about ``CHUNK_ELEMENTS`` row elements (``run_chunk``), so a read
+    queued meanwhile waits for one chunk, not for the whole step. Every row is stepped once,
+    whichever comes first: rows step independently (per-row step counts and owed decay), so the
+    numbers are those of one step of every row. Used on the worker thread only."""
+
+    CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 rows: a few milliseconds of CPU AdamW
+
+    def __init__(self, step: Callable, rows: Sequence[torch.Tensor], widths: Sequence[int]):
+        self._step = step
+        self.rows = list(rows)
+        self.widths = list(widths)
+        self.left = [torch.arange(r.numel()) for r in self.rows]  # positions not stepped yet
+        self.seconds = 0.0            # every part's step time
+        self.seconds_in_reads = 0.0   # the parts reads waited for (on a read's path)
+        self.store = None             # the store that keeps it, until it is done
+
+    def _run(self, positions) -> float:
+        if not any(p.numel() for p in positions):
+            return 0.0
+        took = self._step(positions)
+        self.seconds += took
+        return took
+
+    def settle(self, local_rows: torch.Tensor) -> None:
+        """Step the rows of ``local_rows`` not stepped yet."""
+        positions = []
+        for i, left in enumerate(self.left):
+            if left.numel() == 0:
+                positions.append(left)
+                continue
+            hit = torch.isin(self.rows[i][left], local_rows)
+            positions.append(left[hit])
+            self.left[i] = left[~hit]
+        self.seconds_in_reads += self._run(positions)
+
+    def run_chunk(self) -> bool:
+        """Step the next chunk of rows; True once every row is stepped."""
+        budget = self.CHUNK_ELEMENTS
+        positions = []
+        for i, left in enumerate(self.left):
+            n = min(left.numel(), max(budget // max(self.widths[i], 1), 0))
+            if n == 0 and left.numel() and not any(p.numel() for p in positions):
+                n = 1  # progress whatever the width
+            positions.append(left[:n])
+            self.left[i] = left[n:]
+            budget -= n * self.widths[i]
+        self._run(positions)
+        if self.done and self.store is not None and self.store.owed_step is self:
+            self.store.owed_step = None
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return not any(left.numel() for left in self.left)
+
+    def finish(self) -> None:
+        while not self.run_chunk():
+            pass
+
+    def result(self) -> Tuple[float, float]:
+        """(seconds of the whole step, seconds of it that reads waited for), as the table
+        step's tasks report them."""
+        return self.seconds, self.seconds_in_reads
 
 
 class StemTablesOptimizer(ChainedOptimizer):
@@ -215,19 +285,21 @@ class StemTablesOptimizer(ChainedOptimizer):
 
     def _step_table(self, t, adam, plan, grads, arrived) -> None:
         """Step one chunk's rows. Without a deferred read (no overlap), here and now. With one,
-        on the worker: the rows that read needs, then the read is released, then (sparse) the
-        other rows; dense steps every row in one pass, so its whole step precedes the read."""
-        split = self.mode == "sparse"
+        on the worker. Dense steps every row in one pass, so its whole step precedes the read.
+        Sparse leaves the step with the store (``OwedStep``) and runs it in the background in
+        chunks; the deferred read, and every later read of this step, runs before the rest of it
+        and steps the rows it needs first."""
 
-        def step(masks=None):
+        def step(positions=None):
+            """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
             start = time.perf_counter()
             if arrived is not None:  # the gradients are read only after their copy landed
                 arrived.synchronize()
             for i, (rows, grad) in enumerate(grads):
-                if masks is not None:
-                    keep = torch.nonzero(masks[i]).squeeze(1)
+                if positions is not None:
+                    keep = positions[i]
                     rows, grad = rows[keep], grad.index_select(0, keep.to(grad.device))
-                if rows.numel() or not split:
+                if rows.numel() or self.mode != "sparse":
                     adam.step_rows(i, rows, grad, plan)
             return time.perf_counter() - start
 
@@ -238,20 +310,18 @@ class StemTablesOptimizer(ChainedOptimizer):
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_exposed"] += took
             return
-        reads = None
-        if split:  # the rows the deferred micro-batch reads, per shard
-            served = torch.unique(fetch.route.requested)
-            reads = [torch.isin(rows, served) for rows, _ in grads]
+        if self.mode != "sparse":
+            def whole():
+                took = step()
+                return took, took
 
-        def first():
-            took = step(reads)
-            return took, took
-
-        self._step_tasks.append((t, WORKER.submit(first)))
+            self._step_tasks.append((t, WORKER.submit(whole)))
+            t.release(fetch)
+            return
+        owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
+        owed.store, t.store.owed_step = t.store, owed  # the worker is idle for this store (drained at the step)
         t.release(fetch)
-        if split:
-            rest = [~r for r in reads]
-            self._step_tasks.append((t, WORKER.submit(lambda: (step(rest), 0.0))))
+        self._step_tasks.append((t, WORKER.submit_background(owed)))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):

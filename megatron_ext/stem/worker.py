@@ -7,15 +7,22 @@ needs into a pinned buffer, the table step (``RowAdamW``). It never issues a col
 the training thread, in the same program order on every rank, so the tables' collectives and
 Megatron's never interleave differently on two ranks (``tests/test_parallel_stem_tables.py`` checks it).
 
-Tasks run one at a time in submission order, which is the training thread's program order: a
-row read submitted after a table step sees the step. One worker serves every model chunk of the
-process (an interleaved pipeline gives a rank several chunks with tables).
+Two lanes, one thread. ``submit`` tasks run one at a time in submission order, which is the
+training thread's program order: a row read submitted after a table step sees the step.
+``submit_background`` jobs (the part of a sparse table step that no read waits for) run in
+chunks whenever no submitted task waits, so a row read submitted later runs before the rest of
+the job instead of behind all of it; the store it reads settles the rows that read needs first
+(``stem/store.py``, ``owed_step``), so it still sees the step. One worker serves every model
+chunk of the process (an interleaved pipeline gives a rank several chunks with tables).
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, List, Optional
 
 import torch
@@ -23,28 +30,90 @@ import torch
 
 class HostWorker:
     def __init__(self):
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._thread: Optional[threading.Thread] = None
         self.stream = None
-        self._pending: List[Future] = []  # futures not yet waited for (tasks run in order)
+        self._cond = threading.Condition()
+        self._tasks: collections.deque = collections.deque()       # (future, fn)
+        self._background: collections.deque = collections.deque()  # (future, job, ready)
+        self._pending: List[Future] = []  # futures not yet waited for
 
-    def submit(self, fn: Callable) -> Future:
-        """Queue ``fn()``. On a GPU it runs on the side stream, after the work queued so far on
-        the current stream (which produced what it may read: the step's gradients)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stem-worker")
-            if torch.cuda.is_available():
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            if torch.cuda.is_available() and self.stream is None:
                 self.stream = torch.cuda.Stream()
-        task = fn if self.stream is None else _on_stream(fn, self.stream)
+            self._thread = threading.Thread(target=self._run, name="stem-worker", daemon=True)
+            self._thread.start()
 
+    def _keep(self, future: Future) -> Future:
         # Kept until waited for: finished tasks only if they failed (their error is re-raised).
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-        future = self._executor.submit(task)
         self._pending.append(future)
         return future
 
+    def submit(self, fn: Callable) -> Future:
+        """Queue ``fn()``, after every task queued before it and before the rest of any
+        background job. On a GPU it runs on the side stream, after the work queued so far on the
+        current stream (which produced what it may read: the step's gradients)."""
+        future: Future = Future()
+        with self._cond:
+            self._start()
+            task = fn if self.stream is None else _on_stream(fn, self.stream)
+            self._tasks.append((future, task))
+            self._cond.notify()
+        return self._keep(future)
+
+    def submit_background(self, job) -> Future:
+        """Queue ``job``: ``job.run_chunk()`` is called, when no task waits, until it returns
+        True; the future then holds ``job.result()``. Jobs run one after the other, in order."""
+        future: Future = Future()
+        with self._cond:
+            self._start()
+            ready = None
+            if self.stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream())
+            self._background.append((future, job, ready))
+            self._cond.notify()
+        return self._keep(future)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks and not self._background:
+                    self._cond.wait()
+                if self._tasks:
+                    future, task = self._tasks.popleft()
+                    job = None
+                else:
+                    future, job, ready = self._background[0]
+            if job is None:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(task())
+                    except BaseException as exc:
+                        future.set_exception(exc)
+                continue
+            try:
+                if self.stream is None:
+                    finished = job.run_chunk()
+                else:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        finished = job.run_chunk()
+                result = job.result() if finished else None
+            except BaseException as exc:
+                finished, result = True, exc
+            if finished:
+                with self._cond:
+                    self._background.popleft()
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
     def wait(self) -> float:
-        """Wait for every task submitted so far; re-raises the first error among them. Returns the
-        seconds waited."""
+        """Wait for every task and job submitted so far; re-raises the first error among them.
+        Returns the seconds waited."""
         start = time.perf_counter()
         pending, self._pending = self._pending, []
         for future in pending:
@@ -68,3 +137,14 @@ def _on_stream(fn: Callable, stream) -> Callable:
 
 
 WORKER = HostWorker()
+
+
+def _finish_at_exit() -> None:
+    """Let queued host work end before the interpreter does (the thread is a daemon)."""
+    try:
+        WORKER.wait()
+    except BaseException:  # reported where it was waited for, if it was
+        pass
+
+
+atexit.register(_finish_at_exit)
