@@ -127,6 +127,23 @@ def _rows_placement(path: str) -> List[Row]:
     return rows
 
 
+def _rows_host_optimizer(path: str) -> List[Row]:
+    s = _load(path)
+    return [Row("host_optimizer", "sparse CPU AdamW over DeepSpeed dense CPU Adam, this host",
+                s["ratio"], "x", 0.8, "higher",
+                note=f"{s['sparse_params_per_s'] / 1e9:.2f} G params/s, {s['threads']} threads, "
+                     f"{s['kernel']}")]
+
+
+def _rows_worker_schedule(path: str) -> List[Row]:
+    s = _load(path)
+    chunks = s["owed step, chunks"]
+    return [Row("stem_worker_schedule", "host step: chunks vs one task (step time)",
+                s["ratio_chunks_vs_one_task"], "x", note=f"fetch waited "
+                f"{' / '.join(f'{w:.0f}' for w in chunks['fetch_waited_ms'])} ms per "
+                f"micro-batch; {chunks['vs_compute']:.3f}x the compute")]
+
+
 def _scaling_row(path: str) -> Dict[str, str]:
     with open(path) as f:
         rows = [r for r in csv.DictReader(f)]
@@ -205,6 +222,16 @@ def plan() -> List[Step]:
               "--timeout", "180", "--variants", "gpu,tiered,cpu",
               "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
              540, "stem_placement.json", _rows_placement),
+        # The GPU machine's host: the CPU AdamW (0.26 G row-params/s inside the tiered run of
+        # 2026-11-24) and the worker's schedule at the 1B shape's host tier (DP=8 share).
+        Step("host_optimizer", "sparse CPU AdamW vs DeepSpeed dense CPU Adam, this host",
+             [PY, "benchmarks/stem_optimizer.py", "--vocab", "128256", "--d-ff", "8192",
+              "--json", f"{RES}/host_optimizer.json"],
+             180, "host_optimizer.json", _rows_host_optimizer),
+        Step("stem_worker_schedule", "host worker: the table step in chunks vs as one task",
+             [PY, "benchmarks/stem_worker_schedule.py", "--rows", "16032", "--width", "8192",
+              "--compute-ms", "100", "--json", f"{RES}/stem_worker_schedule.json"],
+             180, "stem_worker_schedule.json", _rows_worker_schedule),
     ]
     # Micro-batches of 2: without Transformer Engine attention is unfused (the [b, heads, s, s]
     # scores in memory); 8 ran out of an H100's 80 GB on 2026-11-24.
