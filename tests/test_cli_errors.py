@@ -78,7 +78,7 @@ def test_stem_kernel_refused_without_cuda(monkeypatch):
 
 
 def test_structmoe_width_flags():
-    from megatron_ext.training.arguments import structmoe_config_from_args
+    from megatron_ext.structmoe.family import structmoe_config as structmoe_config_from_args
 
     family = ["--model-family", "structmoe"]
     assert structmoe_config_from_args(parse(family)).param_matched
@@ -125,7 +125,8 @@ def test_entry_point_reports_bad_flags_without_traceback():
 
 
 def test_sigma_valid_flags_pass():
-    from megatron_ext.training.arguments import sigma_config_from_args, validate_extension_args
+    from megatron_ext.sigma.family import sigma_config as sigma_config_from_args
+    from megatron_ext.training.arguments import validate_extension_args
 
     args = parse(SIGMA + ["--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "3"])
     validate_extension_args(args)
@@ -169,7 +170,7 @@ def test_entry_point_without_torchrun_says_how_to_launch():
 
 
 def test_sigma_switch_beyond_training_is_announced(capsys):
-    from megatron_ext.training.arguments import validate_sigma_args
+    from megatron_ext.training.arguments import check_family_args as validate_sigma_args
 
     args = parse(SIGMA + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
                           "--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "12",

@@ -60,7 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import get_model
 
-    from megatron_ext.training.arguments import add_extension_args, sigma_config_from_args
+    from megatron_ext.models.registry import family_of
+    from megatron_ext.training.arguments import add_extension_args
     from megatron_ext.training.model_provider import model_provider
 
     # megatron.training 0.19 parses the arguments before initialising (as ``pretrain`` callers do).
@@ -75,12 +76,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     iteration, _ = load_checkpoint(model, None, None)
     for m in model:
         m.eval()
-    if args.model_family == "sigma":
-        from megatron_ext.sigma.schedule import apply_schedule
-
-        for m in model:
-            apply_schedule(m.sigma_layers, sigma_config_from_args(args), iteration,
-                           args.train_iters)
+    family = family_of(args)
+    if family.at_iteration is not None:  # e.g. Sigma's top-k of the loaded step
+        family.at_iteration(model, args, family.config_from_args(args), iteration)
 
     tokens = torch.load(tokens_path).to(torch.int64)
     b, s = tokens.shape

@@ -134,24 +134,24 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
                 "upstream MoE (gpt with --num-experts) is not supported; use --model-family sigma")
         mlp = [{"type": "dense", "intermediate_size": ffn} for _ in range(n)]
     elif family == "stem":
-        from megatron_ext.training.arguments import stem_config_from_args
+        from megatron_ext.stem.family import config_from_args as stem_config
 
-        stem = stem_config_from_args(a)
+        stem = stem_config(a)
         layers = set(stem.stem_layers(n))
         mlp = [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
                else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
     elif family == "structmoe":
         from megatron_ext.structmoe.config import layer_budget
-        from megatron_ext.training.arguments import structmoe_config_from_args
+        from megatron_ext.structmoe.family import config_from_args as structmoe_config
 
-        s = structmoe_config_from_args(a)
+        s = structmoe_config(a)
         d = layer_budget(s, a.hidden_size, ffn, gated).ffn
         mlp = [{"type": "structmoe", "intermediate_size": d, "num_experts": s.num_experts,
                 "rank": s.rank, "top_k": s.topk, "fusion": s.fusion} for _ in range(n)]
     elif family == "sigma":
-        from megatron_ext.training.arguments import sigma_config_from_args
+        from megatron_ext.sigma.family import config_from_args as sigma_config
 
-        sigma = sigma_config_from_args(a)
+        sigma = sigma_config(a)
         # The top-k every layer routes with at this iteration (progressive sparsification).
         topks = sigma.topks_at(ck.iteration or 0, getattr(a, "train_iters", None))
         _refuse(bool(getattr(a, "moe_router_enable_expert_bias", False)),

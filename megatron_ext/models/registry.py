@@ -1,34 +1,46 @@
-"""Model families and how each builds its decoder block spec.
+"""Model families: the contract each family fulfils, and the registry the trainer looks them up in.
 
-A family registers a function ``block_spec(args, config, use_te, vp_stage) ->
-TransformerBlockSubmodules``; the model provider looks the family up by ``--model-family`` and
-derives from the spec whether this stage needs token ids. Choosing the MLP
-of each layer happens inside these functions, when the spec list is built.
+A family is one object (``Family``, ``models/family.py``), defined in its own folder (``megatron_ext/stem/family.py``,
+``structmoe/family.py``, ``sigma/family.py``; the dense baseline in ``models/gpt_family.py``), in
+the spirit of torchtitan's ``TrainSpec``: its flags, its config dataclass from the parsed flags,
+its checks, its decoder block spec, the model-side state it attaches, and the hooks the generic
+trainer seam (``megatron_ext/training/``) calls at start-up, per micro-batch, after a checkpoint
+is loaded for evaluation and after training. The trainer iterates the registered families and
+never compares a family's name.
+
+The built-in families are imported on first use of the registry (they do not import it: no
+cycle). Another family registers itself with ``register_family``, from a module named by
+``--ext-plugin`` (imported by the entry point before the flags are parsed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+import importlib
+from typing import Any, Dict, Sequence, Tuple
 
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-
-BlockSpecFn = Callable[..., TransformerBlockSubmodules]
+from megatron_ext.models.family import Family  # noqa: F401  (the contract, re-exported)
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    description: str
-    block_spec: BlockSpecFn
-    heterogeneous_layers: bool  # layers differ in their parameters (checkpoint per layer)
-
+BUILTIN = ("megatron_ext.models.gpt_family", "megatron_ext.stem.family",
+           "megatron_ext.structmoe.family", "megatron_ext.sigma.family")
 
 _FAMILIES: Dict[str, Family] = {}
+_loaded = False
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in BUILTIN:
+        family = importlib.import_module(module).FAMILY
+        if family.name not in _FAMILIES:
+            _FAMILIES[family.name] = family
 
 
 def register_family(family: Family) -> Family:
+    _load_builtin()
     if family.name in _FAMILIES:
         raise ValueError(f"model family {family.name!r} is already registered")
     _FAMILIES[family.name] = family
@@ -36,6 +48,7 @@ def register_family(family: Family) -> Family:
 
 
 def get_family(name: str) -> Family:
+    _load_builtin()
     try:
         return _FAMILIES[name]
     except KeyError:
@@ -44,41 +57,37 @@ def get_family(name: str) -> Family:
 
 
 def registered_families() -> Tuple[str, ...]:
+    _load_builtin()
     return tuple(sorted(_FAMILIES))
 
 
-def _gpt_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import decoder_block_spec
-
-    return decoder_block_spec(config, None, args.padded_vocab_size, use_te, vp_stage=vp_stage)
-
-
-def _stem_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import decoder_block_spec
-    from megatron_ext.training.arguments import stem_config_from_args
-
-    return decoder_block_spec(config, stem_config_from_args(args), args.padded_vocab_size,
-                              use_te, vp_stage=vp_stage)
+def families() -> Tuple[Family, ...]:
+    """Every registered family, built-in ones first, in registration order."""
+    _load_builtin()
+    return tuple(_FAMILIES.values())
 
 
-def _structmoe_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import block_spec, structmoe_layers_fn
-    from megatron_ext.training.arguments import structmoe_config_from_args
-
-    return block_spec(config, use_te, structmoe_layers_fn(structmoe_config_from_args(args)),
-                      vp_stage=vp_stage)
+def family_of(args) -> Family:
+    return get_family(args.model_family)
 
 
-def _sigma_block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import sigma_block_spec
-    from megatron_ext.training.arguments import sigma_config_from_args
-
-    return sigma_block_spec(config, sigma_config_from_args(args), use_te, vp_stage=vp_stage)
+def family_config(args) -> Any:
+    """The options dataclass of ``args``'s family (None for a family without options)."""
+    return family_of(args).config_from_args(args)
 
 
-register_family(Family("gpt", "dense SwiGLU GPT (the baseline)", _gpt_block_spec, False))
-register_family(Family("stem", "STEM: token-indexed up-projection tables", _stem_block_spec, True))
-register_family(Family("structmoe", "StructMoE: routed low-rank experts inside the dense MLP",
-                       _structmoe_block_spec, False))
-register_family(Family("sigma", "Sigma MoE: every layer MoE, top-1, global-batch LBL",
-                       _sigma_block_spec, False))
+def load_plugins(argv: Sequence[str]) -> Sequence[str]:
+    """Import the modules named by ``--ext-plugin MODULE`` in ``argv`` (each registers its
+    families); returns the module names."""
+    names = []
+    for i, arg in enumerate(argv):
+        if arg == "--ext-plugin" and i + 1 < len(argv):
+            names.append(argv[i + 1])
+        elif arg.startswith("--ext-plugin="):
+            names.append(arg.split("=", 1)[1])
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"--ext-plugin={name}: cannot import it ({exc})") from None
+    return names

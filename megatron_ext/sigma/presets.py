@@ -7,7 +7,7 @@ expanded by :mod:`megatron_ext.training.presets`.
 ``--moe-router-topk`` says otherwise, pre-softmax top-k (Megatron refuses top-1 without it), an
 FP32 router, QK-norm and no upstream aux loss (the family's ``--sigma-lbl`` replaces it). Those
 flags are added when absent; contradicting values given explicitly are refused later by
-``validate_sigma_args`` with a message.
+``check_args`` in ``sigma/family.py`` with a message.
 """
 
 from __future__ import annotations

@@ -78,9 +78,10 @@ def main(argv=None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    from megatron_ext.models.registry import family_of
     from megatron_ext.training.arguments import (
         add_extension_args,
-        stem_config_from_args,
+        check_family_args,
         validate_extension_args,
     )
     from megatron_ext.training.datasets import train_valid_test_datasets_provider
@@ -89,12 +90,10 @@ def main(argv=None) -> None:
 
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.training.arguments import validate_sigma_args
-
     try:
-        # The Sigma layout first (experts vs EP, top-k vs experts, the schedule vs the model):
-        # a message naming our flag rather than one of Megatron's assertions.
-        validate_sigma_args(parse_args(extra_args_provider=add_extension_args))
+        # The family's layout checks first (Sigma: experts vs EP, top-k vs experts, the schedule
+        # vs the model): a message naming our flag rather than one of Megatron's assertions.
+        check_family_args(parse_args(extra_args_provider=add_extension_args))
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     args = parse_and_validate_args(extra_args_provider=add_extension_args)
@@ -122,23 +121,10 @@ def main(argv=None) -> None:
         raise SystemExit("megatron-ext: launch/pretrain.py runs under torchrun (MASTER_ADDR/"
                          "MASTER_PORT are not set): torchrun --nproc_per_node=N "
                          "launch/pretrain.py <flags>, or launch/single_node.sh")
-    stem = stem_config_from_args(args)
-    if stem is not None:
-        from megatron_ext.stem.checkpoint import install_shape_check
-
-        install_shape_check()
-    if stem is not None and stem.managed_tables:
-        from megatron_ext.stem import table_optimizer
-
-        table_optimizer.install()
-    if args.model_family == "structmoe":
-        from megatron_ext.structmoe.balance import install_reporting
-
-        install_reporting()
-    if args.model_family == "sigma":
-        from megatron_ext.sigma.monitor import install_reporting as install_sigma_reporting
-
-        install_sigma_reporting()
+    family = family_of(args)
+    family_cfg = family.config_from_args(args)
+    if family.install is not None:  # optimizer wrapping, logging, checkpoint checks
+        family.install(args, family_cfg)
     if args.ext_run_report:
         from megatron_ext.training.run_report import install as install_run_report
 
@@ -155,7 +141,5 @@ def main(argv=None) -> None:
     except CheckpointError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     checkpoint_hooks.WRITER.wait()  # the last save's manifest
-    if stem is not None and stem.managed_tables and args.stem_dump_tables:
-        from megatron_ext.stem.table_optimizer import dump_tables
-
-        dump_tables(args.stem_dump_tables)
+    if family.after_training is not None:
+        family.after_training(args, family_cfg)

@@ -588,11 +588,9 @@ def estimate(spec: ModelSpec, layout: Layout) -> Estimate:
 
 
 def spec_from_args(args) -> ModelSpec:
-    from megatron_ext.training.arguments import (
-        sigma_config_from_args,
-        stem_config_from_args,
-        structmoe_config_from_args,
-    )
+    from megatron_ext.sigma.family import sigma_config
+    from megatron_ext.stem.family import stem_config
+    from megatron_ext.structmoe.family import structmoe_config
 
     family = args.model_family
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
@@ -608,17 +606,17 @@ def spec_from_args(args) -> ModelSpec:
         learned_positions=(args.max_position_embeddings
                            if args.position_embedding_type == "learned_absolute" else 0),
         rope=args.position_embedding_type == "rope")
-    stem = stem_config_from_args(args)
+    stem = stem_config(args)
     if stem is not None:
         kw.update(stem_layers=tuple(stem.stem_layers(args.num_layers)), stem_variant=stem.variant)
-    smoe = structmoe_config_from_args(args)
+    smoe = structmoe_config(args)
     if smoe is not None:
         from megatron_ext.structmoe.config import layer_budget
 
         budget = layer_budget(smoe, args.hidden_size, args.ffn_hidden_size, bool(args.swiglu))
         kw.update(smoe_ffn=budget.ffn, smoe_experts=smoe.num_experts, smoe_rank=smoe.rank,
                   smoe_topk=smoe.topk)
-    sigma = sigma_config_from_args(args)
+    sigma = sigma_config(args)
     if sigma is not None:
         kw.update(experts=args.num_experts, expert_ffn=args.moe_ffn_hidden_size,
                   topks=tuple(sigma.topks_at(0, args.train_iters)),
@@ -627,9 +625,9 @@ def spec_from_args(args) -> ModelSpec:
 
 
 def layout_from_args(args, world_size: Optional[int] = None) -> Layout:
-    from megatron_ext.training.arguments import stem_config_from_args
+    from megatron_ext.stem.family import stem_config
 
-    stem = stem_config_from_args(args)
+    stem = stem_config(args)
     sixteen = bool(args.bf16 or args.fp16)
     modules = tuple(getattr(args, "recompute_modules", None) or ("core_attn",))
     flash = (args.transformer_impl == "transformer_engine"

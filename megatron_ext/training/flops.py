@@ -111,9 +111,9 @@ class ModelShape:
     @classmethod
     def from_megatron_args(cls, args) -> "ModelShape":
         """The shape of the model ``launch/pretrain.py`` builds from parsed Megatron args."""
-        from megatron_ext.training.arguments import stem_config_from_args
+        from megatron_ext.stem.family import stem_config
 
-        stem = stem_config_from_args(args)
+        stem = stem_config(args)
         groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
         return cls(
             num_layers=args.num_layers, hidden_size=args.hidden_size,

@@ -9,9 +9,10 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core.num_microbatches_calculator import get_num_microbatches
-from megatron.core.utils import get_attr_wrapped_model, get_model_config
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers
 
+from megatron_ext.models.registry import family_of
 from megatron_ext.training.batch import get_batch
 
 
@@ -106,18 +107,8 @@ def forward_step(data_iterator, model):
         batch = read_batch()
     tokens, labels, loss_mask, attention_mask, position_ids = batch
     timers("batch-generator").stop()
-    if args.model_family == "structmoe":
-        # Upstream sets the aux-loss gradient scale only for models with --num-experts.
-        from megatron_ext.structmoe.balance import set_aux_loss_scale
-
-        set_aux_loss_scale(get_model_config(model), get_num_microbatches(),
-                           args.context_parallel_size)
-    if args.model_family == "sigma":
-        # Progressive sparsification: every layer's top-k for this step (a function of the step).
-        from megatron_ext.sigma.schedule import apply_schedule
-        from megatron_ext.training.arguments import sigma_config_from_args
-
-        apply_schedule(get_attr_wrapped_model(model, "sigma_layers"), sigma_config_from_args(args),
-                       args.curr_iteration, args.train_iters)
+    family = family_of(args)
+    if family.before_forward is not None:  # e.g. Sigma's top-k of this step
+        family.before_forward(model, args, family.config_from_args(args))
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

@@ -5,18 +5,12 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
-from megatron.training import get_args, print_rank_0
+from megatron.training import get_args
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 from megatron_ext.models.gpt import TokenIdsGPTModel
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import stage_has_token_layers, te_available
-from megatron_ext.structmoe.config import layer_budget
-from megatron_ext.training.arguments import (
-    sigma_config_from_args,
-    stem_config_from_args,
-    structmoe_config_from_args,
-)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
@@ -54,50 +48,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     )
     model = TokenIdsGPTModel(**kwargs) if needs_ids else GPTModel(**kwargs)
     model.needs_token_ids = needs_ids
-    model.stem_tables = None  # managed STEM tables of this chunk, if any (set below)
-    stem = stem_config_from_args(args)
-    if stem is not None:
-        print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
-                     f"variant={stem.variant} init={stem.init} tables: "
-                     f"placement={stem.placement} sharding={stem.sharding}")
-        if stem.managed_tables:
-            from megatron.core import parallel_state
-
-            from megatron_ext.stem.tables import StemTables, chunk_stem_layers
-
-            layers = chunk_stem_layers(model)
-            hot = None
-            if stem.placement == "tiered" and layers:
-                from megatron_ext.stem.tiers import choose_hot_mask
-
-                hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier)
-                print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
-                             f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
-            # A plain attribute, not a submodule: the rows are not parameters of the model.
-            model.stem_tables = StemTables(
-                layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
-                hot_mask=hot) if layers else None
-    smoe = structmoe_config_from_args(args)
-    if smoe is not None:
-        budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
-                              bool(config.gated_linear_unit))
-        print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
-    sigma = sigma_config_from_args(args)
-    if sigma is not None:
-        from megatron_ext.sigma import monitor
-        from megatron_ext.sigma.budget import SigmaBudget
-        from megatron_ext.sigma.schedule import sigma_layers
-
-        budget = SigmaBudget.from_config(config, args.padded_vocab_size,
-                                         tied=not args.untie_embeddings_and_output_weights)
-        print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
-        print_rank_0(f"> Sigma top-k per layer: {list(sigma.initial_topks())}, after step "
-                     f"{sigma.switch_iteration(args.train_iters)}: {list(sigma.target_topks())}"
-                     if sigma.topk_schedule else
-                     f"> Sigma top-k per layer: {list(sigma.target_topks())}")
-        # A plain list attribute (not submodules): the forward step applies the schedule to it.
-        model.sigma_layers = sigma_layers(model)
-        # Close each global batch in the routers once its gradients are final (megatron.training
-        # keeps a finalize function the model builder set).
-        config.finalize_model_grads_func = monitor.finalize_model_grads
+    model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
+    if family.model_state is not None:  # what the family keeps beside the modules
+        family.model_state(model, args, config, family.config_from_args(args))
     return model

@@ -101,7 +101,7 @@ def preset_argv(flags: Dict[str, object]) -> List[str]:
 
 def expand_argv(argv: Sequence[str]) -> List[str]:
     """The preset's flags (if any), then ``argv``, then the family's fixed flags where absent."""
-    from megatron_ext.sigma.presets import FAMILY_FLAGS as SIGMA_FLAGS
+    from megatron_ext.models.registry import get_family
 
     argv = list(argv)
     given = [(flag, flag_value(argv, flag)) for flag in PRESET_FLAGS]
@@ -112,8 +112,13 @@ def expand_argv(argv: Sequence[str]) -> List[str]:
     if given:
         flag, name = given[0]
         argv = preset_argv(load_preset(name, flag)) + argv
-    if flag_value(argv, "--model-family") == "sigma":
-        for flag, value in SIGMA_FLAGS:
+    family = flag_value(argv, "--model-family")
+    if family is not None:
+        try:
+            implied = get_family(family).default_flags
+        except ValueError:  # an unknown family: the parser names it
+            implied = ()
+        for flag, value in implied:
             if not has_flag(argv, flag):
                 argv += [flag] + ([value] if value is not None else [])
     return argv

@@ -149,9 +149,9 @@ class FlopsPerToken:
             self._estimate = estimate
             self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
             if getattr(args, "model_family", None) == "sigma":
-                from megatron_ext.training.arguments import sigma_config_from_args
+                from megatron_ext.sigma.family import sigma_config
 
-                self._sigma = sigma_config_from_args(args)
+                self._sigma = sigma_config(args)
                 self._spec = estimate.spec_from_args(args)
                 self._train_iters = args.train_iters
         except Exception as exc:

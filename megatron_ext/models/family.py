@@ -1,0 +1,46 @@
+"""The contract of a model family (``models/registry.py`` keeps the registered ones)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+BlockSpecFn = Callable[..., Any]  # (args, config, use_te, vp_stage) -> TransformerBlockSubmodules
+
+
+def _no_config(args) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Every hook but ``block_spec`` is optional; ``cfg`` below is what
+    ``config_from_args`` returns for the parsed flags (None for a family without options)."""
+
+    name: str
+    description: str
+    # (args, config, use_te, vp_stage) -> the decoder's TransformerBlockSubmodules
+    block_spec: BlockSpecFn
+    heterogeneous_layers: bool = False  # layers differ in their parameters (checkpoint per layer)
+    # the family's argument group: add_args(parser)
+    add_args: Optional[Callable[[Any], None]] = None
+    # its options dataclass from the parsed flags (raises ValueError naming a flag)
+    config_from_args: Callable[[Any], Any] = _no_config
+    # flags the family implies when the command line does not give them: ((flag, value), ...)
+    default_flags: Tuple[Tuple[str, Optional[str]], ...] = ()
+    # checks before Megatron validates the flags (a message naming our flag rather than one of
+    # Megatron's assertions): check_args(args)
+    check_args: Optional[Callable[[Any], None]] = None
+    # checks that need Megatron's validated flags: validate_args(args, tokenizer_vocab_size)
+    validate_args: Optional[Callable[[Any, Optional[int]], None]] = None
+    # after the model chunk is built: model_state(model, args, config, cfg) attaches what the
+    # family keeps beside the modules (STEM's managed tables, Sigma's layer list)
+    model_state: Optional[Callable[[Any, Any, Any, Any], None]] = None
+    # before pretrain: install(args, cfg) (optimizer wrapping, logging, checkpoint checks)
+    install: Optional[Callable[[Any, Any], None]] = None
+    # every training micro-batch, before the model runs: before_forward(model, args, cfg)
+    before_forward: Optional[Callable[[Any, Any, Any], None]] = None
+    # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)
+    at_iteration: Optional[Callable[[Sequence, Any, Any, Optional[int]], None]] = None
+    # after pretrain returned: after_training(args, cfg)
+    after_training: Optional[Callable[[Any, Any], None]] = None

@@ -1,0 +1,17 @@
+"""The dense SwiGLU GPT baseline as a family (``--model-family gpt``): a block spec and nothing
+else (``models/registry.py``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_ext.models.family import Family
+
+
+def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    from megatron_ext.models.specs import decoder_block_spec
+
+    return decoder_block_spec(config, None, args.padded_vocab_size, use_te, vp_stage=vp_stage)
+
+
+FAMILY = Family("gpt", "dense SwiGLU GPT (the baseline)", block_spec)

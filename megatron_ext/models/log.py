@@ -1,0 +1,10 @@
+"""One line on rank 0 (as ``megatron.training.print_rank_0``, for code outside the trainer)."""
+
+from __future__ import annotations
+
+
+def print_rank_0(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)

@@ -1,0 +1,159 @@
+"""Sigma MoE as a model family (``--model-family sigma``; the contract: ``models/family.py``): its
+flags and the fixed flags it implies, ``SigmaConfig`` from them, the checks of the Sigma layer's
+fixed choices, the block spec with ``SigmaMoELayer`` in every layer, the router statistics closed
+at each global batch, and progressive sparsification (every layer's top-k set before each
+micro-batch, and after a checkpoint is loaded for evaluation)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from megatron_ext.models.family import Family
+from megatron_ext.sigma.config import LBLS as SIGMA_LBLS
+from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk_schedule
+from megatron_ext.sigma.presets import FAMILY_FLAGS
+
+NAME = "sigma"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    sigma = parser.add_argument_group(
+        "megatron-ext Sigma MoE (experts, target top-k and EP are Megatron's --num-experts, "
+        "--moe-ffn-hidden-size, --moe-router-topk, --expert-model-parallel-size)")
+    sigma.add_argument("--sigma-preset", default=None,
+                       help="the older spelling of --preset (sigma_moe_tiny: the report's "
+                            "Sigma-MoE-Tiny; sigma_cpu: a small CPU model)")
+    sigma.add_argument("--sigma-lbl", choices=SIGMA_LBLS, default="global",
+                       help="global: global-batch LBL (Eq. 1); top1: Top-1 LBL (Eqs. 2-4); "
+                            "none: no load-balancing loss (statistics are still logged)")
+    sigma.add_argument("--sigma-lbl-coeff", type=float, default=1e-3,
+                       help="coefficient of the load-balancing loss (the report: 1e-3)")
+    sigma.add_argument("--sigma-top1-lbl-temperature", type=float, default=1.0,
+                       help="tau of the temperature-scaled softmax of the Top-1 LBL (Eq. 3)")
+    sigma.add_argument("--sigma-topk-schedule", default=None,
+                       help="top-k of the first layers before --sigma-sparsify-at, e.g. "
+                            "\"[8,8,6,6,4,4,2,2]\" (other layers use --moe-router-topk)")
+    sigma.add_argument("--sigma-sparsify-at", default=None,
+                       help="when every layer switches to --moe-router-topk: a fraction of "
+                            "--train-iters (0.9) or a step (1000; steps after it use the target)")
+    sigma.add_argument("--sigma-dump-router-grads", default=None, metavar="DIR",
+                       help="after each step's gradients are final, rank 0 writes every router's "
+                            "weight gradient and global-batch statistics to DIR/step_N.pt "
+                            "(inspection and tests)")
+
+
+def config_from_args(args) -> SigmaConfig:
+    return SigmaConfig(
+        num_layers=args.num_layers, num_experts=args.num_experts, topk=args.moe_router_topk,
+        ep_size=args.expert_model_parallel_size, lbl=args.sigma_lbl,
+        lbl_coeff=args.sigma_lbl_coeff, top1_temperature=args.sigma_top1_lbl_temperature,
+        topk_schedule=parse_topk_schedule(args.sigma_topk_schedule),
+        sparsify_at=parse_sparsify_at(args.sigma_sparsify_at))
+
+
+def sigma_config(args) -> Optional[SigmaConfig]:
+    """The Sigma options of ``args``, or None when the model is not Sigma."""
+    return config_from_args(args) if args.model_family == NAME else None
+
+
+def check_args(args) -> None:
+    """The Sigma layer's fixed choices (Sec. 2 of the report) and a layout that can work."""
+    sigma = config_from_args(args)
+    switch = sigma.switch_iteration(args.train_iters)  # a fraction needs --train-iters
+    if switch is not None and args.train_iters and switch >= args.train_iters \
+            and os.environ.get("RANK", "0") == "0":
+        print(f"megatron-ext: warning: --sigma-sparsify-at={args.sigma_sparsify_at} switches to "
+              f"the target top-k after step {switch}, at or beyond --train-iters="
+              f"{args.train_iters}: the switch will not happen in this run", file=sys.stderr,
+              flush=True)
+    required = [
+        (args.moe_ffn_hidden_size is not None, "--moe-ffn-hidden-size (the expert width)"),
+        (args.swiglu, "--swiglu (SwiGLU experts)"),
+        (args.normalization == "RMSNorm", "--normalization RMSNorm"),
+        (args.qk_layernorm, "--qk-layernorm (QK-norm)"),
+        (args.moe_router_pre_softmax, "--moe-router-pre-softmax (top-1 gates must carry the "
+                                      "router's gradient)"),
+        (args.moe_router_dtype == "fp32", "--moe-router-dtype fp32 (FP32 router)"),
+        (args.moe_router_score_function == "softmax", "--moe-router-score-function softmax"),
+        (not args.add_bias_linear, "--disable-bias-linear (Sigma layers have no biases)"),
+        (args.moe_router_load_balancing_type in ("none", ["none"]),
+         "--moe-router-load-balancing-type none (Sigma's --sigma-lbl replaces upstream's losses)"),
+        (args.moe_shared_expert_intermediate_size is None,
+         "no --moe-shared-expert-intermediate-size (Sigma has no shared expert)"),
+        (args.moe_expert_capacity_factor is None, "no --moe-expert-capacity-factor (dropless)"),
+    ]
+    for ok, flag in required:
+        if not ok:
+            raise ValueError(f"--model-family=sigma needs {flag}")
+    if sigma.topk_schedule is not None and args.moe_token_dispatcher_type == "flex":
+        raise ValueError("--sigma-topk-schedule with --moe-token-dispatcher-type flex: the flex "
+                         "dispatcher sizes its buffers once for one top-k; use alltoall or "
+                         "allgather")
+    if sigma.lbl != "none" and sigma.lbl_coeff > 0 and args.calculate_per_token_loss:
+        raise ValueError("--calculate-per-token-loss with Sigma's load-balancing loss is not "
+                         "supported: drop the flag or pass --sigma-lbl none")
+
+
+def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
+    check_args(args)
+
+
+def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    from megatron_ext.models.specs import sigma_block_spec
+
+    return sigma_block_spec(config, config_from_args(args), use_te, vp_stage=vp_stage)
+
+
+def model_state(model, args, config, sigma: SigmaConfig) -> None:
+    """The chunk's Sigma layers (a plain list: the forward step applies the schedule to it),
+    and the routers' global-batch close at each step (the finalize function)."""
+    from megatron_ext.models.log import print_rank_0
+    from megatron_ext.sigma import monitor
+    from megatron_ext.sigma.budget import SigmaBudget
+    from megatron_ext.sigma.schedule import sigma_layers
+
+    budget = SigmaBudget.from_config(config, args.padded_vocab_size,
+                                     tied=not args.untie_embeddings_and_output_weights)
+    print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
+    print_rank_0(f"> Sigma top-k per layer: {list(sigma.initial_topks())}, after step "
+                 f"{sigma.switch_iteration(args.train_iters)}: {list(sigma.target_topks())}"
+                 if sigma.topk_schedule else
+                 f"> Sigma top-k per layer: {list(sigma.target_topks())}")
+    model.sigma_layers = sigma_layers(model)
+    # Close each global batch in the routers once its gradients are final (megatron.training
+    # keeps a finalize function the model builder set).
+    config.finalize_model_grads_func = monitor.finalize_model_grads
+
+
+def install(args, sigma: SigmaConfig) -> None:
+    from megatron_ext.sigma.monitor import install_reporting
+
+    install_reporting()
+
+
+def before_forward(model, args, sigma: SigmaConfig) -> None:
+    """Progressive sparsification: every layer's top-k for this step (a function of the step)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from megatron_ext.sigma.schedule import apply_schedule
+
+    apply_schedule(get_attr_wrapped_model(model, "sigma_layers"), sigma, args.curr_iteration,
+                   args.train_iters)
+
+
+def at_iteration(chunks, args, sigma: SigmaConfig, iteration: Optional[int]) -> None:
+    """A checkpoint of ``iteration`` loaded for evaluation: the top-k of that step."""
+    from megatron_ext.sigma.schedule import apply_schedule
+
+    for m in chunks:
+        apply_schedule(m.sigma_layers, sigma, iteration, args.train_iters)
+
+
+FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", block_spec,
+                add_args=add_args, config_from_args=config_from_args,
+                default_flags=FAMILY_FLAGS, check_args=check_args, validate_args=validate_args,
+                model_state=model_state, install=install, before_forward=before_forward,
+                at_iteration=at_iteration)

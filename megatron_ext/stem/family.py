@@ -1,0 +1,187 @@
+"""STEM as a model family (``--model-family stem``; the contract: ``models/family.py``): its
+flags, ``StemConfig`` from them, their checks, the decoder block spec with ``StemMLP`` on the STEM
+layers, the managed tables each model chunk keeps beside its modules, and the start-up and
+after-training hooks of managed tables."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_ext.models.family import Family
+from megatron_ext.stem.config import (
+    INITS,
+    KERNELS,
+    OPTIMIZERS,
+    OWNERSHIPS,
+    PLACEMENTS,
+    RATIOS,
+    SHARDINGS,
+    VARIANTS,
+    StemConfig,
+    parse_layers,
+)
+
+NAME = "stem"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    stem = parser.add_argument_group("megatron-ext STEM")
+    stem.add_argument("--stem-ratio", choices=RATIOS, default="1/3",
+                      help="STEM layers: 1/3 -> (i+1)%%3==0, 1/2 -> (i+1)%%2==0, full -> all but 0")
+    stem.add_argument("--stem-layers", type=str, default=None,
+                      help="explicit 0-based STEM layers, e.g. 2,5,8 (wins over --stem-ratio)")
+    stem.add_argument("--stem-variant", choices=VARIANTS, default="up",
+                      help="up: U[t] replaces W_up (paper); gate: U[t] replaces W_gate (ablation); "
+                           "dagger: W_up kept and U[t] added (STEM-dagger)")
+    stem.add_argument("--stem-init", choices=INITS, default="fan-in",
+                      help="table initialisation; default fan-in = N(0, (init_method_std * "
+                           "sqrt(hidden))^2), the spread of W_up x at initialisation")
+    stem.add_argument("--stem-table-placement", choices=PLACEMENTS, default="gpu",
+                      help="gpu: tables are model parameters on the device; cpu: they live in "
+                           "(pinned) host memory, touched rows are copied to the device; tiered: "
+                           "the hottest rows (--stem-gpu-tier) on the device with their optimizer "
+                           "state, the rest in host memory (needs --stem-table-sharding vocab)")
+    stem.add_argument("--stem-gpu-tier", default="10%", metavar="SIZE",
+                      help="tiered placement: rows of the GPU tier as a count (50000), a fraction "
+                           "(0.1) or a percentage (10%%) of the vocabulary; the most frequent ids "
+                           "of the --data-path datasets, counted at start-up")
+    stem.add_argument("--stem-table-sharding", choices=SHARDINGS, default="replicated",
+                      help="replicated: every data-parallel rank holds all rows; vocab: each "
+                           "data-parallel rank owns a share of the rows (--stem-row-ownership)")
+    stem.add_argument("--stem-row-ownership", choices=OWNERSHIPS, default="interleaved",
+                      help="with vocab sharding: row r on rank r %% dp (interleaved, balanced on "
+                           "BPE vocabularies) or contiguous ranges")
+    stem.add_argument("--stem-optimizer", choices=OPTIMIZERS, default="dense",
+                      help="for cpu or vocab-sharded tables, AdamW on the CPU: dense (every owned "
+                           "row each step, equal to AdamW) or sparse (touched rows only, per-row "
+                           "step counts, weight decay caught up)")
+
+    stem.add_argument("--stem-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                      help="cpu/vocab-sharded tables: fetch the next micro-batch's rows in the "
+                           "background while the current one computes")
+    stem.add_argument("--stem-cpu-threads", type=int, default=0, metavar="N",
+                      help="threads of the CPU row kernels (table step, row gather) per rank; 0: "
+                           "the cores of the rank's affinity mask / ranks on the node (not "
+                           "OMP_NUM_THREADS, which torchrun sets to 1 for several ranks)")
+    stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
+                      help="lookup-and-gate: triton = the fused kernel (kernels/stem_gate.py), "
+                           "torch = the plain-PyTorch path, auto = triton on a CUDA device")
+    stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
+                      help="after training, write each rank's rows of cpu/vocab-sharded tables "
+                           "to DIR (inspection and tests)")
+
+
+def config_from_args(args) -> StemConfig:
+    layers = parse_layers(args.stem_layers) if args.stem_layers else None
+    return StemConfig(ratio=args.stem_ratio, layers=layers, variant=args.stem_variant,
+                      init=args.stem_init, placement=args.stem_table_placement,
+                      sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
+                      optimizer=args.stem_optimizer, prefetch=args.stem_prefetch,
+                      kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier)
+
+
+def stem_config(args) -> Optional[StemConfig]:
+    """The STEM options of ``args``, or None when the model is not STEM."""
+    return config_from_args(args) if args.model_family == NAME else None
+
+
+def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
+    stem = config_from_args(args)
+    stem.stem_layers(args.num_layers)  # raises for out-of-range layers
+    if stem.placement == "tiered":
+        from megatron_ext.stem.hot_rows import parse_tier_size
+
+        # The size against the table's rows where they are known (entry point), else its
+        # form alone (dry run).
+        rows = getattr(args, "padded_vocab_size", None) or tokenizer_vocab_size
+        try:
+            parse_tier_size(stem.gpu_tier, rows if rows else 2**62)
+        except ValueError as exc:
+            raise ValueError(f"--stem-gpu-tier: {exc}") from None
+    if args.stem_cpu_threads < 0:
+        raise ValueError(f"--stem-cpu-threads={args.stem_cpu_threads}: must be >= 0 (0 = "
+                         "automatic)")
+    if not args.swiglu:
+        raise ValueError("--model-family=stem needs a gated activation: pass --swiglu "
+                         "(STEM replaces one input of the SwiGLU product)")
+    if args.add_bias_linear:
+        raise ValueError("--model-family=stem: pass --disable-bias-linear (STEM layers "
+                         "have no biases)")
+    from megatron_ext_kernels import stem_gate
+
+    stem_gate.resolve(stem.kernel)  # --stem-kernel triton where it cannot run
+    if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
+        raise ValueError("--recompute-modules mlp is not supported with STEM layers; use "
+                         "--recompute-granularity full")
+    if stem.managed_tables:
+        where = (f"--stem-table-placement {stem.placement} --stem-table-sharding "
+                 f"{stem.sharding}")
+        unsupported = [
+            ((args.save is not None or args.load is not None)
+             and args.ckpt_format != "torch_dist",
+             f"--ckpt-format {args.ckpt_format} (their checkpoints are torch_dist)"),
+            (args.calculate_per_token_loss, "--calculate-per-token-loss"),
+            (args.context_parallel_size > 1, "--context-parallel-size > 1"),
+        ]
+        for bad, flag in unsupported:
+            if bad:
+                raise ValueError(f"{where} does not support {flag} yet; use the default "
+                                 "--stem-table-placement gpu --stem-table-sharding replicated")
+
+
+def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    from megatron_ext.models.specs import decoder_block_spec
+
+    return decoder_block_spec(config, config_from_args(args), args.padded_vocab_size,
+                              use_te, vp_stage=vp_stage)
+
+
+def model_state(model, args, config, stem: StemConfig) -> None:
+    """Managed tables (``--stem-table-placement cpu|tiered`` or vocab sharding): the chunk's
+    ``StemTables``, a plain attribute (the rows are not parameters of the model)."""
+    from megatron_ext.models.log import print_rank_0
+
+    print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
+                 f"variant={stem.variant} init={stem.init} tables: "
+                 f"placement={stem.placement} sharding={stem.sharding}")
+    if not stem.managed_tables:
+        return
+    from megatron.core import parallel_state
+
+    from megatron_ext.stem.tables import StemTables, chunk_stem_layers
+
+    layers = chunk_stem_layers(model)
+    hot = None
+    if stem.placement == "tiered" and layers:
+        from megatron_ext.stem.tiers import choose_hot_mask
+
+        hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier)
+        print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
+                     f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
+    model.stem_tables = StemTables(
+        layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
+        hot_mask=hot) if layers else None
+
+
+def install(args, stem: StemConfig) -> None:
+    from megatron_ext.stem.checkpoint import install_shape_check
+
+    install_shape_check()
+    if stem.managed_tables:
+        from megatron_ext.stem import table_optimizer
+
+        table_optimizer.install()
+
+
+def after_training(args, stem: StemConfig) -> None:
+    if stem.managed_tables and args.stem_dump_tables:
+        from megatron_ext.stem.table_optimizer import dump_tables
+
+        dump_tables(args.stem_dump_tables)
+
+
+FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
+                heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
+                validate_args=validate_args, model_state=model_state, install=install,
+                after_training=after_training)

@@ -1,0 +1,111 @@
+"""StructMoE as a model family (``--model-family structmoe``; the contract:
+``models/family.py``): its flags, ``StructMoEConfig`` from them, their checks, the block spec with
+``StructMoEMLP`` in every layer, the per-layer budget line, the aux-loss gradient scale of each
+micro-batch and the router metrics in the training log."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_ext.models.family import Family
+from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
+from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
+from megatron_ext.structmoe.config import INITS as SMOE_INITS
+from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
+
+NAME = "structmoe"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    smoe = parser.add_argument_group("megatron-ext StructMoE")
+    smoe.add_argument("--structmoe-num-experts", type=int, default=16,
+                      help="L: low-rank experts per MLP")
+    smoe.add_argument("--structmoe-rank", type=int, default=16, help="r: rank of each expert")
+    smoe.add_argument("--structmoe-topk", type=int, default=1, help="k: experts per token")
+    smoe.add_argument("--structmoe-fusion", choices=SMOE_FUSIONS, default="additive",
+                      help="additive: routed update added before the activation (Eq. 5); "
+                           "glu: it multiplies the activated base, as (1 + R)")
+    smoe.add_argument("--structmoe-param-matched", action=argparse.BooleanOptionalAction,
+                      default=None,
+                      help="D'_ff from Eq. 8 so the MLP has the dense MLP's parameters (the "
+                           "default unless --structmoe-ffn-hidden-size is given)")
+    smoe.add_argument("--structmoe-ffn-hidden-size", type=int, default=None,
+                      help="explicit D'_ff (instead of --structmoe-param-matched)")
+    smoe.add_argument("--structmoe-init", choices=SMOE_INITS, default="small",
+                      help="small: SmallInit for W1', A, B, W_R and DeepNorm-style W2' (Sec. 3.6); "
+                           "megatron: Megatron's --init-method-std rules")
+    smoe.add_argument("--structmoe-backend", choices=SMOE_BACKENDS, default="auto",
+                      help="routed low-rank path: reference (Algorithm 1), grouped "
+                           "(torch._grouped_mm), dense-masked, triton (router and codes fused in "
+                           "one Triton kernel; CUDA, or TRITON_INTERPRET=1 on CPU); auto: grouped "
+                           "on CPU, dense-masked on GPU")
+    smoe.add_argument("--structmoe-aux-loss-coeff", type=float, default=0.01,
+                      help="coefficient of the Switch load-balancing loss on the router (0: off; "
+                           "routing fractions are logged either way)")
+
+
+def config_from_args(args) -> StructMoEConfig:
+    explicit_ffn = args.structmoe_ffn_hidden_size is not None
+    if explicit_ffn and args.structmoe_param_matched:
+        raise ValueError("--structmoe-param-matched and --structmoe-ffn-hidden-size exclude "
+                         "each other: Eq. 8 gives D'_ff, or you give it")
+    param_matched = (args.structmoe_param_matched if args.structmoe_param_matched is not None
+                     else not explicit_ffn)
+    return StructMoEConfig(
+        num_experts=args.structmoe_num_experts, rank=args.structmoe_rank,
+        topk=args.structmoe_topk, fusion=args.structmoe_fusion,
+        param_matched=param_matched,
+        ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
+        backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff)
+
+
+def structmoe_config(args) -> Optional[StructMoEConfig]:
+    """The StructMoE options of ``args``, or None when the model is not StructMoE."""
+    return config_from_args(args) if args.model_family == NAME else None
+
+
+def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
+    smoe = config_from_args(args)  # raises for bad --structmoe-* values
+    if smoe.aux_loss_coeff > 0 and args.calculate_per_token_loss:
+        raise ValueError("--calculate-per-token-loss with StructMoE's load-balancing loss is not "
+                         "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
+    from megatron_ext.structmoe.routed import check_fused_backend
+
+    check_fused_backend(smoe.backend)  # --structmoe-backend triton where it cannot run
+
+
+def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    from megatron_ext.models.specs import block_spec as build, structmoe_layers_fn
+
+    return build(config, use_te, structmoe_layers_fn(config_from_args(args)), vp_stage=vp_stage)
+
+
+def model_state(model, args, config, smoe: StructMoEConfig) -> None:
+    from megatron_ext.models.log import print_rank_0
+
+    budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
+                          bool(config.gated_linear_unit))
+    print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
+
+
+def install(args, smoe: StructMoEConfig) -> None:
+    from megatron_ext.structmoe.balance import install_reporting
+
+    install_reporting()
+
+
+def before_forward(model, args, smoe: StructMoEConfig) -> None:
+    """Upstream sets the aux-loss gradient scale only for models with --num-experts."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_model_config
+
+    from megatron_ext.structmoe.balance import set_aux_loss_scale
+
+    set_aux_loss_scale(get_model_config(model), get_num_microbatches(), args.context_parallel_size)
+
+
+FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP", block_spec,
+                add_args=add_args, config_from_args=config_from_args,
+                validate_args=validate_args, model_state=model_state, install=install,
+                before_forward=before_forward)
