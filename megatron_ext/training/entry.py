@@ -56,8 +56,11 @@ def main(argv=None) -> None:
         sys.argv = [sys.argv[0]] + list(argv)
     from megatron_ext.training.presets import expand_argv
 
+    from megatron_ext.models.registry import load_plugins
+
     try:
         raw_argv = list(sys.argv[1:])
+        load_plugins(raw_argv)  # families of --ext-plugin modules, before the flags are parsed
         expanded = expand_argv(raw_argv)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
