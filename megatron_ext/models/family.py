@@ -36,8 +36,12 @@ class Family:
     # after the model chunk is built: model_state(model, args, config, cfg) attaches what the
     # family keeps beside the modules (STEM's managed tables, Sigma's layer list)
     model_state: Optional[Callable[[Any, Any, Any, Any], None]] = None
-    # before pretrain: install(args, cfg) (optimizer wrapping, logging, checkpoint checks)
+    # before pretrain: install(args, cfg) (optimizer wrapping, logging)
     install: Optional[Callable[[Any, Any], None]] = None
+    # before the trainer loads a checkpoint into the model (after its checksums are verified):
+    # check_checkpoint(chunks, args, cfg, load_dir, step, tokenizer_vocab_size) refuses one
+    # that does not fit the model, naming the flags (ValueError)
+    check_checkpoint: Optional[Callable[..., None]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None
     # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)

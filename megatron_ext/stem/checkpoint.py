@@ -257,37 +257,3 @@ def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],
                 f"{list(found)}, but this model's tables are {list(shape)} (padded vocabulary "
                 "size from --vocab-size/the tokenizer and --make-vocab-size-divisible-by, d_ff "
                 "from --ffn-hidden-size); load it with the model it was trained with")
-
-
-def install_shape_check() -> None:
-    """Check STEM table shapes before ``pretrain`` loads a checkpoint (wraps
-    ``megatron.training.training.load_checkpoint``)."""
-    from megatron.training import training
-
-    upstream = training.load_checkpoint
-    if getattr(upstream, "_stem_checked", False):
-        return
-
-    def load_checkpoint(model, *args, **kwargs):
-        from megatron.training import get_args
-
-        from megatron_ext.stem.mlp import StemMLP
-
-        margs = get_args()
-        load_dir = getattr(margs, "load", None)
-        if load_dir:
-            expected = {}
-            for chunk in model:
-                for name, module in chunk.named_modules():
-                    if isinstance(module, StemMLP) and module.layer_number is not None:
-                        key = f"decoder.layers.{module.layer_number - 1}.mlp.table"
-                        expected[key] = (module.vocab_size, module.config.ffn_hidden_size)
-            from megatron.training import get_tokenizer
-
-            tokenizer = get_tokenizer()
-            check_table_shapes(load_dir, expected, getattr(margs, "ckpt_step", None),
-                               getattr(tokenizer, "vocab_size", None))
-        return upstream(model, *args, **kwargs)
-
-    load_checkpoint._stem_checked = True
-    training.load_checkpoint = load_checkpoint

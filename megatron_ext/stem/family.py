@@ -164,10 +164,22 @@ def model_state(model, args, config, stem: StemConfig) -> None:
         hot_mask=hot) if layers else None
 
 
-def install(args, stem: StemConfig) -> None:
-    from megatron_ext.stem.checkpoint import install_shape_check
+def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Optional[int],
+                     tokenizer_vocab_size: Optional[int]) -> None:
+    """The checkpoint's STEM tables fit this model's ``[vocab, d_ff]`` (``check_table_shapes``)."""
+    from megatron_ext.stem.checkpoint import check_table_shapes
+    from megatron_ext.stem.mlp import StemMLP
 
-    install_shape_check()
+    expected = {}
+    for chunk in chunks:
+        for _, module in chunk.named_modules():
+            if isinstance(module, StemMLP) and module.layer_number is not None:
+                key = f"decoder.layers.{module.layer_number - 1}.mlp.table"
+                expected[key] = (module.vocab_size, module.config.ffn_hidden_size)
+    check_table_shapes(load_dir, expected, step, tokenizer_vocab_size)
+
+
+def install(args, stem: StemConfig) -> None:
     if stem.managed_tables:
         from megatron_ext.stem import table_optimizer
 
@@ -184,4 +196,4 @@ def after_training(args, stem: StemConfig) -> None:
 FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, install=install,
-                after_training=after_training)
+                check_checkpoint=check_checkpoint, after_training=after_training)

@@ -10,7 +10,8 @@ are replaced by the next one and get no manifest.
 Wraps ``megatron.training.training.load_checkpoint``: before upstream reads, the ranks check the
 folder it will read against its manifest, each rank hashing its share of the files (the largest
 first, to the least loaded rank), and all of them stop with one line naming the first damaged
-file. ``--no-verify-checkpoint`` loads without the check.
+file (``--no-verify-checkpoint`` loads without the check); then the family checks that the
+checkpoint fits the model (``Family.check_checkpoint``: STEM's table shapes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from typing import List, Optional, Sequence
 
 from megatron_ext import checkpoint_manifest as cm
+from megatron_ext.models.registry import family_of
 
 
 def _log(line: str) -> None:
@@ -120,6 +122,13 @@ def install() -> None:
                         _log(f"checkpoint {folder}: {len(manifest['files'])} files match their "
                              f"checksums ({manifest['bytes'] / 2**20:.1f} MiB, "
                              f"{time.perf_counter() - start:.2f} s)")
+            family = family_of(margs)
+            if load_dir and family.check_checkpoint is not None:
+                from megatron.training import get_tokenizer
+
+                family.check_checkpoint(model, margs, family.config_from_args(margs), load_dir,
+                                        margs.ckpt_step,
+                                        getattr(get_tokenizer(), "vocab_size", None))
             return load_upstream(model, *args, **kwargs)
 
         load_checkpoint._ext_manifest = True
