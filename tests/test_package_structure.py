@@ -14,9 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_ext")
 FAMILY_DIRS = ("stem", "structmoe", "sigma")
 # Comparisons of a family's name outside the family folders (the exported HF code aside):
-# 33 before the family contract; what is left is the estimate (16), to-hf (6), stem_edit (1),
-# run_report (1) and the default of --model-family.
-MAX_FAMILY_NAME_COMPARISONS = 25
+# 33 before the family contract; what is left is the Hugging Face mapping of to-hf (6: the
+# family's MLP layers and their tensors) and stem_edit (1: STEM layers of an exported model).
+MAX_FAMILY_NAME_COMPARISONS = 7
 
 
 def modules() -> Dict[str, str]:
@@ -102,7 +102,7 @@ def test_every_family_is_one_object_in_its_folder():
 
 
 COMPARISON = re.compile(r'(==|!=|in) *\(?"(gpt|stem|structmoe|sigma)"|"(gpt|stem|structmoe|sigma)" *'
-                        r'(==|!=|in)|family *(==|!=|in) ')
+                        r'(==|!=|in)|(?<!for )family *(==|!=|in) ')
 
 
 def family_name_comparisons() -> List[str]:
@@ -126,6 +126,4 @@ def family_name_comparisons() -> List[str]:
 def test_family_name_comparisons_outside_the_family_folders_only_go_down():
     found = family_name_comparisons()
     assert len(found) <= MAX_FAMILY_NAME_COMPARISONS, "\n".join(found)
-    assert not any(p.startswith("megatron_ext/training/entry.py") or
-                   p.startswith("megatron_ext/training/forward_step.py") or
-                   p.startswith("megatron_ext/training/model_provider.py") for p in found), found
+    assert not any(p.startswith("megatron_ext/training/") for p in found), found

@@ -48,3 +48,6 @@ class Family:
     at_iteration: Optional[Callable[[Sequence, Any, Any, Optional[int]], None]] = None
     # after pretrain returned: after_training(args, cfg)
     after_training: Optional[Callable[[Any, Any], None]] = None
+    # its terms in the parameter, FLOPs and memory estimate (a ``models/terms.py`` MLPTerms;
+    # None: the dense MLP's)
+    estimate_terms: Any = None

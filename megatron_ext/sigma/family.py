@@ -12,6 +12,7 @@ import sys
 from typing import Optional
 
 from megatron_ext.models.family import Family
+from megatron_ext.models.terms import MLPTerms
 from megatron_ext.sigma.config import LBLS as SIGMA_LBLS
 from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk_schedule
 from megatron_ext.sigma.presets import FAMILY_FLAGS
@@ -152,8 +153,53 @@ def at_iteration(chunks, args, sigma: SigmaConfig, iteration: Optional[int]) -> 
         apply_schedule(m.sigma_layers, sigma, iteration, args.train_iters)
 
 
+class SigmaTerms(MLPTerms):
+    """Sigma in the estimate: no dense MLP; per layer a router ``E h`` and ``E`` SwiGLU experts
+    ``3 h F`` (split over EP and expert-TP), the ``k_l`` selected experts active in layer ``l``."""
+
+    def check(self, spec) -> None:
+        if len(spec.topks) != spec.num_layers:
+            raise ValueError(f"{len(spec.topks)} top-k values for {spec.num_layers} layers")
+
+    def spec_fields(self, args, sigma) -> dict:
+        return dict(experts=args.num_experts, expert_ffn=args.moe_ffn_hidden_size,
+                    topks=tuple(sigma.topks_at(0, args.train_iters)),
+                    target_topks=tuple(sigma.target_topks()))
+
+    def layout_fields(self, args, sigma) -> dict:
+        return dict(etp=args.expert_tensor_parallel_size or 1)
+
+    def mlp_params(self, spec, layer: int, tp: int = 1) -> int:
+        return 0
+
+    def add_layer_parts(self, spec, layer, parts, tp, ep, etp, managed_tables) -> None:
+        parts.routers += spec.experts * spec.hidden
+        parts.experts += (spec.experts // ep) * 3 * spec.hidden * spec.expert_ffn // etp
+
+    def active_extra(self, spec, layer, topks) -> int:
+        return spec.experts * spec.hidden + topks[layer] * 3 * spec.hidden * spec.expert_ffn
+
+    def mlp_flops(self, spec, layer, topks) -> float:
+        return 6.0 * (spec.experts * spec.hidden
+                      + topks[layer] * 3 * spec.hidden * spec.expert_ffn)
+
+    def mlp_activation_bytes(self, spec, layout, layer, topks, s, b, sp) -> float:
+        k = topks[layer]
+        return (4 * 2 * s * b * spec.experts / sp
+                + layout.act_bytes * k * (s * b / sp)
+                * (2 * spec.hidden + 5 * spec.expert_ffn / layout.etp))
+
+    def check_layout(self, spec, layout) -> None:
+        if spec.experts % layout.ep:
+            raise ValueError(f"--num-experts={spec.experts} is not divisible by the "
+                             f"expert-parallel size {layout.ep}")
+
+    def topks_at(self, args, sigma, completed_iterations: int):
+        return sigma.topks_at(completed_iterations, args.train_iters)
+
+
 FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", block_spec,
                 add_args=add_args, config_from_args=config_from_args,
                 default_flags=FAMILY_FLAGS, check_args=check_args, validate_args=validate_args,
                 model_state=model_state, install=install, before_forward=before_forward,
-                at_iteration=at_iteration)
+                at_iteration=at_iteration, estimate_terms=SigmaTerms())

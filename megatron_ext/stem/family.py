@@ -6,9 +6,11 @@ after-training hooks of managed tables."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Optional
 
 from megatron_ext.models.family import Family
+from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem.config import (
     INITS,
     KERNELS,
@@ -193,7 +195,66 @@ def after_training(args, stem: StemConfig) -> None:
         dump_tables(args.stem_dump_tables)
 
 
+class StemTerms(MLPTerms):
+    """STEM in the estimate: ``up``/``gate`` layers lose one MLP matrix to a ``V x f`` table
+    (``dagger`` keeps it), one table row is active per token, managed tables are held beside
+    the parameters (host or GPU), with two fetched-row buffers on the GPU."""
+
+    def spec_fields(self, args, stem) -> dict:
+        return dict(stem_layers=tuple(stem.stem_layers(args.num_layers)),
+                    stem_variant=stem.variant)
+
+    def layout_fields(self, args, stem) -> dict:
+        return dict(stem_managed=bool(stem.managed_tables), stem_placement=stem.placement,
+                    stem_sharding=stem.sharding, stem_optimizer=stem.optimizer)
+
+    def _matrices(self, spec, layer: int) -> int:
+        return spec.m - 1 if spec.is_stem(layer) and spec.stem_replaces_matrix() else spec.m
+
+    def mlp_params(self, spec, layer: int, tp: int = 1) -> int:
+        h, f, matrices = spec.hidden, spec.ffn, self._matrices(spec, layer)
+        n = matrices * h * f // tp
+        if spec.bias:
+            n += (matrices - 1) * f // tp + h
+        return n
+
+    def add_layer_parts(self, spec, layer, parts, tp, ep, etp, managed_tables) -> None:
+        if spec.is_stem(layer) and not managed_tables:
+            parts.stem_tables += spec.vocab * spec.ffn // tp
+
+    def active_extra(self, spec, layer, topks) -> int:
+        return spec.ffn if spec.is_stem(layer) else 0
+
+    def mlp_flops(self, spec, layer, topks) -> float:
+        return 6.0 * self._matrices(spec, layer) * spec.hidden * spec.ffn
+
+    def mlp_activation_bytes(self, spec, layout, layer, topks, s, b, sp) -> float:
+        if not spec.is_stem(layer):
+            return super().mlp_activation_bytes(spec, layout, layer, topks, s, b, sp)
+        f = spec.ffn / layout.tp
+        return (layout.act_bytes * s * b * f * (4 + (1 if spec.stem_variant == "dagger" else 0))
+                + 8 * s * b)
+
+    def table_params(self, spec) -> int:
+        return len(spec.stem_layers) * spec.vocab * spec.ffn
+
+    def stage_memory(self, spec, layout, layers, s, b, gpu, host) -> None:
+        if not layout.stem_managed:
+            return
+        rows = math.ceil(spec.vocab / layout.dp) if layout.stem_sharding == "vocab" \
+            else spec.vocab
+        stem_here = [i for i in layers if spec.is_stem(i)]
+        elems = rows * (spec.ffn // layout.tp) * len(stem_here)
+        tables = {"stem_tables": 4 * elems, "stem_adam_moments": 8 * elems}
+        if layout.stem_optimizer == "dense":
+            tables["stem_table_gradients"] = 4 * elems
+        (host if layout.stem_placement == "cpu" else gpu).update(tables)
+        fetched = min(spec.vocab, s * b) * (spec.ffn // layout.tp) * len(stem_here)
+        gpu["stem_fetched_rows"] = 2 * fetched * layout.act_bytes
+
+
 FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, install=install,
-                check_checkpoint=check_checkpoint, after_training=after_training)
+                check_checkpoint=check_checkpoint, after_training=after_training,
+                estimate_terms=StemTerms())

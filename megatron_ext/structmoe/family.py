@@ -9,6 +9,7 @@ import argparse
 from typing import Optional
 
 from megatron_ext.models.family import Family
+from megatron_ext.models.terms import MLPTerms
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
 from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
 from megatron_ext.structmoe.config import INITS as SMOE_INITS
@@ -105,7 +106,41 @@ def before_forward(model, args, smoe: StructMoEConfig) -> None:
     set_aux_loss_scale(get_model_config(model), get_num_microbatches(), args.context_parallel_size)
 
 
+class StructMoETerms(MLPTerms):
+    """StructMoE in the estimate: Eq. 7 of its paper per layer (``m h D' + L r (h + D') + h L``),
+    the ``k`` selected LoREs active, Eq. 9's FLOPs."""
+
+    def spec_fields(self, args, smoe) -> dict:
+        budget = layer_budget(smoe, args.hidden_size, args.ffn_hidden_size, bool(args.swiglu))
+        return dict(smoe_ffn=budget.ffn, smoe_experts=smoe.num_experts, smoe_rank=smoe.rank,
+                    smoe_topk=smoe.topk)
+
+    def mlp_params(self, spec, layer: int, tp: int = 1) -> int:
+        h, m = spec.hidden, spec.m
+        d, n, r = spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank
+        base = m * h * d // tp + (((m - 1) * d // tp + h) if spec.bias else 0)
+        return base + n * h + n * h * r + n * r * d // tp  # router and A replicated, B split
+
+    def active_extra(self, spec, layer, topks) -> int:
+        h, d, e, r, k = (spec.hidden, spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank,
+                         spec.smoe_topk)
+        return -(e - k) * r * (h + d)  # the unselected LoREs are not used
+
+    def mlp_flops(self, spec, layer, topks) -> float:
+        h, d, n, r, k = (spec.hidden, spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank,
+                         spec.smoe_topk)
+        return 3.0 * (2 * spec.m * h * d + 2 * h * n + 2 * k * r * (h + d))  # Eq. 9, x3
+
+    def mlp_activation_bytes(self, spec, layout, layer, topks, s, b, sp) -> float:
+        d = spec.smoe_ffn / layout.tp
+        return (layout.act_bytes * s * b * d * ((5 if spec.gated else 2) + 1)
+                + 4 * s * b * spec.smoe_experts)
+
+    def widths(self, spec):
+        return [("StructMoE D'_ff (Eq. 8; or --structmoe-ffn-hidden-size)", spec.smoe_ffn)]
+
+
 FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP", block_spec,
                 add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, install=install,
-                before_forward=before_forward)
+                before_forward=before_forward, estimate_terms=StructMoETerms())

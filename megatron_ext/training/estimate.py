@@ -54,7 +54,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-FAMILIES = ("gpt", "stem", "structmoe", "sigma")
+
+
+def family_terms(family: str):
+    """The family's estimate terms (``models/terms.py``; the dense MLP's by default)."""
+    from megatron_ext.models.registry import get_family
+    from megatron_ext.models.terms import MLPTerms
+
+    return get_family(family).estimate_terms or MLPTerms()
 
 
 @dataclass(frozen=True)
@@ -90,10 +97,16 @@ class ModelSpec:
     target_topks: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r}: allowed {', '.join(FAMILIES)}")
-        if self.family == "sigma" and len(self.topks) != self.num_layers:
-            raise ValueError(f"{len(self.topks)} top-k values for {self.num_layers} layers")
+        from megatron_ext.models.registry import registered_families
+
+        if self.family not in registered_families():
+            raise ValueError(f"family={self.family!r}: allowed "
+                             f"{', '.join(registered_families())}")
+        self.terms.check(self)
+
+    @property
+    def terms(self):
+        return family_terms(self.family)
 
     @property
     def m(self) -> int:
@@ -113,7 +126,7 @@ class ModelSpec:
         return self.query_groups * self.head_dim
 
     def is_stem(self, layer: int) -> bool:
-        return self.family == "stem" and layer in self.stem_layers
+        return layer in self.stem_layers  # empty but for STEM
 
     def stem_replaces_matrix(self) -> bool:
         return self.stem_variant in ("up", "gate")
@@ -215,29 +228,14 @@ def attention_params(spec: ModelSpec, tp: int = 1) -> int:
 
 def mlp_params(spec: ModelSpec, layer: int, tp: int = 1) -> int:
     """Dense MLP weights of one layer (StructMoE: all of its MLP), tables and Sigma excluded."""
-    h, f, m = spec.hidden, spec.ffn, spec.m
-    if spec.family == "structmoe":
-        d, n, r = spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank
-        base = m * h * d // tp + (((m - 1) * d // tp + h) if spec.bias else 0)
-        return base + n * h + n * h * r + n * r * d // tp  # router and A replicated, B split
-    if spec.family == "sigma":
-        return 0
-    matrices = m - 1 if spec.is_stem(layer) and spec.stem_replaces_matrix() else m
-    n = matrices * h * f // tp
-    if spec.bias:
-        n += (matrices - 1) * f // tp + h
-    return n
+    return spec.terms.mlp_params(spec, layer, tp)
 
 
 def layer_parts(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1, etp: int = 1,
                 managed_tables: bool = False) -> Parts:
     p = Parts(attention=attention_params(spec, tp), norms=2 * spec.norm,
               mlp=mlp_params(spec, layer, tp))
-    if spec.is_stem(layer) and not managed_tables:
-        p.stem_tables = spec.vocab * spec.ffn // tp
-    if spec.family == "sigma":
-        p.routers = spec.experts * spec.hidden
-        p.experts = (spec.experts // ep) * 3 * spec.hidden * spec.expert_ffn // etp
+    spec.terms.add_layer_parts(spec, layer, p, tp, ep, etp, managed_tables)
     return p
 
 
@@ -251,7 +249,7 @@ def model_parts(spec: ModelSpec, managed_tables: bool = False) -> Parts:
 
 
 def stem_table_params(spec: ModelSpec) -> int:
-    return len(spec.stem_layers) * spec.vocab * spec.ffn if spec.family == "stem" else 0
+    return spec.terms.table_params(spec)
 
 
 def active_params(spec: ModelSpec, topks: Optional[Sequence[int]] = None) -> int:
@@ -262,13 +260,7 @@ def active_params(spec: ModelSpec, topks: Optional[Sequence[int]] = None) -> int
     n = h + (h if spec.learned_positions else 0) + spec.norm + spec.vocab * h
     for layer in range(spec.num_layers):
         n += attention_params(spec) + 2 * spec.norm + mlp_params(spec, layer)
-        if spec.family == "sigma":
-            n += spec.experts * h + topks[layer] * 3 * h * spec.expert_ffn
-        if spec.family == "structmoe":  # the unselected LoREs are not used
-            d, e, r, k = spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank, spec.smoe_topk
-            n -= (e - k) * r * (h + d)
-        if spec.is_stem(layer):
-            n += spec.ffn
+        n += spec.terms.active_extra(spec, layer, topks)
     return n
 
 
@@ -288,15 +280,7 @@ def training_flops_per_token(spec: ModelSpec, topks: Optional[Sequence[int]] = N
     attn_w = h * (spec.q + 2 * spec.kv) + spec.q * h
     mlp = 0.0
     for layer in range(spec.num_layers):
-        if spec.family == "sigma":
-            mlp += 6.0 * (spec.experts * h + topks[layer] * 3 * h * spec.expert_ffn)
-        elif spec.family == "structmoe":
-            d, n, r, k = spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank, spec.smoe_topk
-            mlp += 3.0 * (2 * spec.m * h * d + 2 * h * n + 2 * k * r * (h + d))  # Eq. 9, x3
-        else:
-            matrices = (spec.m - 1 if spec.is_stem(layer) and spec.stem_replaces_matrix()
-                        else spec.m)
-            mlp += 6.0 * matrices * h * spec.ffn
+        mlp += spec.terms.mlp_flops(spec, layer, topks)
     parts = {
         "attention_linear": 6.0 * spec.num_layers * attn_w,
         "attention_core": 12.0 * spec.num_layers * spec.seq_length * spec.q,
@@ -375,18 +359,7 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, layer: int,
     if layout.hidden_dropout:
         n += 2 * hs
     # MLP block
-    f = spec.ffn / t
-    if spec.family == "sigma":
-        k = topks[layer]
-        n += 4 * 2 * s * b * spec.experts / sp
-        n += B * k * (s * b / sp) * (2 * spec.hidden + 5 * spec.expert_ffn / layout.etp)
-    elif spec.family == "structmoe":
-        d = spec.smoe_ffn / t
-        n += B * s * b * d * ((5 if spec.gated else 2) + 1) + 4 * s * b * spec.smoe_experts
-    elif spec.is_stem(layer):
-        n += B * s * b * f * (4 + (1 if spec.stem_variant == "dagger" else 0)) + 8 * s * b
-    else:
-        n += B * s * b * f * (5 if spec.gated else 2)
+    n += spec.terms.mlp_activation_bytes(spec, layout, layer, topks, s, b, sp)
     return n
 
 
@@ -460,12 +433,6 @@ def rank_parts(spec: ModelSpec, layout: Layout, stage: int) -> Parts:
     return p
 
 
-def managed_table_rows(spec: ModelSpec, layout: Layout) -> int:
-    if layout.stem_sharding == "vocab":
-        return math.ceil(spec.vocab / layout.dp)
-    return spec.vocab
-
-
 def _stage_memory(spec: ModelSpec, layout: Layout, stage: int, topks: Sequence[int]):
     parts = rank_parts(spec, layout, stage)
     n = parts.total
@@ -507,16 +474,7 @@ def _stage_memory(spec: ModelSpec, layout: Layout, stage: int, topks: Sequence[i
         in_flight = 1
     gpu["activations"] = in_flight * one_microbatch
     host["_one_microbatch_activations"] = one_microbatch  # popped by the callers
-    if spec.family == "stem" and layout.stem_managed:
-        rows = managed_table_rows(spec, layout)
-        stem_here = [i for i in layers if spec.is_stem(i)]
-        elems = rows * (spec.ffn // layout.tp) * len(stem_here)
-        tables = {"stem_tables": 4 * elems, "stem_adam_moments": 8 * elems}
-        if layout.stem_optimizer == "dense":
-            tables["stem_table_gradients"] = 4 * elems
-        (host if layout.stem_placement == "cpu" else gpu).update(tables)
-        fetched = min(spec.vocab, s * b) * (spec.ffn // layout.tp) * len(stem_here)
-        gpu["stem_fetched_rows"] = 2 * fetched * B
+    spec.terms.stage_memory(spec, layout, layers, s, b, gpu, host)  # e.g. managed tables
     return parts, gpu, host
 
 
@@ -536,14 +494,11 @@ def check_divisibility(spec: ModelSpec, layout: Layout) -> None:
     t = layout.tp
     widths = [("--ffn-hidden-size", spec.ffn), ("--num-attention-heads", spec.heads),
               ("query groups", spec.query_groups)]
-    if spec.family == "structmoe":
-        widths.append(("StructMoE D'_ff (Eq. 8; or --structmoe-ffn-hidden-size)", spec.smoe_ffn))
+    widths += spec.terms.widths(spec)
     for name, value in widths:
         if value % t:
             raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {t}")
-    if spec.family == "sigma" and spec.experts % layout.ep:
-        raise ValueError(f"--num-experts={spec.experts} is not divisible by the expert-parallel "
-                         f"size {layout.ep}")
+    spec.terms.check_layout(spec, layout)
     stage_layers(spec.num_layers, layout.pp, 0)
 
 
@@ -588,9 +543,7 @@ def estimate(spec: ModelSpec, layout: Layout) -> Estimate:
 
 
 def spec_from_args(args) -> ModelSpec:
-    from megatron_ext.sigma.family import sigma_config
-    from megatron_ext.stem.family import stem_config
-    from megatron_ext.structmoe.family import structmoe_config
+    from megatron_ext.models.registry import family_config
 
     family = args.model_family
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
@@ -606,28 +559,13 @@ def spec_from_args(args) -> ModelSpec:
         learned_positions=(args.max_position_embeddings
                            if args.position_embedding_type == "learned_absolute" else 0),
         rope=args.position_embedding_type == "rope")
-    stem = stem_config(args)
-    if stem is not None:
-        kw.update(stem_layers=tuple(stem.stem_layers(args.num_layers)), stem_variant=stem.variant)
-    smoe = structmoe_config(args)
-    if smoe is not None:
-        from megatron_ext.structmoe.config import layer_budget
-
-        budget = layer_budget(smoe, args.hidden_size, args.ffn_hidden_size, bool(args.swiglu))
-        kw.update(smoe_ffn=budget.ffn, smoe_experts=smoe.num_experts, smoe_rank=smoe.rank,
-                  smoe_topk=smoe.topk)
-    sigma = sigma_config(args)
-    if sigma is not None:
-        kw.update(experts=args.num_experts, expert_ffn=args.moe_ffn_hidden_size,
-                  topks=tuple(sigma.topks_at(0, args.train_iters)),
-                  target_topks=tuple(sigma.target_topks()))
+    kw.update(family_terms(family).spec_fields(args, family_config(args)))
     return ModelSpec(**kw)
 
 
 def layout_from_args(args, world_size: Optional[int] = None) -> Layout:
-    from megatron_ext.stem.family import stem_config
+    from megatron_ext.models.registry import family_config
 
-    stem = stem_config(args)
     sixteen = bool(args.bf16 or args.fp16)
     modules = tuple(getattr(args, "recompute_modules", None) or ("core_attn",))
     flash = (args.transformer_impl == "transformer_engine"
@@ -636,7 +574,6 @@ def layout_from_args(args, world_size: Optional[int] = None) -> Layout:
         world_size=world_size or args.world_size, tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
         ep=args.expert_model_parallel_size,
-        etp=(args.expert_tensor_parallel_size if args.model_family == "sigma" else 1) or 1,
         sequence_parallel=bool(args.sequence_parallel), micro_batch=args.micro_batch_size,
         global_batch=args.global_batch_size,
         distributed_optimizer=bool(args.use_distributed_optimizer),
@@ -646,10 +583,7 @@ def layout_from_args(args, world_size: Optional[int] = None) -> Layout:
         grad_bytes=4 if (args.accumulate_allreduce_grads_in_fp32 or not sixteen) else 2,
         master_weights=sixteen, attention_dropout=args.attention_dropout > 0,
         hidden_dropout=args.hidden_dropout > 0, flash_attention=flash,
-        stem_managed=bool(stem and stem.managed_tables),
-        stem_placement=stem.placement if stem else "gpu",
-        stem_sharding=stem.sharding if stem else "replicated",
-        stem_optimizer=stem.optimizer if stem else "dense")
+        **family_terms(args.model_family).layout_fields(args, family_config(args)))
 
 
 def estimate_from_args(args, world_size: Optional[int] = None) -> Estimate:

@@ -142,18 +142,20 @@ class FlopsPerToken:
     def __init__(self, args):
         self.at_start: Optional[float] = None
         self.error: Optional[str] = None
-        self._sigma = None
+        self._varies = False
         try:
             from megatron_ext.training import estimate
 
             self._estimate = estimate
             self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
-            if getattr(args, "model_family", None) == "sigma":
-                from megatron_ext.sigma.family import sigma_config
+            from megatron_ext.models.registry import family_config
 
-                self._sigma = sigma_config(args)
+            # A family whose FLOPs per token change during training (Sigma's sparsification).
+            self._terms = estimate.family_terms(args.model_family)
+            self._args, self._cfg = args, family_config(args)
+            if self._terms.topks_at(args, self._cfg, 0) is not None:
+                self._varies = True
                 self._spec = estimate.spec_from_args(args)
-                self._train_iters = args.train_iters
         except Exception as exc:
             self.at_start, self.error = None, f"{type(exc).__name__}: {exc}"
             if _rank() == 0:
@@ -161,10 +163,10 @@ class FlopsPerToken:
                       file=sys.stderr)
 
     def __call__(self, iteration: int) -> Optional[float]:
-        if self._sigma is None or self.at_start is None:
+        if not self._varies or self.at_start is None:
             return self.at_start
         # The step that ends at `iteration` ran with `iteration - 1` completed iterations.
-        topks = self._sigma.topks_at(iteration - 1, self._train_iters)
+        topks = self._terms.topks_at(self._args, self._cfg, iteration - 1)
         return float(self._estimate.training_flops_per_token(self._spec, topks)["total"])
 
 
