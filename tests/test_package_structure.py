@@ -14,9 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_ext")
 FAMILY_DIRS = ("stem", "structmoe", "sigma")
 # Comparisons of a family's name outside the family folders (the exported HF code aside):
-# 33 before the family contract; what is left is the Hugging Face mapping of to-hf (6: the
-# family's MLP layers and their tensors) and stem_edit (1: STEM layers of an exported model).
-MAX_FAMILY_NAME_COMPARISONS = 7
+# 33 before the family contract (entry, forward step, arguments, estimate, run report,
+# megatron_logits, presets, to-hf, stem_edit); none since.
+MAX_FAMILY_NAME_COMPARISONS = 0
 
 
 def modules() -> Dict[str, str]:

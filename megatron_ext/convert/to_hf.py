@@ -128,40 +128,16 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
     true_vocab = vocab if vocab is not None else padded
     _refuse(true_vocab > padded, f"--vocab-size {true_vocab} exceeds the checkpoint's "
             f"embedding rows ({padded})")
-    ffn = a.ffn_hidden_size
-    if family == "gpt":
-        _refuse(getattr(a, "num_experts", None) is not None,
-                "upstream MoE (gpt with --num-experts) is not supported; use --model-family sigma")
-        mlp = [{"type": "dense", "intermediate_size": ffn} for _ in range(n)]
-    elif family == "stem":
-        from megatron_ext.stem.family import config_from_args as stem_config
+    from megatron_ext.models.registry import get_family
 
-        stem = stem_config(a)
-        layers = set(stem.stem_layers(n))
-        mlp = [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
-               else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
-    elif family == "structmoe":
-        from megatron_ext.structmoe.config import layer_budget
-        from megatron_ext.structmoe.family import config_from_args as structmoe_config
-
-        s = structmoe_config(a)
-        d = layer_budget(s, a.hidden_size, ffn, gated).ffn
-        mlp = [{"type": "structmoe", "intermediate_size": d, "num_experts": s.num_experts,
-                "rank": s.rank, "top_k": s.topk, "fusion": s.fusion} for _ in range(n)]
-    elif family == "sigma":
-        from megatron_ext.sigma.family import config_from_args as sigma_config
-
-        sigma = sigma_config(a)
-        # The top-k every layer routes with at this iteration (progressive sparsification).
-        topks = sigma.topks_at(ck.iteration or 0, getattr(a, "train_iters", None))
-        _refuse(bool(getattr(a, "moe_router_enable_expert_bias", False)),
-                "--moe-router-enable-expert-bias is not supported")
-        _refuse(getattr(a, "moe_shared_expert_intermediate_size", None) is not None,
-                "shared experts are not supported")
-        mlp = [{"type": "moe", "num_experts": a.num_experts, "top_k": int(topks[i]),
-                "intermediate_size": a.moe_ffn_hidden_size} for i in range(n)]
-    else:
-        raise CheckpointError(f"--model-family {family!r}: unknown family")
+    try:
+        fam = get_family(family)
+    except ValueError:
+        raise CheckpointError(f"--model-family {family!r}: unknown family") from None
+    _refuse(fam.hf_mlp_layers is None,
+            f"--model-family {family}: the family has no Hugging Face mapping")
+    # The family's MLP of every layer, as the exported config describes it.
+    mlp = fam.hf_mlp_layers(a, ck.iteration, gated, _refuse)
     return ModelDescription(
         family=family, num_layers=n, hidden=a.hidden_size, num_heads=heads, num_groups=groups,
         head_dim=head_dim, padded_vocab=padded, vocab=true_vocab, eps=float(a.layernorm_epsilon),
@@ -253,7 +229,7 @@ class Plan:
         self._check()
         return self
 
-    def _split(self, key: Tuple[int, str], read, fn, part: int):
+    def split(self, key: Tuple[int, str], read, fn, part: int):
         """Part ``part`` of ``fn(read())``, computing ``fn`` once for all parts of a tensor."""
         def make():
             if key not in self._cache:
@@ -275,7 +251,7 @@ class Plan:
             fn = lambda t: split_qkv(t, nh, ng, hd)  # noqa: E731
             for j, (name, rows) in enumerate((("q", nh), ("k", ng), ("v", ng))):
                 self.add(p + f"self_attn.{name}_proj.weight", (rows * hd, h),
-                         self._split((i, "qkv"), qkv, fn, j))
+                         self.split((i, "qkv"), qkv, fn, j))
         self.add(p + "self_attn.o_proj.weight", (h, nh * hd),
                  self.layer(i, ["self_attention.linear_proj.weight"], (h, nh * hd)))
         if d.qk_norm:
@@ -285,7 +261,7 @@ class Plan:
         self.add(p + "post_attention_layernorm.weight", (h,), self.layer(
             i, ["mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"], (h,)))
 
-    def _fc(self, i: int, prefix: str, width: int, halves: Sequence[str]) -> None:
+    def fc(self, i: int, prefix: str, width: int, halves: Sequence[str]) -> None:
         """``linear_fc1`` as one or two (gate, up) Hugging Face projections, and ``linear_fc2``."""
         h = self.desc.hidden
         p = f"model.layers.{i}.mlp."
@@ -293,49 +269,30 @@ class Plan:
         if len(halves) == 2:
             for j, name in enumerate(halves):
                 self.add(p + f"{name}.weight", (width, h),
-                         fc1 and self._split((i, prefix + "fc1"), fc1, split_gated_fc1, j))
+                         fc1 and self.split((i, prefix + "fc1"), fc1, split_gated_fc1, j))
         else:
             self.add(p + f"{halves[0]}.weight", (width, h), fc1)
 
+    def down_proj(self, i: int, f: int) -> None:
+        h = self.desc.hidden
+        self.add(f"model.layers.{i}.mlp.down_proj.weight", (h, f),
+                 self.layer(i, ["mlp.linear_fc2.weight"], (h, f)))
+
     def _mlp(self, i: int, m: dict) -> None:
-        d = self.desc
-        h, V, P = d.hidden, d.vocab, d.padded_vocab
-        p = f"model.layers.{i}.mlp."
+        """The layer's MLP: a dense one here, another type by the family that exports it
+        (``Family.hf_mlp_tensors``)."""
         kind, f = m["type"], m.get("intermediate_size")
         if kind == "dense":
-            self._fc(i, "mlp.", f, ("gate_proj", "up_proj") if d.gated else ("up_proj",))
-        elif kind == "stem":
-            halves = {"up": ("gate_proj",), "gate": ("up_proj",),
-                      "dagger": ("gate_proj", "up_proj")}[m["variant"]]
-            self._fc(i, "mlp.", f, halves)
-            table = self.layer(i, ["mlp.table"], (P, f))
-            self.add(p + "stem_table.weight", (V, f), table and (lambda t=table: t()[:V]))
-        elif kind == "structmoe":
-            L, r = m["num_experts"], m["rank"]
-            self._fc(i, "mlp.", f, ("gate_proj", "up_proj") if d.gated else ("up_proj",))
-            self.add(p + "router.weight", (L, h), self.layer(i, ["mlp.router"], (L, h)))
-            self.add(p + "lore_a", (L, h, r), self.layer(i, ["mlp.lore_a"], (L, h, r)))
-            self.add(p + "lore_b", (L, r, f), self.layer(i, ["mlp.lore_b"], (L, r, f)))
-        elif kind == "moe":
-            E = m["num_experts"]
-            self.add(p + "gate.weight", (E, h), self.layer(i, ["mlp.router.weight"], (E, h)))
-            fc1 = self.layer(i, ["mlp.experts.experts.linear_fc1.weight"], (E, 2 * f, h))
-            fc2 = self.layer(i, ["mlp.experts.experts.linear_fc2.weight"], (E, h, f))
-            for e in range(E):
-                q = p + f"experts.{e}."
-                if fc1 is not None:
-                    fn = lambda t: [part for w in t for part in split_gated_fc1(w)]  # noqa: E731
-                    self.add(q + "gate_proj.weight", (f, h),
-                             self._split((i, "experts_fc1"), fc1, fn, 2 * e))
-                    self.add(q + "up_proj.weight", (f, h),
-                             self._split((i, "experts_fc1"), fc1, fn, 2 * e + 1))
-                if fc2 is not None:
-                    self.add(q + "down_proj.weight", (h, f),
-                             self._split((i, "experts_fc2"), fc2, lambda t: list(t), e))
+            self.fc(i, "mlp.", f, ("gate_proj", "up_proj") if self.desc.gated else ("up_proj",))
+            self.down_proj(i, f)
             return
-        else:
-            raise CheckpointError(f"layer {i}: unknown MLP type {kind!r}")
-        self.add(p + "down_proj.weight", (h, f), self.layer(i, ["mlp.linear_fc2.weight"], (h, f)))
+        from megatron_ext.models.registry import families
+
+        for family in families():
+            if kind in family.hf_mlp_tensors:
+                family.hf_mlp_tensors[kind](self, i, m)
+                return
+        raise CheckpointError(f"layer {i}: unknown MLP type {kind!r}")
 
     def _check(self) -> None:
         extra = sorted(k for k in self.ck.tensor_keys()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 BlockSpecFn = Callable[..., Any]  # (args, config, use_te, vp_stage) -> TransformerBlockSubmodules
 
@@ -48,6 +48,12 @@ class Family:
     at_iteration: Optional[Callable[[Sequence, Any, Any, Optional[int]], None]] = None
     # after pretrain returned: after_training(args, cfg)
     after_training: Optional[Callable[[Any, Any], None]] = None
+    # to-hf: hf_mlp_layers(args, iteration, gated, refuse) -> the exported config's description
+    # of every layer's MLP (dicts with a "type"); refuse(cond, message) stops the conversion
+    hf_mlp_layers: Optional[Callable[..., list]] = None
+    # to-hf: MLP type -> tensors(plan, layer, description), the Hugging Face tensors of such an
+    # MLP (``convert/to_hf.py`` Plan: fc, layer, add, split, down_proj); "dense" is to-hf's own
+    hf_mlp_tensors: Dict[str, Callable[..., None]] = field(default_factory=dict)
     # its terms in the parameter, FLOPs and memory estimate (a ``models/terms.py`` MLPTerms;
     # None: the dense MLP's)
     estimate_terms: Any = None

@@ -14,4 +14,12 @@ def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
     return decoder_block_spec(config, None, args.padded_vocab_size, use_te, vp_stage=vp_stage)
 
 
-FAMILY = Family("gpt", "dense SwiGLU GPT (the baseline)", block_spec)
+def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
+    refuse(getattr(args, "num_experts", None) is not None,
+           "upstream MoE (gpt with --num-experts) is not supported; use --model-family sigma")
+    return [{"type": "dense", "intermediate_size": args.ffn_hidden_size}
+            for _ in range(args.num_layers)]
+
+
+FAMILY = Family("gpt", "dense SwiGLU GPT (the baseline)", block_spec,
+                hf_mlp_layers=hf_mlp_layers)

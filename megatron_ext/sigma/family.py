@@ -153,6 +153,41 @@ def at_iteration(chunks, args, sigma: SigmaConfig, iteration: Optional[int]) -> 
         apply_schedule(m.sigma_layers, sigma, iteration, args.train_iters)
 
 
+def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
+    sigma = config_from_args(args)
+    # The top-k every layer routes with at this iteration (progressive sparsification).
+    topks = sigma.topks_at(iteration or 0, getattr(args, "train_iters", None))
+    refuse(bool(getattr(args, "moe_router_enable_expert_bias", False)),
+           "--moe-router-enable-expert-bias is not supported")
+    refuse(getattr(args, "moe_shared_expert_intermediate_size", None) is not None,
+           "shared experts are not supported")
+    return [{"type": "moe", "num_experts": args.num_experts, "top_k": int(topks[i]),
+             "intermediate_size": args.moe_ffn_hidden_size} for i in range(args.num_layers)]
+
+
+def hf_moe_tensors(plan, i: int, m: dict) -> None:
+    """An MoE layer (upstream's layout: the router and the experts' stacked fc1/fc2) as
+    Qwen3-MoE's gate and per-expert projections."""
+    from megatron_ext.convert.layout import split_gated_fc1
+
+    h, f, E = plan.desc.hidden, m["intermediate_size"], m["num_experts"]
+    p = f"model.layers.{i}.mlp."
+    plan.add(p + "gate.weight", (E, h), plan.layer(i, ["mlp.router.weight"], (E, h)))
+    fc1 = plan.layer(i, ["mlp.experts.experts.linear_fc1.weight"], (E, 2 * f, h))
+    fc2 = plan.layer(i, ["mlp.experts.experts.linear_fc2.weight"], (E, h, f))
+    for e in range(E):
+        q = p + f"experts.{e}."
+        if fc1 is not None:
+            fn = lambda t: [part for w in t for part in split_gated_fc1(w)]  # noqa: E731
+            plan.add(q + "gate_proj.weight", (f, h),
+                     plan.split((i, "experts_fc1"), fc1, fn, 2 * e))
+            plan.add(q + "up_proj.weight", (f, h),
+                     plan.split((i, "experts_fc1"), fc1, fn, 2 * e + 1))
+        if fc2 is not None:
+            plan.add(q + "down_proj.weight", (h, f),
+                     plan.split((i, "experts_fc2"), fc2, lambda t: list(t), e))
+
+
 class SigmaTerms(MLPTerms):
     """Sigma in the estimate: no dense MLP; per layer a router ``E h`` and ``E`` SwiGLU experts
     ``3 h F`` (split over EP and expert-TP), the ``k_l`` selected experts active in layer ``l``."""
@@ -202,4 +237,5 @@ FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", blo
                 add_args=add_args, config_from_args=config_from_args,
                 default_flags=FAMILY_FLAGS, check_args=check_args, validate_args=validate_args,
                 model_state=model_state, install=install, before_forward=before_forward,
-                at_iteration=at_iteration, estimate_terms=SigmaTerms())
+                at_iteration=at_iteration, estimate_terms=SigmaTerms(),
+                hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})

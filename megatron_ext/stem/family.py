@@ -195,6 +195,26 @@ def after_training(args, stem: StemConfig) -> None:
         dump_tables(args.stem_dump_tables)
 
 
+def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
+    stem, n, ffn = config_from_args(args), args.num_layers, args.ffn_hidden_size
+    layers = set(stem.stem_layers(n))
+    return [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
+            else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
+
+
+def hf_stem_tensors(plan, i: int, m: dict) -> None:
+    """A STEM MLP: the projection(s) ``linear_fc1`` holds, the table (the true vocabulary's
+    rows) and ``down_proj``."""
+    d, f = plan.desc, m["intermediate_size"]
+    halves = {"up": ("gate_proj",), "gate": ("up_proj",),
+              "dagger": ("gate_proj", "up_proj")}[m["variant"]]
+    plan.fc(i, "mlp.", f, halves)
+    table = plan.layer(i, ["mlp.table"], (d.padded_vocab, f))
+    plan.add(f"model.layers.{i}.mlp.stem_table.weight", (d.vocab, f),
+             table and (lambda t=table: t()[: d.vocab]))
+    plan.down_proj(i, f)
+
+
 class StemTerms(MLPTerms):
     """STEM in the estimate: ``up``/``gate`` layers lose one MLP matrix to a ``V x f`` table
     (``dagger`` keeps it), one table row is active per token, managed tables are held beside
@@ -257,4 +277,5 @@ FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, install=install,
                 check_checkpoint=check_checkpoint, after_training=after_training,
-                estimate_terms=StemTerms())
+                estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
+                hf_mlp_tensors={"stem": hf_stem_tensors})

@@ -106,6 +106,25 @@ def before_forward(model, args, smoe: StructMoEConfig) -> None:
     set_aux_loss_scale(get_model_config(model), get_num_microbatches(), args.context_parallel_size)
 
 
+def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
+    s = config_from_args(args)
+    d = layer_budget(s, args.hidden_size, args.ffn_hidden_size, gated).ffn
+    return [{"type": "structmoe", "intermediate_size": d, "num_experts": s.num_experts,
+             "rank": s.rank, "top_k": s.topk, "fusion": s.fusion}
+            for _ in range(args.num_layers)]
+
+
+def hf_structmoe_tensors(plan, i: int, m: dict) -> None:
+    """A StructMoE MLP: the dense projections of width D', the router and the LoREs."""
+    h, f, L, r = plan.desc.hidden, m["intermediate_size"], m["num_experts"], m["rank"]
+    p = f"model.layers.{i}.mlp."
+    plan.fc(i, "mlp.", f, ("gate_proj", "up_proj") if plan.desc.gated else ("up_proj",))
+    plan.add(p + "router.weight", (L, h), plan.layer(i, ["mlp.router"], (L, h)))
+    plan.add(p + "lore_a", (L, h, r), plan.layer(i, ["mlp.lore_a"], (L, h, r)))
+    plan.add(p + "lore_b", (L, r, f), plan.layer(i, ["mlp.lore_b"], (L, r, f)))
+    plan.down_proj(i, f)
+
+
 class StructMoETerms(MLPTerms):
     """StructMoE in the estimate: Eq. 7 of its paper per layer (``m h D' + L r (h + D') + h L``),
     the ``k`` selected LoREs active, Eq. 9's FLOPs."""
@@ -143,4 +162,5 @@ class StructMoETerms(MLPTerms):
 FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP", block_spec,
                 add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, install=install,
-                before_forward=before_forward, estimate_terms=StructMoETerms())
+                before_forward=before_forward, estimate_terms=StructMoETerms(),
+                hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"structmoe": hf_structmoe_tensors})
