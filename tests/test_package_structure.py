@@ -127,3 +127,58 @@ def test_family_name_comparisons_outside_the_family_folders_only_go_down():
     found = family_name_comparisons()
     assert len(found) <= MAX_FAMILY_NAME_COMPARISONS, "\n".join(found)
     assert not any(p.startswith("megatron_ext/training/") for p in found), found
+
+
+def _imports_megatron_training(path: str) -> List[str]:
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n == "megatron.training" or
+                  n.startswith("megatron.training.") or n == "megatron_ext.training" or
+                  n.startswith("megatron_ext.training.")]
+    return found
+
+
+def _patches_megatron_training(path: str) -> List[str]:
+    """Attribute assignments on names bound to a ``megatron.training`` module."""
+    tree = ast.parse(open(path).read(), path)
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                "megatron.training"):
+            bound |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name) for a in node.names
+                      if a.name.startswith("megatron.training")}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and \
+                        t.value.id in bound:
+                    out.append(f"{t.value.id}.{t.attr} (line {node.lineno})")
+    return out
+
+
+def test_family_folders_do_not_reach_into_the_trainer():
+    """The families (and the models they build) use Megatron-Core only; the trainer seam
+    (``training/``) calls their hooks."""
+    for module, path in modules().items():
+        parts = module.split(".")
+        if len(parts) > 1 and parts[1] in FAMILY_DIRS + ("models",):
+            assert _imports_megatron_training(path) == [], module
+
+
+def test_megatron_training_is_patched_from_training_and_compat_only():
+    patched = {}
+    for module, path in modules().items():
+        found = _patches_megatron_training(path)
+        if found:
+            patched[module] = found
+    assert patched, "the check finds the trainer's own patches"
+    assert all(m.split(".")[1] in ("training", "compat") for m in patched), patched

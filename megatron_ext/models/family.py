@@ -36,12 +36,18 @@ class Family:
     # after the model chunk is built: model_state(model, args, config, cfg) attaches what the
     # family keeps beside the modules (STEM's managed tables, Sigma's layer list)
     model_state: Optional[Callable[[Any, Any, Any, Any], None]] = None
-    # before pretrain: install(args, cfg) (optimizer wrapping, logging)
+    # before pretrain: install(args, cfg) (what the family sets up once per training)
     install: Optional[Callable[[Any, Any], None]] = None
     # before the trainer loads a checkpoint into the model (after its checksums are verified):
     # check_checkpoint(chunks, args, cfg, load_dir, step, tokenizer_vocab_size) refuses one
     # that does not fit the model, naming the flags (ValueError)
     check_checkpoint: Optional[Callable[..., None]] = None
+    # the optimizer Megatron built for the model chunks: wrap_optimizer(optimizer, chunks, args,
+    # cfg) -> the optimizer pretrain uses (STEM chains its table optimizer)
+    wrap_optimizer: Optional[Callable[..., Any]] = None
+    # every iteration, on every rank, before Megatron's training log (collectives allowed):
+    # log_report(args, iteration, total_loss_dict, writer, wandb_writer)
+    log_report: Optional[Callable[..., None]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None
     # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)

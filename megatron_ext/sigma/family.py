@@ -7,6 +7,7 @@ micro-batch, and after a checkpoint is loaded for evaluation)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Optional
@@ -126,13 +127,15 @@ def model_state(model, args, config, sigma: SigmaConfig) -> None:
     model.sigma_layers = sigma_layers(model)
     # Close each global batch in the routers once its gradients are final (megatron.training
     # keeps a finalize function the model builder set).
-    config.finalize_model_grads_func = monitor.finalize_model_grads
+    config.finalize_model_grads_func = functools.partial(monitor.finalize_model_grads,
+                                                         ext_args=args)
 
 
-def install(args, sigma: SigmaConfig) -> None:
-    from megatron_ext.sigma.monitor import install_reporting
+def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
+    """Per-layer load balance and LBL values each iteration."""
+    from megatron_ext.sigma.monitor import report
 
-    install_reporting()
+    report(args, iteration, total_loss_dict, writer, wandb_writer)
 
 
 def before_forward(model, args, sigma: SigmaConfig) -> None:
@@ -236,6 +239,6 @@ class SigmaTerms(MLPTerms):
 FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", block_spec,
                 add_args=add_args, config_from_args=config_from_args,
                 default_flags=FAMILY_FLAGS, check_args=check_args, validate_args=validate_args,
-                model_state=model_state, install=install, before_forward=before_forward,
+                model_state=model_state, log_report=log_report, before_forward=before_forward,
                 at_iteration=at_iteration, estimate_terms=SigmaTerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})

@@ -16,17 +16,18 @@ from __future__ import annotations
 from typing import Dict
 
 
-def finalize_model_grads(model, *args, **kwargs):
+def finalize_model_grads(model, *args, ext_args=None, **kwargs):
+    """Upstream's ``finalize_model_grads``, then the routers' global batch closed; with
+    ``--sigma-dump-router-grads`` the routers' gradients written. ``ext_args``: the training's
+    (Megatron's global) args, bound by the Sigma family's ``model_state``."""
     from megatron.core.distributed import finalize_model_grads as upstream
 
     from megatron_ext.sigma.router import end_global_batch
 
     result = upstream(model, *args, **kwargs)
     stats = end_global_batch(model)
-    from megatron.training import get_args
-
-    margs = get_args()
-    if margs.sigma_dump_router_grads:
+    margs = ext_args
+    if margs is not None and margs.sigma_dump_router_grads:
         dump_router_grads(model, stats, margs.sigma_dump_router_grads, margs.curr_iteration + 1)
     return result
 
@@ -112,9 +113,3 @@ def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) ->
             writer.add_scalar(tag, value, iteration)
     if wandb_writer is not None:
         wandb_writer.log(scalars, iteration)
-
-
-def install_reporting() -> None:
-    from megatron_ext.training import log_hooks
-
-    log_hooks.register(report)

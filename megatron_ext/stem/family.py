@@ -181,11 +181,19 @@ def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Option
     check_table_shapes(load_dir, expected, step, tokenizer_vocab_size)
 
 
-def install(args, stem: StemConfig) -> None:
-    if stem.managed_tables:
-        from megatron_ext.stem import table_optimizer
+def wrap_optimizer(optimizer, chunks, args, stem: StemConfig):
+    """Managed tables step in the table optimizer chained onto Megatron's."""
+    if not stem.managed_tables:
+        return optimizer
+    from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
 
-        table_optimizer.install()
+    return wrap(optimizer, chunks, args.stem_cpu_threads, args.stem_optimizer)
+
+
+def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
+    from megatron_ext.stem.table_optimizer import report_stats
+
+    report_stats(args, iteration, total_loss_dict, writer, wandb_writer)
 
 
 def after_training(args, stem: StemConfig) -> None:
@@ -275,7 +283,8 @@ class StemTerms(MLPTerms):
 
 FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
-                validate_args=validate_args, model_state=model_state, install=install,
+                validate_args=validate_args, model_state=model_state,
+                wrap_optimizer=wrap_optimizer, log_report=log_report,
                 check_checkpoint=check_checkpoint, after_training=after_training,
                 estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
                 hf_mlp_tensors={"stem": hf_stem_tensors})

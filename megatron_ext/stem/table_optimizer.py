@@ -377,12 +377,14 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     stepping the rows it reads), and the time to collect
     the row gradients and exchange them with their owners. A table step that runs in the
     background (overlapped) is logged with the iteration it overlaps, the next one. A
-    ``training/log_hooks.py`` hook; collective."""
+    ``log_report`` of the STEM family; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
              "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
              "stem/grad-exchange-seconds"]
+    if not _ACTIVE:  # no managed tables in this run (the same on every rank)
+        return
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
@@ -437,35 +439,18 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
             f"{row_adam_cpu.threads()} threads)")
 
 
-def install() -> None:
-    """Make ``pretrain`` chain the table optimizer onto Megatron's (call it only when the STEM
-    configuration has managed tables)."""
-    from megatron.training import training
+def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str):
+    """Megatron's optimizer with the table optimizer chained onto it (managed tables). Every
+    rank wraps (also a pipeline stage without STEM layers): the norm and the skip flag are
+    reduced over all ranks."""
+    from megatron.core.utils import get_attr_wrapped_model
 
-    from megatron_ext.training import log_hooks
+    from megatron_ext_kernels import row_adam_cpu
 
-    log_hooks.register(report_stats)  # again after a teardown (megatron_ext/training/teardown.py)
-    upstream = training.get_megatron_optimizer
-    if getattr(upstream, "_stem_tables", False):
-        return
-
-    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
-        optimizer = upstream(config, model_chunks, *args, **kwargs)
-        from megatron.core.utils import get_attr_wrapped_model
-        from megatron.training import get_args
-
-        # Every rank wraps (also a pipeline stage without STEM layers): the norm and the skip flag
-        # are reduced over all ranks.
-        tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
-        tables = [t for t in tables if t is not None]
-        from megatron_ext_kernels import row_adam_cpu
-
-        row_adam_cpu.set_threads(get_args().stem_cpu_threads)
-        wrapped = StemTablesOptimizer(optimizer, tables, get_args().stem_optimizer)
-        _ACTIVE.append(wrapped)
-        report = host_memory_report(wrapped)
-        print(f"[rank {dist.get_rank()}] > {report}", flush=True)
-        return wrapped
-
-    get_megatron_optimizer._stem_tables = True
-    training.get_megatron_optimizer = get_megatron_optimizer
+    tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
+    tables = [t for t in tables if t is not None]
+    row_adam_cpu.set_threads(stem_cpu_threads)
+    wrapped = StemTablesOptimizer(optimizer, tables, mode)
+    _ACTIVE.append(wrapped)
+    print(f"[rank {dist.get_rank()}] > {host_memory_report(wrapped)}", flush=True)
+    return wrapped

@@ -242,7 +242,7 @@ _COUNTS = {}  # (prefixes, vocab) -> token counts: counted once per process
 def data_prefixes(args) -> List[str]:
     """The indexed-dataset prefixes of the training data (``--data-path`` with or without weights,
     ``--train-data-path``); empty for mock data."""
-    from megatron_ext.training.preflight import dataset_prefixes
+    from megatron_ext.data_paths import dataset_prefixes
 
     return dataset_prefixes(getattr(args, "train_data_path", None)
                             or getattr(args, "data_path", None))

@@ -86,7 +86,7 @@ def set_aux_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> None:
 def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
     """Reduce the recorded values over PP and DP, add the mean loss to the console line, write the
     loss and, per layer, the loss and each expert's routing fraction (the StructMoE paper's Fig. 4).
-    Collective: every rank calls it once per iteration (a ``training/log_hooks.py`` hook)."""
+    Collective: every rank calls it once per iteration (the family's ``log_report``)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     # One report for all names: report() clears every entry of the tracker when it is done.
@@ -95,11 +95,3 @@ def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) ->
         wandb_writer=wandb_writer, per_layer_logging=True, force_initialize=True,
         track_names=tracked_names(args.structmoe_num_experts), num_layers=args.num_layers,
         total_loss_dict=total_loss_dict)
-
-
-def install_reporting() -> None:
-    """Report StructMoE's router metrics each iteration (upstream reports the tracker only for
-    models with ``--num-experts``)."""
-    from megatron_ext.training import log_hooks
-
-    log_hooks.register(report)

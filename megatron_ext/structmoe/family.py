@@ -90,10 +90,12 @@ def model_state(model, args, config, smoe: StructMoEConfig) -> None:
     print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
 
 
-def install(args, smoe: StructMoEConfig) -> None:
-    from megatron_ext.structmoe.balance import install_reporting
+def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
+    """StructMoE's router metrics each iteration (upstream reports the tracker only for models
+    with ``--num-experts``)."""
+    from megatron_ext.structmoe.balance import report
 
-    install_reporting()
+    report(args, iteration, total_loss_dict, writer, wandb_writer)
 
 
 def before_forward(model, args, smoe: StructMoEConfig) -> None:
@@ -161,6 +163,6 @@ class StructMoETerms(MLPTerms):
 
 FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP", block_spec,
                 add_args=add_args, config_from_args=config_from_args,
-                validate_args=validate_args, model_state=model_state, install=install,
+                validate_args=validate_args, model_state=model_state, log_report=log_report,
                 before_forward=before_forward, estimate_terms=StructMoETerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"structmoe": hf_structmoe_tensors})

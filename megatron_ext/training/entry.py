@@ -126,8 +126,11 @@ def main(argv=None) -> None:
                          "launch/pretrain.py <flags>, or launch/single_node.sh")
     family = family_of(args)
     family_cfg = family.config_from_args(args)
-    if family.install is not None:  # optimizer wrapping, logging, checkpoint checks
+    if family.install is not None:
         family.install(args, family_cfg)
+    from megatron_ext.training import family_hooks
+
+    family_hooks.install(family)  # its optimizer wrapper and per-iteration report
     if args.ext_run_report:
         from megatron_ext.training.run_report import install as install_run_report
 

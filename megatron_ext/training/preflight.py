@@ -4,23 +4,12 @@ as tracebacks: the indexed datasets named by the data flags, and the checkpoint 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Optional
 
 from megatron_ext.checkpoint_manifest import TRACKER
+from megatron_ext.data_paths import dataset_prefixes
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
-
-
-def dataset_prefixes(paths) -> List[str]:
-    """The dataset prefixes of one data flag's values (blend weights left out)."""
-    out = []
-    for entry in paths or []:
-        for part in str(entry).split():
-            try:
-                float(part)  # a blend weight
-            except ValueError:
-                out.append(part)
-    return out
 
 
 def check_data_paths(args) -> None:
