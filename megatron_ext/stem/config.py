@@ -12,7 +12,7 @@ PLACEMENTS = ("gpu", "cpu", "tiered")  # tiered: stem/tiers.py
 SHARDINGS = ("replicated", "vocab")
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/row_adam.py
-KERNELS = ("auto", "triton", "torch")       # kernels/stem_gate.py
+KERNELS = ("auto", "triton", "torch")       # megatron_ext_kernels/stem_gate.py
 
 
 @dataclass
@@ -48,7 +48,7 @@ class StemConfig:
     prefetch: bool = True
     # tiered placement: rows of the GPU tier, "10%" / "0.1" (of the vocabulary) or a row count.
     gpu_tier: str = "10%"
-    # The lookup-and-gate: ``triton`` the fused kernel (kernels/stem_gate.py), ``torch`` its
+    # The lookup-and-gate: ``triton`` the fused kernel (megatron_ext_kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the kernel on a CUDA device with Triton.
     kernel: str = "auto"
 

@@ -67,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "the cores of the rank's affinity mask / ranks on the node (not "
                            "OMP_NUM_THREADS, which torchrun sets to 1 for several ranks)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
-                      help="lookup-and-gate: triton = the fused kernel (kernels/stem_gate.py), "
+                      help="lookup-and-gate: triton = the fused kernel (megatron_ext_kernels/stem_gate.py), "
                            "torch = the plain-PyTorch path, auto = triton on a CUDA device")
     stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
                       help="after training, write each rank's rows of cpu/vocab-sharded tables "

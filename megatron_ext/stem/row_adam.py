@@ -124,7 +124,7 @@ class RowAdamW(OwedDecayView):
             raise ValueError("the rowwise kernel is for the sparse optimizer on host shards")
         # Device-resident shards (--stem-table-placement gpu with vocab sharding) step with the
         # torch kernel where they are. Sparse on the host: the in-place row-wise kernel
-        # (kernels/row_adam_cpu.py), else DeepSpeed's grouped by step count.
+        # (megatron_ext_kernels/row_adam_cpu.py), else DeepSpeed's grouped by step count.
         self.rowwise = None
         if mode == "sparse" and on_host and kernel in ("auto", "rowwise"):
             from megatron_ext_kernels import row_adam_cpu

@@ -130,7 +130,7 @@ class PinnedStaging:
 def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
                 chunk: int = 1024) -> None:
     """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
-    gather (``kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks of rows."""
+    gather (``megatron_ext_kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks of rows."""
     from megatron_ext_kernels import row_adam_cpu
 
     kernel = row_adam_cpu.load()

@@ -1,4 +1,4 @@
-"""megatron-ext kernels, installed as ``megatron_ext_kernels`` (the directory is ``kernels/``).
+"""megatron-ext kernels (``megatron_ext_kernels``).
 
 Each fast path sits beside the plain-PyTorch reference it is tested against:
 
