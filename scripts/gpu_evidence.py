@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = "{python}"  # replaced by the interpreter running the plan
@@ -364,33 +364,76 @@ def collect_rows(results: str, steps: List[Step], state: Dict[str, object]) -> N
     state["rows"] = rows
 
 
+_PARSE_SHIM = """
+import argparse, json, os, runpy, sys, traceback
+class Parsed(Exception):
+    pass
+orig = argparse.ArgumentParser.parse_args
+def parse(self, *a, **k):
+    orig(self, *a, **k)
+    raise Parsed()
+argparse.ArgumentParser.parse_args = parse
+for i, argv in enumerate(json.loads(sys.argv[1])):
+    print(f"@@ {i} START", flush=True)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(argv[0]))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        status = "NEVER-PARSED"
+    except Parsed:
+        status = "PARSED-OK"
+    except SystemExit as exc:
+        status = f"EXIT {exc.code}"
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+        status = "ERROR"
+    finally:
+        sys.path.pop(0)
+    sys.stdout.flush(); sys.stderr.flush()
+    print(f"@@ {i} {status}", flush=True)
+"""
+
+
 def check_commands(steps: List[Step], python: str, results: str) -> int:
-    """Parse every command's flags with its own parser, running nothing else."""
-    shim = ("import argparse, runpy, sys\n"
-            "orig = argparse.ArgumentParser.parse_args\n"
-            "def parse(self, *a, **k):\n"
-            "    orig(self, *a, **k)\n"
-            "    print('PARSED-OK'); sys.exit(0)\n"
-            "argparse.ArgumentParser.parse_args = parse\n"
-            "sys.argv = sys.argv[1:]\n"
-            "sys.path.insert(0, __import__('os').path.dirname(sys.argv[0]))\n"
-            "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "print('NEVER-PARSED'); sys.exit(3)\n")
+    """Parse every command's flags with its own parser, running nothing else. The Python
+    steps are parsed one after the other in one process (each start-up imports torch)."""
     bad = 0
+    scripts = [(s, _expand(s.argv, python, results)) for s in steps if s.kind == "python"]
+    outcome: Dict[int, Tuple[bool, str]] = {}
+    if scripts:
+        p = subprocess.run([python, "-c", _PARSE_SHIM, json.dumps([a[1:] for _, a in scripts])],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        logs: Dict[int, List[str]] = {}
+        current = None
+        for line in p.stdout.splitlines():
+            if line.startswith("@@ "):
+                _, i, status = line.split(" ", 2)
+                current = int(i)
+                if status != "START":
+                    outcome[current] = (status == "PARSED-OK", "\n".join(logs.get(current, [])))
+                continue
+            if current is not None:
+                logs.setdefault(current, []).append(line)
+        for i in range(len(scripts)):
+            if i not in outcome:  # the process died in it
+                outcome[i] = (False, (p.stdout + p.stderr)[-3000:])
+            elif not outcome[i][0]:
+                outcome[i] = (False, outcome[i][1] + "\n" + p.stderr[-3000:])
+    results_by_step = {id(s): outcome[i] for i, (s, _) in enumerate(scripts)}
     for s in steps:
         argv = _expand(s.argv, python, results)
         if s.kind == "python":
-            cmd = [python, "-c", shim, *argv[1:]]
+            ok, log = results_by_step[id(s)]
         elif s.kind == "pytest":
             cmd = [a for a in argv if not a.startswith("--junitxml")] + ["--collect-only"]
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            ok, log = p.returncode == 0, (p.stdout + p.stderr)[-3000:]
         else:
             continue
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        ok = p.returncode == 0 and (s.kind != "python" or "PARSED-OK" in p.stdout)
         print(f"{'ok ' if ok else 'BAD'} {s.name}: {shlex.join(argv)}")
         if not ok:
             bad += 1
-            print((p.stdout + p.stderr)[-3000:])
+            print(log[-3000:])
     return 1 if bad else 0
 
 
