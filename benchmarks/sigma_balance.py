@@ -45,8 +45,8 @@ def main() -> None:
     if args.iters <= args.tail:
         raise SystemExit(f"--iters={args.iters} must exceed --tail={args.tail}")
 
-    from megatron_ext.training import data_prep
-    from megatron_ext.training.metrics import read_tensorboard_scalars
+    from megatron_ext.tools import data_prep
+    from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     manifest = data_prep.prepare(data_prep.DataPrepConfig(out=args.data_dir))
     data_args = data_prep.megatron_data_args(manifest)

@@ -174,7 +174,7 @@ def main() -> None:
     if args.iters <= args.skip:
         raise SystemExit(f"--iters={args.iters} must exceed --skip={args.skip}")
 
-    from megatron_ext.training.metrics import read_tensorboard_scalars
+    from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     tokens = int(1.2 * args.iters * shape["mbs"] * shape["micro_batches"] * (shape["seq"] + 1))
     prefix = os.path.join(args.out, f"zipf_{args.shape}", "corpus_text_document")

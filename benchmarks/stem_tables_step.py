@@ -60,7 +60,7 @@ def main() -> None:
 
     import main_job
 
-    from megatron_ext.training import data_prep
+    from megatron_ext.tools import data_prep
 
     manifest = data_prep.prepare(data_prep.DataPrepConfig(out=args.data_dir))
     data_args = data_prep.megatron_data_args(manifest) + [
@@ -109,7 +109,7 @@ def main() -> None:
 
 
 def run_variant(args, main_job, data_args, name: str, family, repeat: int) -> dict:
-    from megatron_ext.training.metrics import read_tensorboard_scalars
+    from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     slug = name.replace(" ", "").replace(",", "_").replace("(", "").replace(")", "")
     tb = os.path.join(args.out, slug, f"tb{repeat}")

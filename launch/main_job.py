@@ -2,14 +2,14 @@
 
     .venv/bin/python launch/main_job.py [--out runs/main] [--iters N] [--nproc 2]
 
-1. builds (or reuses) the offline corpus with ``megatron_ext.training.data_prep``;
+1. builds (or reuses) the offline corpus with ``megatron_ext.tools.data_prep``;
 2. trains the dense baseline (``--model-family gpt``) and STEM-1/3 (``--model-family stem
    --stem-ratio 1/3`` with the tables managed as recommended at scale: ``STEM_TABLES``) with
    ``torchrun launch/pretrain.py``: same data, seed and hyperparameters, no checkpoints, each
    with its own log file and tensorboard directory;
 3. reads Megatron's tensorboard scalars (``lm loss``, ``iteration-time``, ``lm loss validation``)
    and prints a summary table (losses, tokens/s and step time beside dense's) with the analytic
-   counts of ``megatron_ext.training.flops``; writes
+   counts of ``megatron_ext.tools.flops``; writes
    ``summary.json`` and ``loss_curves.png`` into ``--out``.
 
 The preset (model shape and schedule) keeps the whole job under ten minutes on a 2-core CPU.
@@ -317,8 +317,8 @@ def main(argv=None) -> int:
     for noisy in ("tensorboard", "matplotlib", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from megatron_ext.stem.config import select_stem_layers
-    from megatron_ext.training import data_prep, flops
-    from megatron_ext.training.metrics import read_tensorboard_scalars
+    from megatron_ext.tools import data_prep, flops
+    from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     # 1. data
     t0 = time.perf_counter()
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
         "data": {k: manifest[k] for k in ("data_prefix", "tokenizer_dir", "tokenizer_vocab_size",
                                           "eod_id", "num_documents", "num_tokens",
                                           "corpus_bytes")},
-        "flop_counting": "analytic, megatron_ext.training.flops: 6 x matmul weights per token + "
+        "flop_counting": "analytic, megatron_ext.tools.flops: 6 x matmul weights per token + "
                          "12 x seq x heads x head_dim per layer (full score matrix); lookups "
                          "and element-wise ops not counted",
         "proxy_roi_definition": "(exp(-valid loss) / total training FLOPs) / same for dense; a "

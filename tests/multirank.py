@@ -109,7 +109,7 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
     """One training launch; its tensorboard scalars go to ``workdir/name/tb``. ``env`` is added to
     the environment of the launch; ``entry``: the script the ranks run (``launch/pretrain.py``,
     or a wrapper of it that takes the same flags)."""
-    from megatron_ext.training.metrics import read_tensorboard_scalars
+    from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     out_dir = os.path.join(workdir, name)
     os.makedirs(out_dir, exist_ok=True)
@@ -135,7 +135,7 @@ def torchrun_many(workdir: str, items: Sequence[Tuple[str, Sequence[str]]], npro
     (``tests/dist/multi_config.py``: one start-up, Megatron's state torn down between trainings).
     Each ``Run`` is what ``torchrun`` would give, its log being its ranks' output; a training
     after a failed one is not run (return code -1). ``timeout`` is per training."""
-    from megatron_ext.training.metrics import read_tensorboard_scalars
+    from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     plan, dirs = [], {}
     for name, flags in items:

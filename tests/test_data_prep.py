@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ext.training import data_prep
-from megatron_ext.training.data_prep import (
+from megatron_ext.tools import data_prep
+from megatron_ext.tools.data_prep import (
     EOD_TOKEN,
     DataPrepConfig,
     collect_documents,

@@ -1,4 +1,4 @@
-"""The dry-run estimate (training/estimate.py) against the papers' counts, against hand-written
+"""The dry-run estimate (tools/estimate.py) against the papers' counts, against hand-written
 formulas, and against models Megatron really builds under TP=2 x PP=2 (and EP=2 for Sigma)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron_ext.training.estimate import (
+from megatron_ext.tools.estimate import (
     Layout,
     ModelSpec,
     estimate,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.stem.config import select_stem_layers
-from megatron_ext.training.flops import (
+from megatron_ext.tools.flops import (
     ModelShape,
     count_model_parameters,
     dense_baseline,

@@ -302,7 +302,7 @@ WARMUP, ITERS = 1, 3
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    pytest.importorskip("megatron_ext.training.estimate")
+    pytest.importorskip("megatron_ext.tools.estimate")
     out = str(tmp_path_factory.mktemp("scaling") / "out")
     cmd = [sys.executable, SCRIPT, "--preset", "stem_cpu", "--gpus", "2",
            "--layouts", ",".join(OK_LAYOUTS + [REFUSED]), "--iters", str(ITERS),
@@ -390,7 +390,7 @@ def test_sweep_matches_run_reports(sweep):
 @pytest.mark.multirank
 def test_sweep_flops_from_the_estimate(sweep):
     """The report's FLOPs per token are the dry-run estimate's for the same model."""
-    from megatron_ext.training import estimate
+    from megatron_ext.tools import estimate
 
     _, _, _, _, reports = sweep
     spec = estimate.ModelSpec(family="stem", num_layers=4, hidden=64, ffn=192, heads=4,

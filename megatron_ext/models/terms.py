@@ -1,4 +1,4 @@
-"""A family's terms in the parameter, FLOPs and memory estimate (``training/estimate.py``).
+"""A family's terms in the parameter, FLOPs and memory estimate (``tools/estimate.py``).
 
 ``MLPTerms`` is the dense SwiGLU (or plain) MLP of the baseline; a family whose MLP differs
 subclasses it in its folder and hands an instance to its ``Family`` (``estimate_terms``). The

@@ -22,7 +22,7 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="import MODULE before the flags are parsed: it registers model "
                             "families of its own (megatron_ext.models.registry.register_family)")
     group.add_argument("--ext-data-manifest", default=None,
-                       help="manifest.json written by megatron_ext.training.data_prep; checked "
+                       help="manifest.json written by megatron_ext.tools.data_prep; checked "
                             "against the tokenizer at start-up (found automatically next to a "
                             "--data-path prefix)")
     group.add_argument("--no-verify-checkpoint", action="store_true",
@@ -84,7 +84,7 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     """Checks that need Megatron's parsed args; raise ValueError naming the flag."""
     manifest = data_manifest_path(args)
     if manifest is not None and tokenizer_vocab_size is not None:
-        from megatron_ext.training.data_prep import verify_manifest
+        from megatron_ext.tools.data_prep import verify_manifest
 
         verify_manifest(manifest, tokenizer_vocab_size)
     if args.model_family not in registered_families():

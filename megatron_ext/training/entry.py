@@ -65,9 +65,9 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     if "--dry-run" in expanded:
-        # Numbers only: no process group, no model (megatron_ext/training/dry_run.py). Megatron's
+        # Numbers only: no process group, no model (megatron_ext/tools/dry_run.py). Megatron's
         # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
-        from megatron_ext.training.dry_run import main as dry_run_main
+        from megatron_ext.tools.dry_run import main as dry_run_main
 
         raise SystemExit(dry_run_main(expanded, raw_argv))
     expanded, cpu_added = cpu.default_flags(expanded)

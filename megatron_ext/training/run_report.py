@@ -12,7 +12,7 @@ iteration and records
 * the tokens of the iteration: ``get_num_microbatches() x micro batch x data-parallel size x
   sequence length``, the global batch of *this* iteration (a ``--rampup-batch-size`` ramp changes
   the number of micro-batches);
-* training (forward + backward) FLOPs per token from ``training/estimate.py``. Sigma's
+* training (forward + backward) FLOPs per token from ``tools/estimate.py``. Sigma's
   progressive sparsification changes the experts a token uses during training, so its value is
   taken per iteration with that iteration's top-k.
 
@@ -144,7 +144,7 @@ class FlopsPerToken:
         self.error: Optional[str] = None
         self._varies = False
         try:
-            from megatron_ext.training import estimate
+            from megatron_ext.tools import estimate
 
             self._estimate = estimate
             self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
@@ -238,7 +238,7 @@ class RunReport:
             "device": device_info(),
             "params_dtype": str(getattr(a, "params_dtype", "")).replace("torch.", ""),
             "train_flops_per_token": self.flops.at_start,
-            "flops_source": "megatron_ext.training.estimate (forward + backward, per token)",
+            "flops_source": "megatron_ext.tools.estimate (forward + backward, per token)",
             "flops_error": self.flops.error,
             "iterations": self.iterations,
             "memory": memory_summary(per_rank_memory, complete=complete),

@@ -1,6 +1,6 @@
 """Run under torchrun like ``launch/pretrain.py`` (same flags) plus ``--estimate-out DIR``: trains
 one step and writes, per rank, what the built model, Megatron's buffers and optimizer really hold,
-next to ``training/estimate.py``'s numbers for this rank's pipeline stage.
+next to ``tools/estimate.py``'s numbers for this rank's pipeline stage.
 
 Measured on the real objects (captured by wrapping ``megatron.training.training``'s
 ``setup_model_and_optimizer`` and ``train_step``):
@@ -88,7 +88,7 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
 
-    from megatron_ext.training.estimate import rank_estimate, spec_from_args, layout_from_args
+    from megatron_ext.tools.estimate import rank_estimate, spec_from_args, layout_from_args
 
     args = get_args()
     model, optimizer = captured["model"], captured["optimizer"]

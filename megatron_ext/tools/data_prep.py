@@ -1,7 +1,7 @@
 """Offline default corpus: a byte-level BPE tokenizer and a Megatron indexed dataset built from text
 that ships with every Python (``pydoc_data.topics`` and the standard library's sources).
 
-``python -m megatron_ext.training.data_prep --out DIR [--vocab-size 8192] [--max-mb 8] [--seed N]``
+``python -m megatron_ext.tools.data_prep --out DIR [--vocab-size 8192] [--max-mb 8] [--seed N]``
 writes::
 
     DIR/tokenizer/tokenizer.json         a Hugging Face tokenizer directory: --tokenizer-type
@@ -289,7 +289,7 @@ def verify_manifest(manifest_path: str, tokenizer_vocab_size: int) -> dict:
     if not os.path.isfile(manifest_path):
         raise ValueError(
             f"--ext-data-manifest={manifest_path}: no such file; build the data with "
-            "`python -m megatron_ext.training.data_prep --out DIR` and pass DIR/manifest.json")
+            "`python -m megatron_ext.tools.data_prep --out DIR` and pass DIR/manifest.json")
     try:
         manifest = load_manifest(manifest_path)
         recorded = int(manifest["tokenizer_vocab_size"])
@@ -303,7 +303,7 @@ def verify_manifest(manifest_path: str, tokenizer_vocab_size: int) -> dict:
             f"tokenizer has vocab size {int(tokenizer_vocab_size)}. Pass --tokenizer-type "
             f"HuggingFaceTokenizer --tokenizer-model {manifest['tokenizer_dir']} together with "
             f"--data-path {manifest['data_prefix']}, or rebuild the data for your tokenizer "
-            f"(python -m megatron_ext.training.data_prep --out DIR --vocab-size "
+            f"(python -m megatron_ext.tools.data_prep --out DIR --vocab-size "
             f"{int(tokenizer_vocab_size)}) and point --data-path/--ext-data-manifest at it.")
     return manifest
 
@@ -419,7 +419,7 @@ def megatron_data_args(manifest: dict, split: str = "95,5,0") -> List[str]:
 
 def parse_args(argv: Optional[List[str]] = None) -> DataPrepConfig:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_ext.training.data_prep",
+        prog="python -m megatron_ext.tools.data_prep",
         description="Build the offline default corpus (pydoc topics + stdlib sources), a "
                     "byte-level BPE tokenizer and a Megatron indexed dataset.")
     parser.add_argument("--out", required=True, help="output directory")

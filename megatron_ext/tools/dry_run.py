@@ -2,7 +2,7 @@
 
 Megatron's own parser and ``validate_args`` read the flags (so a layout Megatron refuses is
 refused here too, with its message), for ``--dry-run-world-size`` ranks; the numbers come from
-``training/estimate.py``. Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
+``tools/estimate.py``. Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
 or ``--vocab-size``, through Megatron's ``NullTokenizer`` so the padding is Megatron's.
 """
 
@@ -143,7 +143,7 @@ def report(est, preset: Optional[str]) -> str:
 
 
 def main(argv: Sequence[str], raw_argv: Sequence[str]) -> int:
-    from megatron_ext.training.estimate import estimate_from_args
+    from megatron_ext.tools.estimate import estimate_from_args
 
     size = flag_value(argv, "--dry-run-world-size") or os.environ.get("WORLD_SIZE") or "1"
     try:

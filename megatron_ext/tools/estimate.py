@@ -1,6 +1,6 @@
 """Parameters, FLOPs and memory per rank of any family and parallel layout, from numbers alone.
 
-``--dry-run`` prints these (``training/dry_run.py``); the scaling harness takes the FLOPs per token
+``--dry-run`` prints these (``tools/dry_run.py``); the scaling harness takes the FLOPs per token
 from here. Nothing is allocated: the model is described by :class:`ModelSpec` and the layout by
 :class:`Layout`, both read from Megatron's parsed arguments by :func:`estimate_from_args`.
 
@@ -22,7 +22,7 @@ whole output layer. The STEM paper's Table 3 counts the whole input embedding as
 ``#GFLOPs`` column, the denominator of its ROI, is ``2 x`` those active parameters: reported as
 ``paper_active_params`` and ``paper_gflops_per_token``.
 
-**Training FLOPs per token** (forward + backward) follow ``training/flops.py``: ``6`` per weight a
+**Training FLOPs per token** (forward + backward) follow ``tools/flops.py``: ``6`` per weight a
 token multiplies (attention, the MLP's active matmuls, routers, the output layer) plus the
 attention core ``12 s a d`` (the full ``s x s`` scores, as Megatron's local attention computes
 them). Table lookups and element-wise work are not counted.
