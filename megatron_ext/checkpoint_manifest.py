@@ -31,7 +31,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megatron_ext_manifest.json"
 FORMAT = "megatron-ext-checkpoint-manifest/1"
-CHUNK = 8 << 20  # hashlib releases the GIL on buffers this large
 
 
 class CheckpointError(ValueError):
@@ -85,14 +84,9 @@ def resolve_checkpoint_dir(path: str, step: Optional[int] = None) -> Tuple[str, 
 
 
 def file_digest(path: str) -> str:
-    h = hashlib.sha256()
+    """SHA-256 of the file (``hashlib.file_digest``: its updates release the GIL)."""
     with open(path, "rb") as f:
-        while True:
-            block = f.read(CHUNK)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checkpoint_files(folder: str) -> List[str]:
