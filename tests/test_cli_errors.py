@@ -78,7 +78,7 @@ def test_stem_kernel_refused_without_cuda(monkeypatch):
 
 
 def test_structmoe_width_flags():
-    from megatron_ext.structmoe.family import structmoe_config as structmoe_config_from_args
+    from megatron_ext.models.registry import family_config as structmoe_config_from_args
 
     family = ["--model-family", "structmoe"]
     assert structmoe_config_from_args(parse(family)).param_matched
@@ -125,7 +125,7 @@ def test_entry_point_reports_bad_flags_without_traceback():
 
 
 def test_sigma_valid_flags_pass():
-    from megatron_ext.sigma.family import sigma_config as sigma_config_from_args
+    from megatron_ext.models.registry import family_config as sigma_config_from_args
     from megatron_ext.training.arguments import validate_extension_args
 
     args = parse(SIGMA + ["--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "3"])

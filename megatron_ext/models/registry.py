@@ -1,7 +1,8 @@
 """Model families: the contract each family fulfils, and the registry the trainer looks them up in.
 
-A family is one object (``Family``, ``models/family.py``), defined in its own folder (``megatron_ext/stem/family.py``,
-``structmoe/family.py``, ``sigma/family.py``; the dense baseline in ``models/gpt_family.py``), in
+A family is one object (``Family``, ``models/family.py``), defined in its own folder
+(``stem/family.py``, ``structmoe/family.py``, ``sigma/family.py``; the dense baseline in
+``models/gpt_family.py``), in
 the spirit of torchtitan's ``TrainSpec``: its flags, its config dataclass from the parsed flags,
 its checks, its decoder block spec, the model-side state it attaches, and the hooks the generic
 trainer seam (``megatron_ext/training/``) calls at start-up, per micro-batch, after a checkpoint
@@ -32,11 +33,11 @@ def _load_builtin() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
     for module in BUILTIN:
         family = importlib.import_module(module).FAMILY
         if family.name not in _FAMILIES:
             _FAMILIES[family.name] = family
+    _loaded = True  # after every import succeeded: a failed one is retried and raises again
 
 
 def register_family(family: Family) -> Family:

@@ -56,11 +56,6 @@ def config_from_args(args) -> SigmaConfig:
         sparsify_at=parse_sparsify_at(args.sigma_sparsify_at))
 
 
-def sigma_config(args) -> Optional[SigmaConfig]:
-    """The Sigma options of ``args``, or None when the model is not Sigma."""
-    return config_from_args(args) if args.model_family == NAME else None
-
-
 def check_args(args) -> None:
     """The Sigma layer's fixed choices (Sec. 2 of the report) and a layout that can work."""
     sigma = config_from_args(args)

@@ -9,9 +9,9 @@ steps rows in place; every read here settles the rows it reads first). It knows 
 ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
 (``stem/table_optimizer.py``) writes them, and leaves here the part of a sparse step it has not
 run yet (``owed_step``): a read steps the rows it needs of it first, as it settles their decay.
-Reads and writes of the shards are host work: they run
-on the process's worker thread (``stem/worker.py``) or, for checkpoints and dumps, on the training
-thread once the worker is idle.
+Reads and writes of the shards are host work: they run on the process's worker thread
+(``stem/worker.py``) or, for checkpoints and dumps, on the training thread once the worker is
+idle.
 
 Reading rows (``gather_rows``): from host shards to a GPU the rows are gathered and cast straight
 into a reusable pinned buffer (``PinnedStaging``) and moved by one asynchronous copy.
@@ -130,7 +130,8 @@ class PinnedStaging:
 def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
                 chunk: int = 1024) -> None:
     """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
-    gather (``megatron_ext_kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks of rows."""
+    gather (``megatron_ext_kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks
+    of rows."""
     from megatron_ext_kernels import row_adam_cpu
 
     kernel = row_adam_cpu.load()

@@ -319,7 +319,8 @@ class StemTablesOptimizer(ChainedOptimizer):
             t.release(fetch)
             return
         owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
-        owed.store, t.store.owed_step = t.store, owed  # the worker is idle for this store (drained at the step)
+        # The worker is idle for this store: the step drained it.
+        owed.store, t.store.owed_step = t.store, owed
         t.release(fetch)
         self._step_tasks.append((t, WORKER.submit_background(owed)))
 

@@ -61,11 +61,6 @@ def config_from_args(args) -> StructMoEConfig:
         backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff)
 
 
-def structmoe_config(args) -> Optional[StructMoEConfig]:
-    """The StructMoE options of ``args``, or None when the model is not StructMoE."""
-    return config_from_args(args) if args.model_family == NAME else None
-
-
 def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     smoe = config_from_args(args)  # raises for bad --structmoe-* values
     if smoe.aux_loss_coeff > 0 and args.calculate_per_token_loss:

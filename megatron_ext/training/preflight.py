@@ -43,8 +43,6 @@ def check_save_dir(save: Optional[str], rank: int = 0) -> None:
                          f"({exc.strerror or exc}); checkpoints would fail at the first save")
 
 
-
-
 def has_checkpoint(path: str) -> bool:
     """``path`` holds a Megatron checkpoint: its tracker file, an ``iter_*`` or ``release``
     directory (``--ckpt-step`` reads an ``iter_*`` directory without the tracker)."""
