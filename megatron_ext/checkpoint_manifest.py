@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 # Megatron's tracker file (megatron.training.checkpointing.get_checkpoint_tracker_filename).
@@ -163,8 +164,6 @@ def check_files(folder: str, manifest: dict, names: Optional[Sequence[str]] = No
     listed = manifest["files"]
     names = sorted(listed) if names is None else list(names)
     if threads > 1 and len(names) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(min(threads, len(names))) as pool:
             found = list(pool.map(lambda rel: _file_problem(folder, rel, listed[rel]), names))
     else:

@@ -225,6 +225,8 @@ import sys, threading, time, psutil, torch
 from megatron_ext.convert import to_hf
 from megatron_ext.convert.checkpoint import MegatronCheckpoint
 MegatronCheckpoint(sys.argv[1])  # imports and argument unpickling before the baseline
+from megatron_ext.models.registry import families
+families()  # the family modules (and Megatron-Core they import) before the baseline too
 from transformers import GenerationConfig, LlamaConfig  # noqa: F401 (import cost, not data)
 import safetensors.torch  # noqa: F401
 proc = psutil.Process()

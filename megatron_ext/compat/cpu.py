@@ -25,9 +25,13 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import List
 
+import megatron.core.tensor_parallel.mappings as mappings
+import megatron.core.tensor_parallel.random as mrandom
+import megatron.core.transformer.moe.moe_utils as moe_utils
 import torch
 
 logger = logging.getLogger(__name__)
@@ -163,8 +167,6 @@ class _FakeStream:
 
 class _FakeEvent:
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
-        import time
-
         self._time = time
         self._t = None
 
@@ -286,15 +288,11 @@ def _patch_tensor() -> None:
 
 
 def _patch_megatron() -> None:
-    import megatron.core.tensor_parallel.random as mrandom
-
     _set(mrandom, "_set_cuda_rng_state",
          lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     _set(mrandom, "_get_cuda_rng_state",
          lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
     logging.getLogger(mrandom.__name__).addFilter(_RngForkWarningFilter())
-
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor) and as_numpy:
@@ -339,8 +337,6 @@ def _patch_megatron() -> None:
 
 
 def _patch_uneven_sequence_parallel_collectives() -> None:
-    import megatron.core.tensor_parallel.mappings as mappings
-
     original_gather = mappings._gather_along_first_dim
     original_reduce_scatter = mappings._reduce_scatter_along_first_dim
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import socket
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron_ext.compat import cpu
 
 
 def free_port() -> int:
@@ -19,11 +23,7 @@ def init_single_rank(seed: int = 1234):
 
     Installs the CPU backend first when there is no GPU. Uses NCCL when CUDA is available.
     """
-    from megatron_ext.compat import cpu
-
     cpu.install()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

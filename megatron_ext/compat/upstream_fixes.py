@@ -6,10 +6,14 @@ under which the bug exists, and is covered by a test that fails without it.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 
+import megatron.core.datasets.utils as dutils
 import torch
+from megatron.core.optimizer import distrib_optimizer
+from megatron.training import get_args, training
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,6 @@ def _fix_distrib_optimizer_torch_adam_resume() -> bool:
        requires grad; ``_set_main_param_and_optimizer_states`` copies the loaded values into it
        with autograd on and fails. The copy runs under ``torch.no_grad()``.
     """
-    from megatron.core.optimizer import distrib_optimizer
-
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return False
     cls = distrib_optimizer.DistributedOptimizer
@@ -91,8 +93,6 @@ def _fix_prebuilt_dataset_helpers() -> bool:
     Makefile that ``compile_helpers`` runs, so ``pretrain`` exits ("Failed to compile the C++
     dataset helper functions") on any machine, GPU or CPU. Compile only when the prebuilt module
     does not import."""
-    import megatron.core.datasets.utils as dutils
-
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
@@ -107,8 +107,6 @@ def _fix_help_percent_signs() -> bool:
     formatter takes for a format directive ("unsupported format character ')'"), so the first
     command a user types prints no flag at all. Extends ``argparse.HelpFormatter._expand_help``:
     a help string that cannot be expanded is printed as written."""
-    import argparse
-
     original = argparse.HelpFormatter._expand_help
     if getattr(original, "_megatron_ext_fixed", False):
         return False
@@ -132,8 +130,6 @@ def _fix_first_logged_loss_after_resume() -> bool:
     interval), also when that iteration ends an interval, so the next interval adds to it.
     Tensorboard has the right values. Extends ``megatron.training.training.training_log``: a first
     iteration that ends a logging interval is logged as any other (its accumulators reset)."""
-    from megatron.training import training
-
     upstream = training.training_log
     if getattr(upstream, "_megatron_ext_first_iteration", False):
         return False
@@ -141,8 +137,6 @@ def _fix_first_logged_loss_after_resume() -> bool:
     @functools.wraps(upstream)
     def training_log(*args, **kwargs):
         if kwargs.get("is_first_iteration"):
-            from megatron.training import get_args
-
             iteration = args[3] if len(args) > 3 else kwargs["iteration"]
             if iteration % get_args().log_interval == 0:
                 kwargs["is_first_iteration"] = False

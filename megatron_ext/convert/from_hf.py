@@ -50,10 +50,25 @@ import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from megatron.core.enums import ModelType
+from megatron.core.utils import unwrap_model
+from megatron.training import get_args, global_vars
+from megatron.training.argument_utils import core_transformer_config_from_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.initialize import initialize_megatron
+from megatron.training.training import get_model
+from safetensors import safe_open
+from transformers import AutoConfig
 
+from megatron_ext.compat import cpu, upstream_fixes
+from megatron_ext.compat.standalone import free_port
 from megatron_ext.convert.layout import merge_gated_fc1, merge_qkv
-from megatron_ext.convert.output import DTYPES, progress as progress_bar, staged_directory
-from megatron_ext.stem.config import RATIOS, VARIANTS
+from megatron_ext.convert.output import DTYPES, staged_directory
+from megatron_ext.convert.output import progress as progress_bar
+from megatron_ext.stem.config import RATIOS, VARIANTS, StemConfig, parse_layers
+from megatron_ext.training.arguments import add_extension_args, validate_extension_args
+from megatron_ext.training.model_provider import model_provider
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # Llama 3.x RoPE scaling maps to Megatron's --use-rope-scaling --rope-scaling-factor F; GPTModel
@@ -120,7 +135,6 @@ def describe_hf(hf_dir: str) -> HFModel:
             f"config.json: architectures={archs} (model_type={model_type!r}): only "
             f"{' and '.join(ARCHITECTURES)} import (dense Llama-style models)")
     # transformers normalises old and new spellings (rope_scaling / rope_parameters, head_dim).
-    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     _refuse(cfg.model_type != ARCHITECTURES[arch],
@@ -182,8 +196,6 @@ class HFWeights:
     tensor at a time."""
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         single = os.path.join(hf_dir, "model.safetensors")
         if os.path.isfile(index):
@@ -288,8 +300,6 @@ class StemInsertion:
 def stem_insertion(num_layers: int, layers: Optional[str], ratio: Optional[str], variant: str,
                    init_scale: float) -> Optional[StemInsertion]:
     """The STEM layers, chosen with the training code's own rule (``StemConfig``)."""
-    from megatron_ext.stem.config import StemConfig, parse_layers
-
     if layers is None and ratio is None:
         _refuse(variant is not None or init_scale is not None,
                 "--stem-variant/--stem-init-scale need --stem-layers or --stem-ratio (which "
@@ -413,7 +423,6 @@ def _single_process_env() -> None:
     world = os.environ.get("WORLD_SIZE")
     _refuse(world not in (None, "1"),
             f"WORLD_SIZE={world}: from-hf runs as one process (do not start it under torchrun)")
-    from megatron_ext.compat.standalone import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -447,24 +456,12 @@ def build_megatron_model(flags: Sequence[str]):
     Uses megatron.training's own argument parser (with our ``add_extension_args``),
     ``initialize_megatron`` and ``get_model`` with our ``model_provider``: the model has the
     same modules, checkpoint keys and sharding metadata as in a training run."""
-    from megatron.training import global_vars
-
     _refuse(getattr(global_vars, "_GLOBAL_ARGS", None) is not None,
             "Megatron is already initialised in this process: run from-hf in a fresh process")
     _single_process_env()
-    from megatron_ext.compat import cpu, upstream_fixes
 
     cpu.install()  # no-op with a GPU; without one it lets initialize_megatron run on the CPU
     upstream_fixes.install()  # e.g. the wheel's prebuilt dataset helpers (initialize compiles)
-    from megatron.core.enums import ModelType
-    from megatron.training import get_args
-    from megatron.training.argument_utils import core_transformer_config_from_args
-    from megatron.training.arguments import parse_and_validate_args
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import get_model
-
-    from megatron_ext.training.arguments import add_extension_args, validate_extension_args
-    from megatron_ext.training.model_provider import model_provider
 
     argv = sys.argv
     sys.argv = ["from-hf"] + list(flags)
@@ -556,8 +553,6 @@ def megatron_sources(m: HFModel, w: HFWeights, stem: Optional[StemInsertion],
 
 def fill_model(model, sources: Dict[str, Callable[[torch.Tensor], None]], progress: bool) -> int:
     """Fill the model's plain state dict; every tensor exactly once."""
-    from megatron.core.utils import unwrap_model
-
     (module,) = unwrap_model(model)
     state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
     missing = sorted(set(state) - set(sources))
@@ -578,8 +573,6 @@ def fill_model(model, sources: Dict[str, Callable[[torch.Tensor], None]], progre
 
 def save_megatron(model, iteration: Optional[int]) -> None:
     """megatron.training's own ``save_checkpoint`` (torch_dist, no optimizer, no RNG)."""
-    from megatron.training.checkpointing import save_checkpoint
-
     save_checkpoint(iteration or 0, model, None, None, 0, release=iteration is None)
 
 

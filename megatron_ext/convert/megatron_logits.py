@@ -19,6 +19,25 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.utils import get_attr_wrapped_model
+from megatron.training import get_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.checkpointing import load_checkpoint
+from megatron.training.initialize import initialize_megatron
+from megatron.training.training import get_model
+
+from megatron_ext.compat import cpu, upstream_fixes
+from megatron_ext.models.registry import family_of
+from megatron_ext.training.arguments import add_extension_args, drop_unavailable_fusions
+from megatron_ext.training.entry import _default_transformer_impl
+from megatron_ext.training.model_provider import model_provider
+from megatron_ext.training.presets import expand_argv
+
 
 def _split_argv(argv: Sequence[str]) -> Tuple[str, str, List[str]]:
     own = {"--logits-tokens": None, "--logits-out": None}
@@ -37,35 +56,15 @@ def _split_argv(argv: Sequence[str]) -> Tuple[str, str, List[str]]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     tokens_path, out_path, rest = _split_argv(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from megatron_ext.compat import cpu, upstream_fixes
 
     cpu.install()
     upstream_fixes.install()
-    from megatron_ext.training.presets import expand_argv
-    from megatron_ext.training.entry import _default_transformer_impl
 
     argv, _ = cpu.default_flags(expand_argv(rest))  # gloo etc. without CUDA, as pretrain
     sys.argv = [sys.argv[0]] + _default_transformer_impl(argv) + [
         "--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
 
-    import torch
-    from megatron.core import parallel_state as mpu
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    from megatron.core.utils import get_attr_wrapped_model
-    from megatron.training import get_args
-    from megatron.training.arguments import parse_and_validate_args
-    from megatron.training.checkpointing import load_checkpoint
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import get_model
-
-    from megatron_ext.models.registry import family_of
-    from megatron_ext.training.arguments import add_extension_args
-    from megatron_ext.training.model_provider import model_provider
-
     # megatron.training 0.19 parses the arguments before initialising (as ``pretrain`` callers do).
-    from megatron_ext.training.arguments import drop_unavailable_fusions
 
     drop_unavailable_fusions(parse_and_validate_args(extra_args_provider=add_extension_args))
     initialize_megatron()

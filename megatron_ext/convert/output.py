@@ -10,6 +10,7 @@ import tempfile
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +61,5 @@ def staged_directory(target: str) -> Iterator[str]:
 
 def progress(total: int, desc: str, enabled: bool = True, **kwargs):
     """A tqdm bar on stderr (a no-op one when ``enabled`` is false)."""
-    from tqdm import tqdm
-
     kwargs.setdefault("unit", "tensor")
     return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, **kwargs)

@@ -27,13 +27,17 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from megatron_ext.checkpoint_manifest import resolve_checkpoint_dir, unverified_note
 from megatron_ext.checkpoint_manifest import verify as verify_manifest
 from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
+from megatron_ext.convert.hf_code.configuration_megatron_ext import MegatronExtConfig
 from megatron_ext.convert.layout import split_gated_fc1, split_qkv
-from megatron_ext.convert.output import (DTYPES, check_output_path, progress as progress_bar,
-                                         staged_directory)
+from megatron_ext.convert.output import DTYPES, check_output_path, staged_directory
+from megatron_ext.convert.output import progress as progress_bar
+from megatron_ext.models.registry import families, get_family
 
 HF_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 HF_CODE_FILES = ("configuration_megatron_ext.py", "modeling_megatron_ext.py")
@@ -128,7 +132,6 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
     true_vocab = vocab if vocab is not None else padded
     _refuse(true_vocab > padded, f"--vocab-size {true_vocab} exceeds the checkpoint's "
             f"embedding rows ({padded})")
-    from megatron_ext.models.registry import get_family
 
     try:
         fam = get_family(family)
@@ -286,7 +289,6 @@ class Plan:
             self.fc(i, "mlp.", f, ("gate_proj", "up_proj") if self.desc.gated else ("up_proj",))
             self.down_proj(i, f)
             return
-        from megatron_ext.models.registry import families
 
         for family in families():
             if kind in family.hf_mlp_tensors:
@@ -339,8 +341,6 @@ class ShardWriter:
         self.total_bytes += size
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
         path = f"part-{len(self.files) + 1:05d}.safetensors"
@@ -381,16 +381,12 @@ def hf_config(desc: ModelDescription, dtype: torch.dtype, tokens: Dict[str, Opti
                 "factor": desc.rope_scaling_factor, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if native in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-        from transformers import LlamaConfig, Qwen3Config
-
         cls = LlamaConfig if native == "LlamaForCausalLM" else Qwen3Config
         extra = dict(attention_bias=False) if native == "Qwen3ForCausalLM" else \
             dict(attention_bias=False, mlp_bias=False)
         cfg = cls(intermediate_size=desc.mlp_layers[0]["intermediate_size"], hidden_act="silu",
                   rope_parameters=rope, **extra, **common)
     elif native == "Qwen3MoeForCausalLM":
-        from transformers import Qwen3MoeConfig
-
         m = desc.mlp_layers[0]
         # Sigma routes with softmax-then-top-k and uses the raw probabilities as weights:
         # Qwen3-MoE with norm_topk_prob=False is exactly that.
@@ -400,8 +396,6 @@ def hf_config(desc: ModelDescription, dtype: torch.dtype, tokens: Dict[str, Opti
             decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", attention_bias=False,
             rope_parameters=rope, output_router_logits=False, **common)
     else:
-        from megatron_ext.convert.hf_code.configuration_megatron_ext import MegatronExtConfig
-
         cfg = MegatronExtConfig(
             hidden_act=desc.act, gated_mlp=desc.gated, qk_norm=desc.qk_norm,
             rope_theta=desc.rope_theta, mlp_layers=desc.mlp_layers, **common)
@@ -422,7 +416,6 @@ def tokenizer_info(ck: MegatronCheckpoint, tokenizer_dir: Optional[str], vocab: 
         if not os.path.isdir(path):
             raise CheckpointError(f"tokenizer {path}: not a directory (the checkpoint was trained "
                                   "with it; pass --tokenizer DIR where it is on this machine)")
-        from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path)
     if vocab is None:
@@ -482,7 +475,6 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
                 bar.update(1)
         writer.finish()
         config.save_pretrained(tmp)
-        from transformers import GenerationConfig
 
         GenerationConfig(**{k: v for k, v in tokens.items() if v is not None}).save_pretrained(tmp)
         if desc.native is None:

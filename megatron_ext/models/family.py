@@ -54,6 +54,10 @@ class Family:
     at_iteration: Optional[Callable[[Sequence, Any, Any, Optional[int]], None]] = None
     # after pretrain returned: after_training(args, cfg)
     after_training: Optional[Callable[[Any, Any], None]] = None
+    # back to a fresh process's state after a training (``training/teardown.py``, another
+    # training follows in the same process): reset() waits for the family's background work and
+    # empties its per-process registries
+    reset: Optional[Callable[[], None]] = None
     # to-hf: hf_mlp_layers(args, iteration, gated, refuse) -> the exported config's description
     # of every layer's MLP (dicts with a "type"); refuse(cond, message) stops the conversion
     hf_mlp_layers: Optional[Callable[..., list]] = None

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from megatron.core.models.gpt import GPTModel
+
+from megatron_ext.stem.mlp import StemMLP
 
 
 class TokenIdsGPTModel(GPTModel):
@@ -37,8 +38,6 @@ class TokenIdsGPTModel(GPTModel):
     def _managed_stem_layers(self):
         """STEM MLPs of this model chunk whose rows are bound per micro-batch (managed tables)."""
         if not hasattr(self, "_managed_stem"):
-            from megatron_ext.stem.mlp import StemMLP
-
             self._managed_stem = [m for m in self.modules()
                                   if isinstance(m, StemMLP) and m.managed]
         return self._managed_stem

@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_ext.models.family import Family
+from megatron_ext.models.specs import decoder_block_spec
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import decoder_block_spec
-
     return decoder_block_spec(config, None, args.padded_vocab_size, use_te, vp_stage=vp_stage)
 
 

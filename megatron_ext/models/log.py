@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 
 def print_rank_0(message: str) -> None:
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)

@@ -14,11 +14,13 @@ import functools
 from typing import Callable, List, Optional, Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import (
+    LNImpl,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -31,14 +33,18 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_ext.models.layer import TokenContextTransformerLayer
 from megatron_ext.models.norm import SequenceParallelTorchNorm
+from megatron_ext.sigma.layer import SigmaMoELayer
+from megatron_ext.sigma.router import SigmaRouter
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.mlp import StemMLP
+from megatron_ext.structmoe.mlp import StructMoEMLP
 
 try:
-    from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401
+    from megatron.core.extensions.transformer_engine import TENorm
 
     HAVE_TE = True
 except ImportError:  # pragma: no cover - depends on the installation
+    TENorm = None
     HAVE_TE = False
 
 
@@ -86,11 +92,7 @@ def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
 
 def final_norm_impl(use_te: bool):
     if use_te:
-        from megatron.core.extensions.transformer_engine import TENorm
-
         return TENorm
-    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
-
     return _swap_norm(LNImpl, SequenceParallelTorchNorm)
 
 
@@ -128,19 +130,12 @@ def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> Mod
 
 def structmoe_layer_spec(dense: ModuleSpec, structmoe) -> ModuleSpec:
     """A StructMoE layer: the dense layer with a StructMoE MLP."""
-    from megatron_ext.structmoe.mlp import StructMoEMLP
-
     return with_mlp(dense, StructMoEMLP.as_mlp_submodule, structmoe=structmoe)
 
 
 def sigma_layer_spec(moe_spec: ModuleSpec, sigma, layer_index: int) -> ModuleSpec:
     """A Sigma layer: upstream's MoE layer spec (experts, dispatchers) with ``SigmaMoELayer`` (a
     top-k per layer) and ``SigmaRouter`` (global-batch / Top-1 load balancing)."""
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-
-    from megatron_ext.sigma.layer import SigmaMoELayer
-    from megatron_ext.sigma.router import SigmaRouter
-
     mlp = moe_spec.submodules.mlp
     moe_sub = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
     if not isinstance(moe_sub, MoESubmodules):

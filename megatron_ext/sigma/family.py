@@ -12,11 +12,21 @@ import os
 import sys
 from typing import Optional
 
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron_ext.convert.layout import split_gated_fc1
 from megatron_ext.models.family import Family
+from megatron_ext.models.log import print_rank_0
+from megatron_ext.models.specs import sigma_block_spec
 from megatron_ext.models.terms import MLPTerms
+from megatron_ext.sigma import monitor
+from megatron_ext.sigma.budget import SigmaBudget
 from megatron_ext.sigma.config import LBLS as SIGMA_LBLS
 from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk_schedule
+from megatron_ext.sigma.monitor import report
 from megatron_ext.sigma.presets import FAMILY_FLAGS
+from megatron_ext.sigma.router import forget_routers
+from megatron_ext.sigma.schedule import apply_schedule, sigma_layers
 
 NAME = "sigma"
 
@@ -99,19 +109,12 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import sigma_block_spec
-
     return sigma_block_spec(config, config_from_args(args), use_te, vp_stage=vp_stage)
 
 
 def model_state(model, args, config, sigma: SigmaConfig) -> None:
     """The chunk's Sigma layers (a plain list: the forward step applies the schedule to it),
     and the routers' global-batch close at each step (the finalize function)."""
-    from megatron_ext.models.log import print_rank_0
-    from megatron_ext.sigma import monitor
-    from megatron_ext.sigma.budget import SigmaBudget
-    from megatron_ext.sigma.schedule import sigma_layers
-
     budget = SigmaBudget.from_config(config, args.padded_vocab_size,
                                      tied=not args.untie_embeddings_and_output_weights)
     print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
@@ -128,25 +131,17 @@ def model_state(model, args, config, sigma: SigmaConfig) -> None:
 
 def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
     """Per-layer load balance and LBL values each iteration."""
-    from megatron_ext.sigma.monitor import report
-
     report(args, iteration, total_loss_dict, writer, wandb_writer)
 
 
 def before_forward(model, args, sigma: SigmaConfig) -> None:
     """Progressive sparsification: every layer's top-k for this step (a function of the step)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    from megatron_ext.sigma.schedule import apply_schedule
-
     apply_schedule(get_attr_wrapped_model(model, "sigma_layers"), sigma, args.curr_iteration,
                    args.train_iters)
 
 
 def at_iteration(chunks, args, sigma: SigmaConfig, iteration: Optional[int]) -> None:
     """A checkpoint of ``iteration`` loaded for evaluation: the top-k of that step."""
-    from megatron_ext.sigma.schedule import apply_schedule
-
     for m in chunks:
         apply_schedule(m.sigma_layers, sigma, iteration, args.train_iters)
 
@@ -166,8 +161,6 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
 def hf_moe_tensors(plan, i: int, m: dict) -> None:
     """An MoE layer (upstream's layout: the router and the experts' stacked fc1/fc2) as
     Qwen3-MoE's gate and per-expert projections."""
-    from megatron_ext.convert.layout import split_gated_fc1
-
     h, f, E = plan.desc.hidden, m["intermediate_size"], m["num_experts"]
     p = f"model.layers.{i}.mlp."
     plan.add(p + "gate.weight", (E, h), plan.layer(i, ["mlp.router.weight"], (E, h)))
@@ -235,5 +228,5 @@ FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", blo
                 add_args=add_args, config_from_args=config_from_args,
                 default_flags=FAMILY_FLAGS, check_args=check_args, validate_args=validate_args,
                 model_state=model_state, log_report=log_report, before_forward=before_forward,
-                at_iteration=at_iteration, estimate_terms=SigmaTerms(),
+                at_iteration=at_iteration, reset=forget_routers, estimate_terms=SigmaTerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})

@@ -13,17 +13,20 @@
 
 from __future__ import annotations
 
+import os
 from typing import Dict
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads as upstream
+
+from megatron_ext.sigma.router import SigmaRouter, end_global_batch, live_routers
 
 
 def finalize_model_grads(model, *args, ext_args=None, **kwargs):
     """Upstream's ``finalize_model_grads``, then the routers' global batch closed; with
     ``--sigma-dump-router-grads`` the routers' gradients written. ``ext_args``: the training's
     (Megatron's global) args, bound by the Sigma family's ``model_state``."""
-    from megatron.core.distributed import finalize_model_grads as upstream
-
-    from megatron_ext.sigma.router import end_global_batch
-
     result = upstream(model, *args, **kwargs)
     stats = end_global_batch(model)
     margs = ext_args
@@ -35,12 +38,6 @@ def finalize_model_grads(model, *args, ext_args=None, **kwargs):
 def dump_router_grads(model, stats, directory: str, step: int) -> None:
     """Rank 0 writes ``{layer: {"grad", "f", "p", "fhat", "pbar", "global_lbl", "top1_lbl"}}``
     of its routers (written to a temporary name, then renamed)."""
-    import os
-
-    import torch
-
-    from megatron_ext.sigma.router import SigmaRouter
-
     if torch.distributed.get_rank() != 0:
         return
     out = {}
@@ -80,8 +77,6 @@ def layer_scalars(stats, layer: int, lbl: str) -> Dict[str, float]:
 
 
 def collect(lbl: str) -> Dict[str, float]:
-    from megatron_ext.sigma.router import live_routers
-
     scalars: Dict[str, float] = {}
     for router in live_routers():
         if router.last_stats is not None:
@@ -91,9 +86,6 @@ def collect(lbl: str) -> Dict[str, float]:
 
 def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
     """Collective over the pipeline group (every rank calls it each iteration)."""
-    import torch
-    from megatron.core import parallel_state
-
     if args.tensorboard_log_interval and iteration % args.tensorboard_log_interval:
         return  # the same decision on every rank (no collective, no host synchronization)
     scalars = collect(args.sigma_lbl)

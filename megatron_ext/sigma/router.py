@@ -36,6 +36,13 @@ from megatron_ext.sigma.lbl import BatchStats, acc_size, coefficients
 _ROUTERS: "weakref.WeakSet[SigmaRouter]" = weakref.WeakSet()
 
 
+def forget_routers() -> None:
+    """Empty the registry after a training (``training/teardown.py``): the finished model
+    outlives it in reference cycles (Megatron DDP's gradient hooks keep it through autograd
+    nodes the collector does not free), so its routers would stay listed."""
+    _ROUTERS.clear()
+
+
 def live_routers():
     """Every Sigma router of this process, by layer number."""
     return sorted(_ROUTERS, key=lambda r: (r.layer_index if r.layer_index is not None else -1))

@@ -26,7 +26,12 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
+from megatron_ext.stem.store import gather_rows
+from megatron_ext.stem.tiers import full_tensor, write_back
 from megatron_ext.stem.worker import WORKER
 
 MAX_BLOCKS = 64
@@ -48,8 +53,6 @@ def block_sharded_tensor(key: str, data: torch.Tensor, block: int, vocab: int,
                          sharded_offsets: tuple, tp_rank: int, tp_size: int):
     """A ``ShardedTensor`` for rows block ``block`` of the global ``[vocab, F]`` table (or of a
     ``[vocab]`` per-row vector when ``data`` is 1-D: replicated over TP, written by TP rank 0)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     p = len(sharded_offsets)
     offsets = [(p, block, num_blocks(vocab))]
     replica = 0
@@ -71,8 +74,6 @@ def gather_blocks(tables, sources: Sequence[torch.Tensor]
     """Rows of this rank's checkpoint blocks from ``sources`` (per-shard ``[owned, w]`` tensors of
     ``tables``, which the caller read whole after waiting for the worker), fetched from their
     owners. Collective over the data-parallel group. Returns ``[(block, [rows per source])]``."""
-    from megatron_ext.stem.store import gather_rows
-
     blocks = my_blocks(tables.vocab_size, tables.dp_rank, tables.dp_size)
     ids = torch.cat([r for _, r in blocks]) if blocks else torch.empty(0, dtype=torch.long)
     exchange = tables.exchange
@@ -154,8 +155,6 @@ def optimizer_state(optimizer) -> dict:
     with the mode, the iteration count and the decay product as common state. Needs the model's
     ``sharded_state_dict`` built first (its blocks' keys). Collective over the data-parallel
     group."""
-    from megatron_ext.stem.tiers import full_tensor
-
     # The scalars are common state, which torch_dist saves from global rank 0 alone; that rank
     # may hold no tables (a pipeline stage, or an interleaved chunk set, without STEM layers), so
     # every rank gives them: the iteration clock runs on every rank alike.
@@ -191,8 +190,6 @@ def optimizer_state(optimizer) -> dict:
 def load_optimizer_state(optimizer, saved: dict) -> None:
     """Load what ``optimizer_state`` saved into the owners' optimizer state (any DP size,
     ownership, placement). Collective over the data-parallel group."""
-    from megatron_ext.stem.tiers import full_tensor, write_back
-
     if not optimizer.tables:
         return
     optimizer.drain()
@@ -233,10 +230,6 @@ def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],
     fit this model's ``[vocab, d_ff]`` (``expected``: checkpoint key -> shape): ``d_ff`` must be
     equal; the (padded) vocabulary may differ, as the padding depends on the TP size, as long as
     the checkpoint has a row for each of the tokenizer's ``token_ids`` ids."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
-
     try:
         path, _ = resolve_checkpoint_dir(load_dir, step)
     except CheckpointError:

@@ -9,8 +9,14 @@ import argparse
 import math
 from typing import Optional
 
+from megatron.core import parallel_state
+
 from megatron_ext.models.family import Family
+from megatron_ext.models.log import print_rank_0
+from megatron_ext.models.specs import decoder_block_spec
 from megatron_ext.models.terms import MLPTerms
+from megatron_ext.stem import table_optimizer
+from megatron_ext.stem.checkpoint import check_table_shapes
 from megatron_ext.stem.config import (
     INITS,
     KERNELS,
@@ -23,6 +29,14 @@ from megatron_ext.stem.config import (
     StemConfig,
     parse_layers,
 )
+from megatron_ext.stem.hot_rows import parse_tier_size
+from megatron_ext.stem.mlp import StemMLP
+from megatron_ext.stem.table_optimizer import dump_tables, report_stats
+from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
+from megatron_ext.stem.tables import StemTables, chunk_stem_layers
+from megatron_ext.stem.tiers import choose_hot_mask
+from megatron_ext.stem.worker import WORKER
+from megatron_ext_kernels import stem_gate
 
 NAME = "stem"
 
@@ -92,8 +106,6 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     stem = config_from_args(args)
     stem.stem_layers(args.num_layers)  # raises for out-of-range layers
     if stem.placement == "tiered":
-        from megatron_ext.stem.hot_rows import parse_tier_size
-
         # The size against the table's rows where they are known (entry point), else its
         # form alone (dry run).
         rows = getattr(args, "padded_vocab_size", None) or tokenizer_vocab_size
@@ -110,7 +122,6 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     if args.add_bias_linear:
         raise ValueError("--model-family=stem: pass --disable-bias-linear (STEM layers "
                          "have no biases)")
-    from megatron_ext_kernels import stem_gate
 
     stem_gate.resolve(stem.kernel)  # --stem-kernel triton where it cannot run
     if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
@@ -133,8 +144,6 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import decoder_block_spec
-
     return decoder_block_spec(config, config_from_args(args), args.padded_vocab_size,
                               use_te, vp_stage=vp_stage)
 
@@ -142,22 +151,15 @@ def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
 def model_state(model, args, config, stem: StemConfig) -> None:
     """Managed tables (``--stem-table-placement cpu|tiered`` or vocab sharding): the chunk's
     ``StemTables``, a plain attribute (the rows are not parameters of the model)."""
-    from megatron_ext.models.log import print_rank_0
-
     print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
                  f"variant={stem.variant} init={stem.init} tables: "
                  f"placement={stem.placement} sharding={stem.sharding}")
     if not stem.managed_tables:
         return
-    from megatron.core import parallel_state
-
-    from megatron_ext.stem.tables import StemTables, chunk_stem_layers
 
     layers = chunk_stem_layers(model)
     hot = None
     if stem.placement == "tiered" and layers:
-        from megatron_ext.stem.tiers import choose_hot_mask
-
         hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier)
         print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
                      f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
@@ -169,9 +171,6 @@ def model_state(model, args, config, stem: StemConfig) -> None:
 def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Optional[int],
                      tokenizer_vocab_size: Optional[int]) -> None:
     """The checkpoint's STEM tables fit this model's ``[vocab, d_ff]`` (``check_table_shapes``)."""
-    from megatron_ext.stem.checkpoint import check_table_shapes
-    from megatron_ext.stem.mlp import StemMLP
-
     expected = {}
     for chunk in chunks:
         for _, module in chunk.named_modules():
@@ -185,22 +184,22 @@ def wrap_optimizer(optimizer, chunks, args, stem: StemConfig):
     """Managed tables step in the table optimizer chained onto Megatron's."""
     if not stem.managed_tables:
         return optimizer
-    from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
 
     return wrap(optimizer, chunks, args.stem_cpu_threads, args.stem_optimizer)
 
 
 def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
-    from megatron_ext.stem.table_optimizer import report_stats
-
     report_stats(args, iteration, total_loss_dict, writer, wandb_writer)
 
 
 def after_training(args, stem: StemConfig) -> None:
     if stem.managed_tables and args.stem_dump_tables:
-        from megatron_ext.stem.table_optimizer import dump_tables
-
         dump_tables(args.stem_dump_tables)
+
+
+def reset() -> None:
+    WORKER.wait()  # the host worker's queued table steps of the finished training
+    table_optimizer.reset()
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
@@ -285,6 +284,6 @@ FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state,
                 wrap_optimizer=wrap_optimizer, log_report=log_report,
-                check_checkpoint=check_checkpoint, after_training=after_training,
+                check_checkpoint=check_checkpoint, after_training=after_training, reset=reset,
                 estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
                 hf_mlp_tensors={"stem": hf_stem_tensors})

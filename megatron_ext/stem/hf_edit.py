@@ -39,9 +39,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 from torch import nn
 
-from megatron_ext.convert.output import progress as progress_bar, staged_directory
+from megatron_ext.convert.output import progress as progress_bar
+from megatron_ext.convert.output import staged_directory
 
 Token = Union[int, str]
 STEM_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.stem_table\.weight$")
@@ -379,7 +382,6 @@ def _load_tokenizer(model_dir: Path):
     path = model_dir / "tokenizer.json"
     if not path.exists():
         raise ValueError(f"{model_dir} has no tokenizer.json: give tokens as ids (id:1234)")
-    from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
 
@@ -410,8 +412,6 @@ def _load_records(model_dir: Path) -> Tuple[List[dict], Dict[str, torch.Tensor]]
                              f"{FORMAT_VERSION}")
         edits = doc["edits"]
     if (model_dir / EDITS_ROWS).exists():
-        from safetensors.torch import load_file
-
         rows = load_file(str(model_dir / EDITS_ROWS))
     return edits, rows
 
@@ -421,8 +421,6 @@ def _save_records(out: Path, edits: List[dict], rows: Dict[str, torch.Tensor]) -
         (out / EDITS_JSON).write_text(json.dumps({"format": FORMAT_VERSION, "edits": edits},
                                                  indent=2) + "\n")
     if rows:
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in sorted(rows.items())}, str(out / EDITS_ROWS))
 
 

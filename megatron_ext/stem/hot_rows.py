@@ -16,6 +16,7 @@ from typing import Iterable, Optional, Union
 
 import numpy as np
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 CHUNK_TOKENS = 1 << 24
 
@@ -23,8 +24,6 @@ CHUNK_TOKENS = 1 << 24
 def token_counts(prefixes: Iterable[str], vocab: int) -> torch.Tensor:
     """Occurrences of every id ``< vocab`` in the indexed datasets ``prefixes`` (int64
     ``[vocab]``). An id at or above ``vocab`` is refused: the data and the tables disagree."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     counts = np.zeros(vocab, dtype=np.int64)
     for prefix in prefixes:
         dtype = IndexedDataset(prefix).index.dtype

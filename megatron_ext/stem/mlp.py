@@ -24,7 +24,6 @@ import math
 from typing import Optional, Tuple
 
 import torch
-
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
@@ -36,6 +35,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.models.sharding import mlp_sharded_state_dict
+from megatron_ext.stem import checkpoint
 from megatron_ext.stem.config import StemConfig
 from megatron_ext_kernels import stem_gate
 from megatron_ext_kernels.stem_lookup import lookup_rows
@@ -266,8 +266,6 @@ class StemMLP(MegatronModule):
             # Megatron's word embeddings do (checkpoint.block_sharded_tensor, managed tables).
             sharded[f"{prefix}table"].allow_shape_mismatch = True
         if self.managed:
-            from megatron_ext.stem import checkpoint
-
             owner, index = self._owner()
             self.checkpoint_blocks = {}
             for block, rows in checkpoint.table_blocks(owner, index):
@@ -291,8 +289,6 @@ class StemMLP(MegatronModule):
         """Managed tables: the loaded row blocks go to their owners (collective over the
         data-parallel group; every rank loads its layers in the same order)."""
         if self.managed:
-            from megatron_ext.stem import checkpoint
-
             marker = f"{prefix}table.block"
             keys = [k for k in list(state_dict) if k.startswith(marker)]
             if keys:

@@ -32,6 +32,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext_kernels import row_adam_cpu
+
 logger = logging.getLogger(__name__)
 
 MODES = ("dense", "sparse")
@@ -127,8 +129,6 @@ class RowAdamW(OwedDecayView):
         # (megatron_ext_kernels/row_adam_cpu.py), else DeepSpeed's grouped by step count.
         self.rowwise = None
         if mode == "sparse" and on_host and kernel in ("auto", "rowwise"):
-            from megatron_ext_kernels import row_adam_cpu
-
             self.rowwise = row_adam_cpu.load()
             if kernel == "rowwise" and self.rowwise is None:
                 raise RuntimeError("the rowwise kernel was requested but cannot be built")
@@ -322,8 +322,6 @@ class LazyDecay:
                 not shard.is_contiguous():
             return None
         if self._kernel is None:
-            from megatron_ext_kernels import row_adam_cpu
-
             self._kernel = row_adam_cpu.load() or False
         return self._kernel or None
 

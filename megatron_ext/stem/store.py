@@ -25,6 +25,7 @@ import torch
 
 from megatron_ext.stem.row_adam import LazyDecay
 from megatron_ext.stem.tiers import TieredDecay, TieredShard, full_tensor, write_back
+from megatron_ext_kernels import row_adam_cpu
 
 
 class TableStore:
@@ -132,8 +133,6 @@ def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
     """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
     gather (``megatron_ext_kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks
     of rows."""
-    from megatron_ext_kernels import row_adam_cpu
-
     kernel = row_adam_cpu.load()
     if kernel is not None and shard.is_contiguous() and shard.dtype == torch.float32:
         kernel.gather_rows_(shard, index, out)

@@ -26,19 +26,23 @@ so ``pretrain`` builds this optimizer whenever the model has managed tables.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
+from megatron.core import parallel_state as ps
 from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.utils import get_attr_wrapped_model
 
+from megatron_ext.stem import checkpoint
 from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
 from megatron_ext.stem.tiers import TieredRowAdamW
 from megatron_ext.stem.worker import WORKER
+from megatron_ext_kernels import row_adam_cpu
 
 
 class OwedStep:
@@ -328,14 +332,10 @@ class StemTablesOptimizer(ChainedOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """Megatron's optimizer state, plus the tables' (``stem/checkpoint.py``). Collective over
         the data-parallel group."""
-        from megatron_ext.stem import checkpoint
-
         inner = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         return {"model_optim": inner, "stem_tables": checkpoint.optimizer_state(self)}
 
     def load_state_dict(self, state_dict):
-        from megatron_ext.stem import checkpoint
-
         if "model_optim" not in state_dict:
             raise RuntimeError("this optimizer state has no STEM table state (saved by a run with "
                                "ordinary STEM tables?): load it with --no-load-optim")
@@ -346,14 +346,15 @@ class StemTablesOptimizer(ChainedOptimizer):
 _ACTIVE: List[StemTablesOptimizer] = []
 
 
+def reset() -> None:
+    """Forget the table optimizers of a finished training (``training/teardown.py``)."""
+    _ACTIVE.clear()
+
+
 def dump_tables(directory: str) -> None:
     """Write this rank's table rows after training, for inspection and tests:
     ``directory/tables_tp{t}_pp{p}_dp{d}.pt`` = {"layers": [layer numbers], "ids": [owned global
     ids per chunk], "rows": [[rows per layer]]} (sparse: with all owed decay applied)."""
-    import os
-
-    from megatron.core import parallel_state as ps
-
     for optimizer in _ACTIVE:
         optimizer.drain()
         payload = {"chunks": [{
@@ -420,7 +421,6 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     tables = sum(t.host_bytes() for t in optimizer.tables)
     moments = 2 * tables
-    from megatron_ext_kernels import row_adam_cpu
 
     cores = row_adam_cpu.affinity_cores()  # the CPU optimizer's threads share them
     threads = row_adam_cpu.threads() if optimizer.kernel == "rowwise" else \
@@ -444,10 +444,6 @@ def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str):
     """Megatron's optimizer with the table optimizer chained onto it (managed tables). Every
     rank wraps (also a pipeline stage without STEM layers): the norm and the skip flag are
     reduced over all ranks."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    from megatron_ext_kernels import row_adam_cpu
-
     tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
     tables = [t for t in tables if t is not None]
     row_adam_cpu.set_threads(stem_cpu_threads)

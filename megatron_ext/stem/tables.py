@@ -44,6 +44,7 @@ import torch.distributed as dist
 from megatron_ext.stem.binding import RowBinding
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.exchange import ReplicatedExchange, Route, VocabExchange
+from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.store import TableStore
 from megatron_ext.stem.tiers import TieredOwnership
@@ -218,6 +219,4 @@ class StemTables:
 
 def chunk_stem_layers(model) -> List:
     """The STEM MLPs of one model chunk with managed tables, in layer order."""
-    from megatron_ext.stem.mlp import StemMLP
-
     return [m for m in model.modules() if isinstance(m, StemMLP) and m.managed]

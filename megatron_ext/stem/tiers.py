@@ -24,6 +24,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_ext.data_paths import dataset_prefixes
+from megatron_ext.stem import hot_rows
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import (
     AdamHyper,
@@ -242,16 +244,12 @@ _COUNTS = {}  # (prefixes, vocab) -> token counts: counted once per process
 def data_prefixes(args) -> List[str]:
     """The indexed-dataset prefixes of the training data (``--data-path`` with or without weights,
     ``--train-data-path``); empty for mock data."""
-    from megatron_ext.data_paths import dataset_prefixes
-
     return dataset_prefixes(getattr(args, "train_data_path", None)
                             or getattr(args, "data_path", None))
 
 
 def choose_hot_mask(args, vocab: int, tier_spec: str) -> tuple:
     """``(boolean [vocab] mask of the GPU tier, how it was chosen)``."""
-    from megatron_ext.stem import hot_rows
-
     rows = hot_rows.parse_tier_size(tier_spec, vocab)
     prefixes = data_prefixes(args)
     if prefixes and not getattr(args, "mock_data", False):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import List
 
 import torch
-
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -87,8 +87,6 @@ def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) ->
     """Reduce the recorded values over PP and DP, add the mean loss to the console line, write the
     loss and, per layer, the loss and each expert's routing fraction (the StructMoE paper's Fig. 4).
     Collective: every rank calls it once per iteration (the family's ``log_report``)."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
     # One report for all names: report() clears every entry of the tracker when it is done.
     get_moe_metrics_tracker().report(
         loss_scale=1.0 / get_num_microbatches(), iteration=iteration, writer=writer,

@@ -8,12 +8,20 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_model_config
+
 from megatron_ext.models.family import Family
+from megatron_ext.models.log import print_rank_0
+from megatron_ext.models.specs import block_spec as build
+from megatron_ext.models.specs import structmoe_layers_fn
 from megatron_ext.models.terms import MLPTerms
+from megatron_ext.structmoe.balance import report, set_aux_loss_scale
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
 from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
 from megatron_ext.structmoe.config import INITS as SMOE_INITS
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
+from megatron_ext.structmoe.routed import check_fused_backend
 
 NAME = "structmoe"
 
@@ -66,20 +74,15 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     if smoe.aux_loss_coeff > 0 and args.calculate_per_token_loss:
         raise ValueError("--calculate-per-token-loss with StructMoE's load-balancing loss is not "
                          "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
-    from megatron_ext.structmoe.routed import check_fused_backend
 
     check_fused_backend(smoe.backend)  # --structmoe-backend triton where it cannot run
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    from megatron_ext.models.specs import block_spec as build, structmoe_layers_fn
-
     return build(config, use_te, structmoe_layers_fn(config_from_args(args)), vp_stage=vp_stage)
 
 
 def model_state(model, args, config, smoe: StructMoEConfig) -> None:
-    from megatron_ext.models.log import print_rank_0
-
     budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
                           bool(config.gated_linear_unit))
     print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
@@ -88,18 +91,11 @@ def model_state(model, args, config, smoe: StructMoEConfig) -> None:
 def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
     """StructMoE's router metrics each iteration (upstream reports the tracker only for models
     with ``--num-experts``)."""
-    from megatron_ext.structmoe.balance import report
-
     report(args, iteration, total_loss_dict, writer, wandb_writer)
 
 
 def before_forward(model, args, smoe: StructMoEConfig) -> None:
     """Upstream sets the aux-loss gradient scale only for models with --num-experts."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.utils import get_model_config
-
-    from megatron_ext.structmoe.balance import set_aux_loss_scale
-
     set_aux_loss_scale(get_model_config(model), get_num_microbatches(), args.context_parallel_size)
 
 

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from megatron_ext_kernels.structmoe_routed import available, fused_route_codes
+
 
 @dataclass
 class Routing:
@@ -164,8 +166,6 @@ BACKENDS = {
 def triton_route_codes(x: torch.Tensor, w_router: torch.Tensor, a: torch.Tensor,
                        topk: int) -> tuple[Routing, torch.Tensor]:
     """Routing and dense-masked's ``[N, L r]`` codes from the fused Triton kernel."""
-    from megatron_ext_kernels.structmoe_routed import fused_route_codes
-
     fused, codes = fused_route_codes(x, w_router, a, topk)
     return Routing(probs=fused.probs, indices=fused.indices, weights=fused.weights,
                    _counts=fused.counts), codes
@@ -180,8 +180,6 @@ FUSED_BACKENDS = {
 def check_fused_backend(backend: str) -> None:
     """Refuse a fused backend that cannot run here, with the flag named (at build time)."""
     if backend == "triton":
-        from megatron_ext_kernels.structmoe_routed import available
-
         if not available():
             raise ValueError(
                 "--structmoe-backend=triton needs Triton and a CUDA device (on the CPU only under "

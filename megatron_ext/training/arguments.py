@@ -7,10 +7,15 @@ Every Megatron flag keeps working. The generic flags are here; each family adds 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import List, Optional
 
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.tensor_parallel import layers
+
 from megatron_ext.models.registry import families, family_of, registered_families
+from megatron_ext.tools.data_prep import verify_manifest
 
 
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -84,8 +89,6 @@ def validate_extension_args(args, tokenizer_vocab_size: Optional[int] = None) ->
     """Checks that need Megatron's parsed args; raise ValueError naming the flag."""
     manifest = data_manifest_path(args)
     if manifest is not None and tokenizer_vocab_size is not None:
-        from megatron_ext.tools.data_prep import verify_manifest
-
         verify_manifest(manifest, tokenizer_vocab_size)
     if args.model_family not in registered_families():
         raise ValueError(f"--model-family={args.model_family}: not available yet in this version "
@@ -107,17 +110,11 @@ def drop_unavailable_fusions(args) -> List[str]:
     """
     changed = []
     if getattr(args, "apply_rope_fusion", False):
-        from megatron.core.models.common.embeddings import rope_utils
-
         if (rope_utils.fused_apply_rotary_pos_emb is None
                 and rope_utils.fused_apply_rotary_pos_emb_thd is None):
             args.apply_rope_fusion = False
             changed.append("rope fusion off (no Transformer Engine): as --no-rope-fusion")
     if getattr(args, "gradient_accumulation_fusion", False):
-        from megatron.core.tensor_parallel import layers
-
-        import importlib.util
-
         # With Transformer Engine its own linear layers fuse the accumulation (and older TE
         # refuses the flag off), so only a machine with neither extra changes.
         if (not layers._grad_accum_fusion_available
@@ -126,8 +123,6 @@ def drop_unavailable_fusions(args) -> List[str]:
             changed.append("gradient-accumulation fusion off (no Transformer Engine or Apex "
                            "fused_weight_gradient_mlp_cuda): as --no-gradient-accumulation-fusion")
     if getattr(args, "masked_softmax_fusion", False):
-        import importlib.util
-
         # Megatron's FusedScaleMaskSoftmax imports this extension (built by Apex or Megatron's
         # own fused_kernels) when the fusion is on.
         if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:

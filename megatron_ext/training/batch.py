@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
-
 from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_batch_on_this_cp_rank
 

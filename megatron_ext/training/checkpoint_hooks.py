@@ -21,6 +21,9 @@ import os
 import time
 from typing import List, Optional, Sequence
 
+import torch
+from megatron.training import get_args, get_tokenizer, training
+
 from megatron_ext import checkpoint_manifest as cm
 from megatron_ext.models.registry import family_of
 
@@ -60,8 +63,6 @@ def verify_distributed(folder: str) -> Optional[dict]:
     """Every rank of the default group checks its share of ``folder``; raises
     ``CheckpointError`` on all of them when any file is damaged. Returns the manifest (None
     without one)."""
-    import torch
-
     manifest = cm.read_manifest(folder)
     if manifest is None:
         return None
@@ -80,17 +81,13 @@ def verify_distributed(folder: str) -> Optional[dict]:
 
 
 def install() -> None:
-    from megatron.training import training
-
     save_upstream = training.save_checkpoint
     if not getattr(save_upstream, "_ext_manifest", False):
 
         def save_checkpoint(iteration, *args, **kwargs):
             result = save_upstream(iteration, *args, **kwargs)
-            from megatron.training import get_args
 
             margs = get_args()
-            import torch
 
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             if rank == 0 and margs.save and not kwargs.get("non_persistent_ckpt", False):
@@ -107,8 +104,6 @@ def install() -> None:
     if not getattr(load_upstream, "_ext_manifest", False):
 
         def load_checkpoint(model, *args, **kwargs):
-            from megatron.training import get_args
-
             margs = get_args()
             load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
             folder = _load_folder(load_dir, margs.ckpt_step) if load_dir else None
@@ -124,8 +119,6 @@ def install() -> None:
                              f"{time.perf_counter() - start:.2f} s)")
             family = family_of(margs)
             if load_dir and family.check_checkpoint is not None:
-                from megatron.training import get_tokenizer
-
                 family.check_checkpoint(model, margs, family.config_from_args(margs), load_dir,
                                         margs.ckpt_step,
                                         getattr(get_tokenizer(), "vocab_size", None))

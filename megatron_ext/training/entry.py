@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import sys
+
+from megatron.core.enums import ModelType
+from megatron.training import get_tokenizer, pretrain
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args, parse_args
+
+from megatron_ext.checkpoint_manifest import CheckpointError
+from megatron_ext.compat import cpu, upstream_fixes
+from megatron_ext.models.registry import family_of, load_plugins
+from megatron_ext.models.specs import te_available
+from megatron_ext.tools.dry_run import main as dry_run_main
+from megatron_ext.training import checkpoint_hooks, family_hooks
+from megatron_ext.training.arguments import (
+    add_extension_args,
+    check_family_args,
+    drop_unavailable_fusions,
+    validate_extension_args,
+)
+from megatron_ext.training.datasets import train_valid_test_datasets_provider
+from megatron_ext.training.forward_step import forward_step
+from megatron_ext.training.model_provider import model_provider
+from megatron_ext.training.presets import expand_argv
+from megatron_ext.training.run_report import install as install_run_report
 
 
 def _default_transformer_impl(argv):
     """Megatron defaults to Transformer Engine; fall back to the local backend without it."""
     if any(a == "--transformer-impl" or a.startswith("--transformer-impl=") for a in argv):
         return argv
-    from megatron_ext.models.specs import te_available
 
     if te_available():
         return argv
@@ -23,10 +48,6 @@ def exit_with_launcher() -> None:
     scheduler's hard stop, a ``kill -9``) left them training and saving checkpoints on their own.
     ``prctl(PR_SET_PDEATHSIG)`` ties each worker to its launcher; if the launcher died before
     that took effect, exit now. Elsewhere than Linux: nothing."""
-    import ctypes
-    import os
-    import signal
-
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -41,22 +62,16 @@ def exit_with_launcher() -> None:
 
 
 def main(argv=None) -> None:
-    import os
-
     exit_with_launcher()
 
     # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
     # scripts export it. A value set by the user wins.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from megatron_ext.compat import cpu, upstream_fixes
 
     cpu.install()
     upstream_fixes.install()
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
-    from megatron_ext.training.presets import expand_argv
-
-    from megatron_ext.models.registry import load_plugins
 
     try:
         raw_argv = list(sys.argv[1:])
@@ -67,7 +82,6 @@ def main(argv=None) -> None:
     if "--dry-run" in expanded:
         # Numbers only: no process group, no model (megatron_ext/tools/dry_run.py). Megatron's
         # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
-        from megatron_ext.tools.dry_run import main as dry_run_main
 
         raise SystemExit(dry_run_main(expanded, raw_argv))
     expanded, cpu_added = cpu.default_flags(expanded)
@@ -76,23 +90,6 @@ def main(argv=None) -> None:
               "(docs/cpu_backend.md; a flag given wins)", flush=True)
     sys.argv = [sys.argv[0]] + _default_transformer_impl(expanded)
 
-    from megatron.core.enums import ModelType
-    from megatron.training import get_tokenizer, pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
-
-    from megatron_ext.models.registry import family_of
-    from megatron_ext.training.arguments import (
-        add_extension_args,
-        check_family_args,
-        validate_extension_args,
-    )
-    from megatron_ext.training.datasets import train_valid_test_datasets_provider
-    from megatron_ext.training.forward_step import forward_step
-    from megatron_ext.training.model_provider import model_provider
-
-    from megatron.training.arguments import parse_args
-
     try:
         # The family's layout checks first (Sigma: experts vs EP, top-k vs experts, the schedule
         # vs the model): a message naming our flag rather than one of Megatron's assertions.
@@ -100,7 +97,6 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     args = parse_and_validate_args(extra_args_provider=add_extension_args)
-    from megatron_ext.training.arguments import drop_unavailable_fusions
 
     for line in drop_unavailable_fusions(args):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -110,8 +106,7 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     try:
-        from megatron_ext.training.preflight import (check_data_paths, check_load_dir,
-                                                     check_save_dir)
+        from megatron_ext.training.preflight import check_data_paths, check_load_dir, check_save_dir
 
         check_data_paths(args)
         note = check_load_dir(args.load, args.save)  # before --save's directory is made
@@ -128,16 +123,11 @@ def main(argv=None) -> None:
     family_cfg = family.config_from_args(args)
     if family.install is not None:
         family.install(args, family_cfg)
-    from megatron_ext.training import family_hooks
 
     family_hooks.install(family)  # its optimizer wrapper and per-iteration report
     if args.ext_run_report:
-        from megatron_ext.training.run_report import install as install_run_report
-
         install_run_report(args.ext_run_report)
     # Last: its load check runs before the others' (they read the checkpoint it verifies).
-    from megatron_ext.checkpoint_manifest import CheckpointError
-    from megatron_ext.training import checkpoint_hooks
 
     checkpoint_hooks.install()
     cfg = pretrain_cfg_container_from_args(args)

@@ -10,15 +10,14 @@ of the running training (``--model-family``), which may chain its own onto it. T
 
 from __future__ import annotations
 
+from megatron.training import get_args, training
+
 from megatron_ext.models.registry import family_of
+from megatron_ext.training import log_hooks
 
 
 def install(family) -> None:
     """Before ``pretrain``: the running family's optimizer wrapper and per-iteration report."""
-    from megatron.training import training
-
-    from megatron_ext.training import log_hooks
-
     if family.log_report is not None:
         log_hooks.register(family.log_report)  # again after a teardown (training/teardown.py)
     upstream = training.get_megatron_optimizer
@@ -26,8 +25,6 @@ def install(family) -> None:
         return
 
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
-        from megatron.training import get_args
-
         optimizer = upstream(config, model_chunks, *args, **kwargs)
         margs = get_args()
         running = family_of(margs)

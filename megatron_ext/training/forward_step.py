@@ -7,7 +7,6 @@ from functools import partial
 from typing import Callable, Optional
 
 import torch
-
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers

@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 from typing import Callable, List
 
+from megatron.training import get_args, training
+from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
 Hook = Callable[..., None]
 _HOOKS: List[Hook] = []
 
@@ -24,17 +27,12 @@ def register(hook: Hook) -> None:
 
 
 def install() -> None:
-    from megatron.training import training
-
     upstream = training.training_log
     if getattr(upstream, "_megatron_ext_hooks", False):
         return
 
     @functools.wraps(upstream)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
-        from megatron.training import get_args
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
         args = get_args()
         write = iteration % args.tensorboard_log_interval == 0
         writer = get_tensorboard_writer() if write else None

@@ -21,6 +21,8 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
+from megatron_ext.models.registry import get_family
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET_DIR = os.path.join(ROOT, "launch", "presets")
 PRESET_FLAGS = ("--preset", "--sigma-preset")
@@ -101,8 +103,6 @@ def preset_argv(flags: Dict[str, object]) -> List[str]:
 
 def expand_argv(argv: Sequence[str]) -> List[str]:
     """The preset's flags (if any), then ``argv``, then the family's fixed flags where absent."""
-    from megatron_ext.models.registry import get_family
-
     argv = list(argv)
     given = [(flag, flag_value(argv, flag)) for flag in PRESET_FLAGS]
     given = [(flag, name) for flag, name in given if name is not None]

@@ -35,6 +35,12 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+import torch
+import torch.distributed as dist
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+from megatron_ext.training import log_hooks
+
 SCHEMA_VERSION = 1
 
 
@@ -50,8 +56,6 @@ def _cpu_name() -> str:
 
 
 def device_info() -> Dict[str, object]:
-    import torch
-
     if torch.cuda.is_available():
         return {"type": "cuda", "name": torch.cuda.get_device_name(),
                 "count_visible": torch.cuda.device_count()}
@@ -69,8 +73,6 @@ def max_rss_bytes() -> int:
 
 def local_memory() -> List[int]:
     """``[max allocated, max reserved, max RSS]`` of this rank in bytes (-1: not on a GPU)."""
-    import torch
-
     if torch.cuda.is_available():
         return [int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved()),
                 max_rss_bytes()]
@@ -79,9 +81,6 @@ def local_memory() -> List[int]:
 
 def gather_memory() -> List[List[int]]:
     """:func:`local_memory` of every rank, in rank order (a collective: every rank must call it)."""
-    import torch
-    import torch.distributed as dist
-
     mine = local_memory()
     if not (dist.is_available() and dist.is_initialized()):
         return [mine]
@@ -182,9 +181,6 @@ class RunReport:
     # -- per iteration -------------------------------------------------------------------------
 
     def hook(self, args, iteration, total_loss_dict, writer, wandb_writer) -> None:
-        import torch
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         now = time.perf_counter()
@@ -213,8 +209,6 @@ class RunReport:
     # -- at the end ----------------------------------------------------------------------------
 
     def payload(self, per_rank_memory: List[List[int]], finished_by: str) -> Dict[str, object]:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
         a = self.args
         complete = finished_by == "last_iteration"
         layout = {
@@ -263,8 +257,6 @@ class RunReport:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
@@ -276,7 +268,6 @@ _REPORT: Optional[RunReport] = None
 def install(path: str) -> RunReport:
     """Record this run and write its report to ``path`` when training ends (rank 0)."""
     global _REPORT
-    from megatron_ext.training import log_hooks
 
     if _REPORT is None:
         _REPORT = RunReport(path)
