@@ -32,6 +32,9 @@ from typing import List
 import megatron.core.tensor_parallel.mappings as mappings
 import megatron.core.tensor_parallel.random as mrandom
 import megatron.core.transformer.moe.moe_utils as moe_utils
+import megatron.core.transformer.moe.token_dispatcher as td
+import megatron.training.initialize as minit
+import megatron.training.training as mtraining
 import torch
 
 logger = logging.getLogger(__name__)
@@ -301,18 +304,7 @@ def _patch_megatron() -> None:
 
     _set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     _patch_uneven_sequence_parallel_collectives()
-    try:
-        import megatron.core.transformer.moe.token_dispatcher as td
-
-        _set(td, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
-    except ImportError:
-        pass
-
-    try:
-        import megatron.training.initialize as minit
-        import megatron.training.training as mtraining
-    except ImportError:  # megatron.training is optional for library use
-        return
+    _set(td, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     original_init = minit.initialize_megatron
 
     @functools.wraps(original_init)

@@ -59,8 +59,9 @@ from megatron.training.checkpointing import save_checkpoint
 from megatron.training.initialize import initialize_megatron
 from megatron.training.training import get_model
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
+from megatron_ext.checkpoint_manifest import iteration_dir, write_manifest
 from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.compat.standalone import free_port
 from megatron_ext.convert.layout import merge_gated_fc1, merge_qkv
@@ -623,8 +624,6 @@ def convert(hf_dir: str, save: str, stem_layers: Optional[str] = None,
                 f"({'release' if iteration is None else f'iteration {iteration}'})")
             with _quiet(verbose):
                 save_megatron(model, iteration)
-            from megatron_ext.checkpoint_manifest import iteration_dir, write_manifest
-
             manifest = write_manifest(iteration_dir(tmp, iteration), iteration)
             log(f"saved in {time.time() - t:.1f} s (checksum manifest: {len(manifest['files'])} "
                 f"files, {manifest['seconds']:.1f} s of it)")
@@ -651,8 +650,6 @@ def training_tokenizer(hf_dir: str, m: HFModel):
     if any(os.path.isfile(os.path.join(hf_dir, f))
            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         try:
-            from transformers import AutoTokenizer
-
             size = len(AutoTokenizer.from_pretrained(hf_dir))
             return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                     os.path.abspath(hf_dir)], size

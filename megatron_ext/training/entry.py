@@ -27,6 +27,7 @@ from megatron_ext.training.arguments import (
 from megatron_ext.training.datasets import train_valid_test_datasets_provider
 from megatron_ext.training.forward_step import forward_step
 from megatron_ext.training.model_provider import model_provider
+from megatron_ext.training.preflight import check_data_paths, check_load_dir, check_save_dir
 from megatron_ext.training.presets import expand_argv
 from megatron_ext.training.run_report import install as install_run_report
 
@@ -106,8 +107,6 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     try:
-        from megatron_ext.training.preflight import check_data_paths, check_load_dir, check_save_dir
-
         check_data_paths(args)
         note = check_load_dir(args.load, args.save)  # before --save's directory is made
         if note and os.environ.get("RANK", "0") == "0":

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+from megatron_ext.models.registry import family_config
+from megatron_ext.tools import estimate
 from megatron_ext.training import log_hooks
 
 SCHEMA_VERSION = 1
@@ -143,12 +145,8 @@ class FlopsPerToken:
         self.error: Optional[str] = None
         self._varies = False
         try:
-            from megatron_ext.tools import estimate
-
             self._estimate = estimate
             self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
-            from megatron_ext.models.registry import family_config
-
             # A family whose FLOPs per token change during training (Sigma's sparsification).
             self._terms = estimate.family_terms(args.model_family)
             self._args, self._cfg = args, family_config(args)
