@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import subprocess
+import tempfile
 from types import ModuleType
 from typing import Dict, Mapping, Sequence
 
@@ -43,10 +46,6 @@ def offline_build(fn, pointers: Mapping[str, str], ints: Sequence[str],
     ships. ``pointers``: argument -> element type (``"bf16"``, ``"i64"``, ...); ``ints``: i32
     arguments; pointers and the ``aligned`` ints get the 16-divisibility a launch specialises
     them with. Needs a process whose Triton was imported without ``TRITON_INTERPRET=1``."""
-    import re
-    import subprocess
-    import tempfile
-
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget

@@ -182,3 +182,61 @@ def test_megatron_training_is_patched_from_training_and_compat_only():
             patched[module] = found
     assert patched, "the check finds the trainer's own patches"
     assert all(m.split(".")[1] in ("training", "compat") for m in patched), patched
+
+
+# Imports a function may make: dependencies the plugin imports and works without (the GPU-only
+# extras, the CPU Adam of DeepSpeed, lm-eval), compiled modules a build may lack, and torch's
+# JIT compiler (the row-wise AdamW kernel's build: it needs a C++ toolchain, and importing it
+# warns about CUDA_HOME on a machine without CUDA).
+OPTIONAL_IMPORTS = ("transformer_engine", "triton", "apex", "megablocks", "deepspeed", "lm_eval",
+                    "megatron.core.datasets.helpers_cpp", "pydoc_data",
+                    "torch.utils.cpp_extension")
+
+
+def function_local_imports(path: str) -> List[str]:
+    """``module (line)`` for every import inside a function of ``path``."""
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                if isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                else:
+                    base = "." * child.level + (child.module or "")
+                    names = [f"{base}.{a.name}" if child.module else base + a.name
+                             for a in child.names]
+                found.extend(f"{n} (line {child.lineno})" for n in names)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef,
+                                                             ast.AsyncFunctionDef)))
+
+    visit(ast.parse(open(path).read(), path), False)
+    return found
+
+
+def _optional(entry: str) -> bool:
+    name = entry.split(" ")[0]
+    return any(name == o or name.startswith(o + ".") for o in OPTIONAL_IMPORTS)
+
+
+def test_function_local_imports_only_for_optional_dependencies():
+    """No import hides in a function (a cycle, an upward call) unless the plugin must work
+    without what it imports (issue 20: 95 function-local imports of the package's own modules
+    before the family contract)."""
+    paths = dict(modules())
+    kernels = os.path.join(ROOT, "megatron_ext_kernels")
+    paths.update({f"megatron_ext_kernels.{n[:-3]}": os.path.join(kernels, n)
+                  for n in os.listdir(kernels) if n.endswith(".py")})
+    local = {m: [e for e in function_local_imports(p) if not _optional(e)]
+             for m, p in sorted(paths.items())}
+    local = {m: found for m, found in local.items() if found}
+    assert local == {}, "\n".join(f"{m}: {', '.join(f)}" for m, f in local.items())
+
+
+def test_the_local_import_check_can_fail(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f():\n    import json\n    from . import x\n"
+                    "    import triton\n    return json\n")
+    found = function_local_imports(str(path))
+    assert found == ["json (line 4)", ".x (line 5)", "triton (line 6)"]
+    assert [e for e in found if not _optional(e)] == ["json (line 4)", ".x (line 5)"]
