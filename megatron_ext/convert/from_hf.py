@@ -52,11 +52,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.utils import unwrap_model
-from megatron.training import get_args, global_vars
+
+# Modules, not their functions: the CPU layer and the checkpoint hooks replace these functions
+# after this module is imported (compat/cpu.py, training/checkpoint_hooks.py).
+from megatron.training import checkpointing, get_args, global_vars, initialize
 from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.arguments import parse_and_validate_args
-from megatron.training.checkpointing import save_checkpoint
-from megatron.training.initialize import initialize_megatron
 from megatron.training.training import get_model
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
@@ -481,7 +482,7 @@ def build_megatron_model(flags: Sequence[str]):
         validate_extension_args(args)
     except ValueError as exc:
         raise ConversionError(str(exc)) from None
-    initialize_megatron()
+    initialize.initialize_megatron()
     config = core_transformer_config_from_args(args)
     # Every tensor is overwritten from the Hugging Face weights (checked in fill_model): skip
     # drawing random values, which for large vocabularies and STEM tables takes minutes.
@@ -574,7 +575,7 @@ def fill_model(model, sources: Dict[str, Callable[[torch.Tensor], None]], progre
 
 def save_megatron(model, iteration: Optional[int]) -> None:
     """megatron.training's own ``save_checkpoint`` (torch_dist, no optimizer, no RNG)."""
-    save_checkpoint(iteration or 0, model, None, None, 0, release=iteration is None)
+    checkpointing.save_checkpoint(iteration or 0, model, None, None, 0, release=iteration is None)
 
 
 # ---------------------------------------------------------------------------------------------

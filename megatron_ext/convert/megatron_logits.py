@@ -25,10 +25,11 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.utils import get_attr_wrapped_model
-from megatron.training import get_args
+
+# Modules, not their functions: the CPU layer and the checkpoint hooks replace these functions
+# after this module is imported (compat/cpu.py, training/checkpoint_hooks.py).
+from megatron.training import checkpointing, get_args, initialize
 from megatron.training.arguments import parse_and_validate_args
-from megatron.training.checkpointing import load_checkpoint
-from megatron.training.initialize import initialize_megatron
 from megatron.training.training import get_model
 
 from megatron_ext.compat import cpu, upstream_fixes
@@ -67,12 +68,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # megatron.training 0.19 parses the arguments before initialising (as ``pretrain`` callers do).
 
     drop_unavailable_fusions(parse_and_validate_args(extra_args_provider=add_extension_args))
-    initialize_megatron()
+    initialize.initialize_megatron()
     args = get_args()
     if args.load is None:
         raise SystemExit("megatron_logits: --load CKPT_DIR required")
     model = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
-    iteration, _ = load_checkpoint(model, None, None)
+    iteration, _ = checkpointing.load_checkpoint(model, None, None)
     for m in model:
         m.eval()
     family = family_of(args)
