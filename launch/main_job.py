@@ -9,7 +9,7 @@
    with its own log file and tensorboard directory;
 3. reads Megatron's tensorboard scalars (``lm loss``, ``iteration-time``, ``lm loss validation``)
    and prints a summary table (losses, tokens/s and step time beside dense's) with the analytic
-   counts of ``megatron_ext.tools.flops``; writes
+   counts of ``megatron_ext.tools.model_shape``; writes
    ``summary.json`` and ``loss_curves.png`` into ``--out``.
 
 The preset (model shape and schedule) keeps the whole job under ten minutes on a 2-core CPU.
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     for noisy in ("tensorboard", "matplotlib", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from megatron_ext.stem.config import select_stem_layers
-    from megatron_ext.tools import data_prep, flops
+    from megatron_ext.tools import data_prep, model_shape
     from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     # 1. data
@@ -333,15 +333,14 @@ def main(argv=None) -> int:
                                             data_prep.MANIFEST)]
 
     # 2. analytic shapes (Megatron pads the vocabulary to a multiple of 128)
-    vocab = flops.padded_vocab_size(manifest["tokenizer_vocab_size"])
+    vocab = model_shape.padded_vocab_size(manifest["tokenizer_vocab_size"])
     tokens_per_iter = TRAIN["global_batch_size"] * MODEL["seq_length"]
-    base_shape = flops.ModelShape(
-        num_layers=MODEL["num_layers"], hidden_size=MODEL["hidden_size"],
-        ffn_hidden_size=MODEL["ffn_hidden_size"],
-        num_attention_heads=MODEL["num_attention_heads"], vocab_size=vocab,
+    base_shape = model_shape.ModelShape(
+        family="gpt", num_layers=MODEL["num_layers"], hidden=MODEL["hidden_size"],
+        ffn=MODEL["ffn_hidden_size"], heads=MODEL["num_attention_heads"], vocab=vocab,
         seq_length=MODEL["seq_length"])
     shapes = {"dense": base_shape,
-              "stem-1/3": dataclasses.replace(base_shape, stem_layers=tuple(
+              "stem-1/3": dataclasses.replace(base_shape, family="stem", stem_layers=tuple(
                   select_stem_layers(MODEL["num_layers"], "1/3")))}
 
     # 3. the two runs, one after the other
@@ -361,7 +360,7 @@ def main(argv=None) -> int:
             f"log: {log_path}")
         wall = run_training(name, cmd, log_path, args.iters)
         metrics = run_metrics(name, read_tensorboard_scalars(tb_dir), args.iters, tokens_per_iter)
-        analytic = flops.summary(shapes[name])
+        analytic = model_shape.summary(shapes[name])
         megatron_params = parameters_from_log(log_path)
         # Managed STEM tables are not Megatron parameters (stem/tables.py): its count omits them.
         expected = analytic["total_params"] - (analytic["stem_table_params"]
@@ -379,11 +378,11 @@ def main(argv=None) -> int:
     # 4. ratios against the dense baseline
     base = results["dense"]
     for name, r in results.items():
-        r["flop_ratio"] = flops.flop_ratio(shapes[name], shapes["dense"])
+        r["flop_ratio"] = model_shape.flop_ratio(shapes[name], shapes["dense"])
         r["step_time_ratio"] = r["seconds_per_iter"] / base["seconds_per_iter"]
-        r["proxy_roi"] = flops.proxy_relative_roi(r["valid_loss_final"], r["total_train_flops"],
-                                                  base["valid_loss_final"],
-                                                  base["total_train_flops"])
+        r["proxy_roi"] = model_shape.proxy_relative_roi(
+            r["valid_loss_final"], r["total_train_flops"], base["valid_loss_final"],
+            base["total_train_flops"])
 
     print()
     table = print_table(results)
@@ -398,7 +397,7 @@ def main(argv=None) -> int:
         "data": {k: manifest[k] for k in ("data_prefix", "tokenizer_dir", "tokenizer_vocab_size",
                                           "eod_id", "num_documents", "num_tokens",
                                           "corpus_bytes")},
-        "flop_counting": "analytic, megatron_ext.tools.flops: 6 x matmul weights per token + "
+        "flop_counting": "analytic, megatron_ext.tools.model_shape: 6 x matmul weights per token + "
                          "12 x seq x heads x head_dim per layer (full score matrix); lookups "
                          "and element-wise ops not counted",
         "proxy_roi_definition": "(exp(-valid loss) / total training FLOPs) / same for dense; a "

@@ -27,12 +27,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# The package is imported from the repository: after the path is set.
+from megatron_ext.tools.layout import Layout, parse_layouts, validate_layout
+from megatron_ext.tools.layout import parse_layout  # noqa: F401  (tests read it from here)
+from megatron_ext.tools.model_shape import ModelShape
+from megatron_ext.training.presets import expand_argv, flag_value, preset_tokenizer
+
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
 
 # Flags the harness sets from the layout and the sweep; giving them after `--` would make the
@@ -69,151 +78,36 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# layouts
+# the model
+#
+# The layouts themselves (names like tp2ep1pp1dp4, Megatron's rules) are megatron_ext/tools/
+# layout.py's; the model's shape megatron_ext/tools/model_shape.py's.
 
 
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    etp: Optional[int] = None  # expert tensor parallel; None: Megatron's default, = tp
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    def flags(self) -> List[str]:
-        out = ["--tensor-model-parallel-size", str(self.tp),
-               "--pipeline-model-parallel-size", str(self.pp),
-               "--expert-model-parallel-size", str(self.ep),
-               "--context-parallel-size", str(self.cp)]
-        if self.etp is not None:
-            out += ["--expert-tensor-parallel-size", str(self.etp)]
-        return out
+def preset_vocab(preset: str, vocab_size: Optional[int]) -> int:
+    """The tokenizer's vocabulary: ``vocab_size`` (``--vocab-size``), else the preset's
+    ``tokenizer`` entry."""
+    if vocab_size is None:
+        vocab_size = preset_tokenizer(["--preset", preset]).get("vocab_size")
+        if vocab_size is None:
+            raise ValueError(f"--preset={preset} names no tokenizer vocabulary: give "
+                             "--vocab-size V")
+    return int(vocab_size)
 
 
-_TOKEN = re.compile(r"(etp|tp|ep|pp|dp|cp)(\d+)")
+def model_shape(preset: str, extra: Sequence[str],
+                vocab_size: Optional[int] = None) -> ModelShape:
+    """The model the preset and the flags after ``--`` describe (for the layout rules, which do
+    not read the vocabulary: 1 where neither ``--vocab-size`` nor the preset gives it, as with
+    ``--data-path`` and a tokenizer of the user's)."""
+    known = vocab_size or preset_tokenizer(["--preset", preset]).get("vocab_size")
+    return ModelShape.from_flags(expand_argv(["--preset", preset, *extra]), int(known or 1))
 
 
-def parse_layout(text: str) -> Layout:
-    """``tp2ep1pp1dp4`` (also ``cp<n>``, ``etp<n>``; any order; a missing size is 1)."""
-    name = text.strip()
-    pos, sizes = 0, {}
-    for m in _TOKEN.finditer(name):
-        if m.start() != pos:
-            break
-        key, value = m.group(1), int(m.group(2))
-        if key in sizes:
-            raise ValueError(f"layout {name!r}: {key} is given twice")
-        if value < 1:
-            raise ValueError(f"layout {name!r}: {key}{value} must be >= 1")
-        sizes[key] = value
-        pos = m.end()
-    if not name or pos != len(name):
-        raise ValueError(f"layout {name!r}: expected sizes like 'tp2ep1pp1dp4' (keys tp, ep, pp, "
-                         "dp, cp, etp, each followed by a number)")
-    return Layout(name=name, **sizes)
-
-
-def parse_layouts(text: str) -> List[Layout]:
-    layouts = [parse_layout(t) for t in text.split(",") if t.strip()]
-    if not layouts:
-        raise ValueError("--layouts: give at least one layout, e.g. 'tp1ep1pp1dp2,tp2ep1pp1dp1'")
-    names = [lay.name for lay in layouts]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"--layouts: {', '.join(dup)} given more than once")
-    return layouts
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the layout rules need from the preset and the extra flags."""
-    family: str = "gpt"
-    num_layers: int = 1
-    heads: int = 1
-    query_groups: Optional[int] = None
-    ffn: Optional[int] = None
-    num_experts: Optional[int] = None
-    global_batch: Optional[int] = None
-    seq_length: Optional[int] = None
-    sequence_parallel: bool = False
-
-
-def model_shape(preset: str, extra: Sequence[str]) -> ModelShape:
-    from megatron_ext.training.presets import expand_argv, flag_value, has_flag
-
-    argv = expand_argv(["--preset", preset, *extra])
-
-    def num(flag: str) -> Optional[int]:
-        value = flag_value(argv, flag)
-        return int(value) if value is not None else None
-
-    return ModelShape(
-        family=flag_value(argv, "--model-family") or "gpt",
-        num_layers=num("--num-layers") or 1, heads=num("--num-attention-heads") or 1,
-        query_groups=num("--num-query-groups") if has_flag(argv, "--group-query-attention")
-        else None,
-        ffn=num("--ffn-hidden-size"), num_experts=num("--num-experts"),
-        global_batch=num("--global-batch-size"), seq_length=num("--seq-length"),
-        sequence_parallel=has_flag(argv, "--sequence-parallel"))
-
-
-def validate_layout(layout: Layout, gpus: int, shape: ModelShape, micro_batch: int,
-                    cpu: bool = False) -> None:
-    """Megatron's rules for a layout, as a ValueError naming the size to change."""
-    n = layout.name
-    if layout.world_size != gpus:
-        raise ValueError(
-            f"{n}: TP x PP x CP x DP = {layout.tp} x {layout.pp} x {layout.cp} x {layout.dp} = "
-            f"{layout.world_size} ranks, but --gpus is {gpus} (Megatron: world size = "
-            "TP x PP x CP x DP; EP lives inside the data-parallel ranks and is not a factor)")
-    # Megatron-Core's expert grid: world = expert-TP x EP x PP x expert-DP, so EP x expert-TP
-    # must divide the TP x CP x DP ranks of one pipeline stage (expert-TP defaults to TP).
-    stage = gpus // layout.pp
-    etp = layout.expert_tp
-    if stage % (layout.ep * etp):
-        hint = (f"; expert-TP defaults to TP: add etp1 to the layout or lower ep"
-                if layout.etp is None and layout.tp > 1 else "")
-        raise ValueError(f"{n}: EP x expert-TP = {layout.ep} x {etp} does not divide the {stage} "
-                         f"ranks of a pipeline stage (TP x CP x DP = {layout.tp} x {layout.cp} x "
-                         f"{layout.dp}){hint}")
-    if layout.ep > 1 and not shape.num_experts:
-        raise ValueError(f"{n}: ep{layout.ep} needs a model with Megatron experts "
-                         f"(--num-experts; the {shape.family} preset has none): use ep1")
-    if shape.num_experts and shape.num_experts % layout.ep:
-        raise ValueError(f"{n}: --num-experts={shape.num_experts} is not divisible by "
-                         f"ep{layout.ep}")
-    if shape.num_experts and layout.tp > 1 and not shape.sequence_parallel:
-        # Megatron's MoE layer raises this in its first training forward, after start-up.
-        raise ValueError(f"{n}: Megatron's MoE layer trains with TP only under sequence "
-                         "parallelism: add `-- --sequence-parallel` (Megatron turns it off by "
-                         "itself where TP is 1)")
-    if shape.num_layers % layout.pp:
-        raise ValueError(f"{n}: --num-layers={shape.num_layers} is not divisible by pp{layout.pp}")
-    widths = [("--num-attention-heads", shape.heads), ("--num-query-groups", shape.query_groups),
-              ("--ffn-hidden-size", shape.ffn)]
-    for flag, value in widths:
-        if value and value % layout.tp:
-            raise ValueError(f"{n}: {flag}={value} is not divisible by tp{layout.tp}")
-    if layout.cp > 1:
-        if cpu:
-            raise ValueError(f"{n}: context parallelism needs a GPU (Megatron's local attention "
-                             "on the CPU has no CP): use cp1")
-        if shape.seq_length and shape.seq_length % (2 * layout.cp):
-            raise ValueError(f"{n}: --seq-length={shape.seq_length} is not divisible by "
-                             f"2 x cp{layout.cp} (causal load balancing splits it in 2 x CP)")
-    if shape.global_batch and shape.global_batch % (micro_batch * layout.dp):
-        raise ValueError(f"{n}: --global-batch-size={shape.global_batch} is not divisible by "
-                         f"micro batch {micro_batch} x dp{layout.dp}")
+def global_batch_size(preset: str, extra: Sequence[str]) -> Optional[int]:
+    """``--global-batch-size`` of the preset and the flags after ``--`` (None: not given)."""
+    value = flag_value(expand_argv(["--preset", preset, *extra]), "--global-batch-size")
+    return int(value) if value is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,14 +185,7 @@ def torchrun_command(layout: Layout, opts, extra: Sequence[str], report: str,
 
 def null_tokenizer_vocab(preset: str, vocab_size: Optional[int]) -> int:
     """``--vocab-size`` for NullTokenizer giving the preset's vocabulary (it adds an EOD id)."""
-    if vocab_size is None:
-        from megatron_ext.training.presets import preset_tokenizer
-
-        vocab_size = preset_tokenizer(["--preset", preset]).get("vocab_size")
-        if vocab_size is None:
-            raise ValueError(f"--preset={preset} names no tokenizer vocabulary: give "
-                             "--vocab-size V")
-    return int(vocab_size) - 1
+    return preset_vocab(preset, vocab_size) - 1
 
 
 _EXC = re.compile(r"^(?:\[(?:default)?rank\d+\]:\s*)?"
@@ -519,7 +406,8 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--tokenizer-model", default=None, help="with --data-path")
     p.add_argument("--tokenizer-type", default="HuggingFaceTokenizer", help="with --data-path")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="mock data: the vocabulary (default: the preset's tokenizer entry)")
+                   help="the tokenizer's vocabulary (default: the preset's tokenizer entry); "
+                        "with mock data the NullTokenizer's")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per layout")
     p.add_argument("--threads-per-rank", type=int, default=None,
                    help="CPU: OMP threads per rank (default: cores / ranks, at least 1)")
@@ -550,8 +438,6 @@ def parse_args(argv: Sequence[str]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts, extra = parse_args(sys.argv[1:] if argv is None else argv)
-    import torch
-
     cuda = torch.cuda.is_available()
     if cuda and opts.gpus > torch.cuda.device_count():
         log(f"--gpus={opts.gpus} but this node has {torch.cuda.device_count()} GPUs")
@@ -560,9 +446,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         int(os.environ.get("OMP_NUM_THREADS", "0"))
         or max(1, (os.cpu_count() or 1) // opts.gpus))
     try:
-        shape = model_shape(opts.preset, extra)
-        if not opts.data_path:
-            null_tokenizer_vocab(opts.preset, opts.vocab_size)
+        shape = model_shape(opts.preset, extra, opts.vocab_size)
+        global_batch = global_batch_size(opts.preset, extra)
     except ValueError as exc:
         log(str(exc))
         return 2
@@ -574,7 +459,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       cp=lay.cp, etp=lay.expert_tp, dp=lay.dp, gpus=opts.gpus,
                                       preset=opts.preset, model_family=shape.family)
         try:
-            validate_layout(lay, opts.gpus, shape, opts.micro_batch_size, cpu=not cuda)
+            lay = replace(lay, micro_batch=opts.micro_batch_size, global_batch=global_batch,
+                          check=False)
+            validate_layout(lay, shape, gpus=opts.gpus, cpu=not cuda)
         except ValueError as exc:
             row.update(status="refused", error=str(exc))
             log(f"refused {exc}")

@@ -1,5 +1,6 @@
-"""The dry-run estimate (tools/estimate.py) against the papers' counts, against hand-written
-formulas, and against models Megatron really builds under TP=2 x PP=2 (and EP=2 for Sigma)."""
+"""The dry-run estimate (tools/estimate.py, tools/model_shape.py, tools/layout.py) against the
+papers' counts, against hand-written formulas, and against models Megatron really builds under
+TP=2 x PP=2 (and EP=2 for Sigma)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,15 @@ import sys
 
 import pytest
 
-from megatron_ext.tools.estimate import (
-    Layout,
-    ModelSpec,
-    estimate,
-    layer_activation_bytes,
-    rank_estimate,
-)
+from megatron_ext.tools.estimate import estimate, layer_activation_bytes, rank_estimate
+from megatron_ext.tools.layout import Layout
+from megatron_ext.tools.model_shape import ModelShape
 from megatron_ext.training.presets import load_preset_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def spec_from_preset(name: str, **over) -> ModelSpec:
+def spec_from_preset(name: str, **over) -> ModelShape:
     """The spec written out by hand from a preset's JSON (independent of Megatron's parser)."""
     data = load_preset_file(name)
     f, vocab = data["flags"], data["tokenizer"]["vocab_size"]
@@ -52,7 +49,7 @@ def spec_from_preset(name: str, **over) -> ModelSpec:
         kw.update(experts=f["num-experts"], expert_ffn=f["moe-ffn-hidden-size"],
                   topks=tuple(sched) + (1,) * (layers - len(sched)), target_topks=(1,) * layers)
     kw.update(over)
-    return ModelSpec(**kw)
+    return ModelShape(**kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,11 +104,11 @@ def test_sigma_tiny_against_its_budget_and_the_report():
 # hand-written formulas
 
 
-def tiny(**over) -> ModelSpec:
+def tiny(**over) -> ModelShape:
     kw = dict(family="gpt", num_layers=4, hidden=64, ffn=192, heads=4, query_groups=2,
               head_dim=16, vocab=512, seq_length=32)
     kw.update(over)
-    return ModelSpec(**kw)
+    return ModelShape(**kw)
 
 
 def test_dense_counts_by_hand():

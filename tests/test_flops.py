@@ -1,4 +1,5 @@
-"""Analytic parameter/FLOP counts against built Megatron models, the paper and Megatron's FLOPs."""
+"""Analytic parameter/FLOP counts (tools/model_shape.py) against built Megatron models, the paper
+and Megatron's FLOPs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 from megatron_ext.stem.config import select_stem_layers
-from megatron_ext.tools.flops import (
+from megatron_ext.stem.mlp import StemMLP
+from megatron_ext.tools.model_shape import (
     ModelShape,
-    count_model_parameters,
     dense_baseline,
     flop_ratio,
     layer_training_flops,
@@ -48,11 +49,29 @@ def build_model(ratio=None, variant="up", untie=True, groups=None):
                share_embeddings_and_output_weights=not untie)
 
 
+def count_model_parameters(model):
+    """Parameters of a built model (or a list of model chunks), each tensor counted once;
+    ``stem_tables`` are the ``table`` parameters of the STEM MLPs, ``dense`` the rest."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    seen, total, tables = set(), 0, 0
+    for chunk in chunks:
+        table_ids = {id(m.table) for m in chunk.modules() if isinstance(m, StemMLP)}
+        for param in chunk.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            total += param.numel()
+            if id(param) in table_ids:
+                tables += param.numel()
+    return {"total": total, "stem_tables": tables, "dense": total - tables}
+
+
 def shape(ratio=None, variant="up", untie=True, groups=None):
-    return ModelShape(num_layers=L, hidden_size=H, ffn_hidden_size=FF, num_attention_heads=HEADS,
-                      vocab_size=V, seq_length=S, num_query_groups=groups,
+    """A STEM model's shape (without STEM layers: its dense baseline)."""
+    return ModelShape(family="stem", num_layers=L, hidden=H, ffn=FF, heads=HEADS, vocab=V,
+                      seq_length=S, query_groups=groups,
                       stem_layers=select_stem_layers(L, ratio) if ratio else (),
-                      stem_variant=variant, untie_embeddings=untie)
+                      stem_variant=variant, untied=untie)
 
 
 @pytest.mark.parametrize("ratio,variant,untie,groups", [
@@ -108,8 +127,8 @@ def test_saving_fraction_matches_paper_sec_3_1():
     # Qwen2.5-1.5B layer shape (d=1536, d_ff=8960) at L=4096 with multi-head attention, the
     # paper's 21.7%: d_ff / (4d + 2L + 3 d_ff).
     d, f, seq = 1536, 8960, 4096
-    s = ModelShape(num_layers=2, hidden_size=d, ffn_hidden_size=f, num_attention_heads=12,
-                   vocab_size=151936, seq_length=seq, stem_layers=(1,))
+    s = ModelShape(family="stem", num_layers=2, hidden=d, ffn=f, heads=12, vocab=151936,
+                   seq_length=seq, stem_layers=(1,))
     fraction = 1 - layer_training_flops(s, 1) / layer_training_flops(s, 0)
     assert fraction == pytest.approx(f / (4 * d + 2 * seq + 3 * f))
     assert round(100 * fraction, 1) == 21.7
@@ -150,8 +169,8 @@ def test_padded_vocab_and_validation():
     assert padded_vocab_size(1000, 128, 2) == 1024
     assert padded_vocab_size(1100, 128, 4) == 1536
     with pytest.raises(ValueError, match="stem_layers"):
-        ModelShape(num_layers=4, hidden_size=8, ffn_hidden_size=8, num_attention_heads=2,
-                   vocab_size=16, seq_length=4, stem_layers=(4,))
+        ModelShape(family="stem", num_layers=4, hidden=8, ffn=8, heads=2, vocab=16,
+                   seq_length=4, stem_layers=(4,))
     with pytest.raises(ValueError, match="stem_variant"):
-        ModelShape(num_layers=4, hidden_size=8, ffn_hidden_size=8, num_attention_heads=2,
-                   vocab_size=16, seq_length=4, stem_variant="down")
+        ModelShape(family="stem", num_layers=4, hidden=8, ffn=8, heads=2, vocab=16,
+                   seq_length=4, stem_variant="down")

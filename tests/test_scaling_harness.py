@@ -1,8 +1,8 @@
 """The scaling harness (``launch/scaling.py``) and the run report (``training/run_report.py``).
 
-Unit tests (no torchrun): layout parsing and Megatron's layout rules, the peak table, the
-throughput/FLOP/s/MFU arithmetic from a report, the CSV, the error line of a failed log, the
-report's memory summary and atomic write.
+Unit tests (no torchrun): layout parsing and Megatron's layout rules (``tools/layout.py``, read
+through the harness), the peak table, the throughput/FLOP/s/MFU arithmetic from a report, the
+CSV, the error line of a failed log, the report's memory summary and atomic write.
 
 One sweep on 2 CPU ranks (gloo, ``stem_cpu``, 1 + 3 iterations): DP=2 and TP=2 are trained (the
 only two torchrun launches), EP=2 is refused before launching (the preset has no experts). The CSV's
@@ -18,8 +18,11 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+
+from megatron_ext.tools.model_shape import ModelShape, training_flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "scaling.py")
@@ -70,15 +73,17 @@ def test_parse_layouts_refuses_duplicates_and_empty():
         sh.parse_layouts(" , ")
 
 
-DENSE = sh.ModelShape(family="stem", num_layers=4, heads=4, ffn=192, global_batch=8,
+DENSE = sh.ModelShape(family="stem", num_layers=4, hidden=64, heads=4, ffn=192, vocab=512,
                       seq_length=64)
-SIGMA = sh.ModelShape(family="sigma", num_layers=4, heads=4, query_groups=2, ffn=128,
-                      num_experts=8, global_batch=8, seq_length=64)
+SIGMA = sh.ModelShape(family="sigma", num_layers=4, hidden=64, heads=4, query_groups=2, ffn=128,
+                      experts=8, vocab=512, seq_length=64)
 SIGMA_SP = sh.ModelShape(**{**SIGMA.__dict__, "sequence_parallel": True})
 
 
 def _check(text, gpus=2, shape=DENSE, mbs=2, cpu=True):
-    sh.validate_layout(sh.parse_layout(text), gpus, shape, mbs, cpu=cpu)
+    """The layout named ``text`` for micro batch ``mbs`` and the global batch 8."""
+    layout = replace(sh.parse_layout(text), micro_batch=mbs, global_batch=8, check=False)
+    sh.validate_layout(layout, shape, gpus=gpus, cpu=cpu)
 
 
 @pytest.mark.parametrize("text, gpus, shape, words", [
@@ -390,13 +395,11 @@ def test_sweep_matches_run_reports(sweep):
 @pytest.mark.multirank
 def test_sweep_flops_from_the_estimate(sweep):
     """The report's FLOPs per token are the dry-run estimate's for the same model."""
-    from megatron_ext.tools import estimate
-
     _, _, _, _, reports = sweep
-    spec = estimate.ModelSpec(family="stem", num_layers=4, hidden=64, ffn=192, heads=4,
-                              query_groups=4, head_dim=16, vocab=512, seq_length=64,
-                              gated=True, untied=True, rope=True, stem_layers=(1, 3))
-    expected = estimate.training_flops_per_token(spec)["total"]
+    spec = ModelShape(family="stem", num_layers=4, hidden=64, ffn=192, heads=4, query_groups=4,
+                      head_dim=16, vocab=512, seq_length=64, gated=True, untied=True, rope=True,
+                      stem_layers=(1, 3))
+    expected = training_flops_per_token(spec).total
     for name in OK_LAYOUTS:
         assert reports[name]["train_flops_per_token"] == pytest.approx(expected)
 

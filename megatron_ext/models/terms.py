@@ -1,10 +1,11 @@
-"""A family's terms in the parameter, FLOPs and memory estimate (``tools/estimate.py``).
+"""A family's terms in the parameter and FLOPs counts (``tools/model_shape.py``), the layout rules
+(``tools/layout.py``) and the memory estimate (``tools/estimate.py``).
 
 ``MLPTerms`` is the dense SwiGLU (or plain) MLP of the baseline; a family whose MLP differs
 subclasses it in its folder and hands an instance to its ``Family`` (``estimate_terms``). The
-estimate calls these methods for each layer and never asks which family it is. ``spec`` is the
-estimate's ``ModelSpec``, ``layout`` its ``Layout``, ``parts`` a ``Parts`` (parameter counts by
-part) being filled.
+tools call these methods for each layer and never ask which family it is. ``spec`` is a
+``ModelShape``, ``layout`` a ``Layout``, ``parts`` a ``Parts`` (parameter counts by part) being
+filled.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ class MLPTerms:
         """Refuse a spec this family cannot have (ValueError)."""
 
     def spec_fields(self, args, cfg) -> Dict[str, object]:
-        """The family's ``ModelSpec`` fields from Megatron's parsed args and the family's
+        """The family's ``ModelShape`` fields from Megatron's parsed args and the family's
         config."""
         return {}
 

@@ -32,6 +32,17 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
+import numpy
+import torch
+from megatron.core.datasets.indexed_dataset import (
+    DType,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
@@ -160,8 +171,6 @@ def collect_documents(max_bytes: int, seed: int, root: Optional[str] = None) -> 
 
 def train_tokenizer(docs: List[Document], vocab_size: int, progress: bool = True):
     """A byte-level BPE (GPT-2 style pre-tokenizer, lossless decoding) with ``<|endoftext|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -217,16 +226,6 @@ def _batches(docs: List[Document], size: int) -> Iterator[List[Document]]:
 def write_indexed_dataset(tokenizer, docs: List[Document], prefix: str, vocab_size: int,
                           eod_id: int, progress: bool = True) -> int:
     """Each document's ids + EOD as one item and one document; returns the number of tokens."""
-    import numpy
-    import torch
-    from megatron.core.datasets.indexed_dataset import (
-        DType,
-        IndexedDatasetBuilder,
-        get_bin_path,
-        get_idx_path,
-    )
-    from tqdm import tqdm
-
     dtype = DType.optimal_dtype(vocab_size)
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
     num_tokens = 0

@@ -2,7 +2,8 @@
 
 Megatron's own parser and ``validate_args`` read the flags (so a layout Megatron refuses is
 refused here too, with its message), for ``--dry-run-world-size`` ranks; the numbers come from
-``tools/estimate.py``. Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
+``tools/estimate.py`` (parameters and FLOPs: ``tools/model_shape.py``, the layout rules:
+``tools/layout.py``). Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
 or ``--vocab-size``, through Megatron's ``NullTokenizer`` so the padding is Megatron's.
 """
 
@@ -16,6 +17,10 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from megatron.training.arguments import parse_and_validate_args
+
+from megatron_ext.tools.estimate import estimate_from_args
+from megatron_ext.training.arguments import add_extension_args, validate_extension_args
 from megatron_ext.training.presets import flag_value, has_flag, preset_tokenizer
 
 
@@ -57,10 +62,6 @@ def parse_for_dry_run(argv: Sequence[str], raw_argv: Sequence[str], world_size: 
     """Megatron's parsed and validated arguments for ``world_size`` ranks (rank 0)."""
     os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from megatron.training.arguments import parse_and_validate_args
-
-    from megatron_ext.training.arguments import add_extension_args, validate_extension_args
-
     sys.argv = [sys.argv[0]] + dry_run_argv(argv, raw_argv)
     quiet = logging.getLogger("megatron")
     level = quiet.level
@@ -143,8 +144,6 @@ def report(est, preset: Optional[str]) -> str:
 
 
 def main(argv: Sequence[str], raw_argv: Sequence[str]) -> int:
-    from megatron_ext.tools.estimate import estimate_from_args
-
     size = flag_value(argv, "--dry-run-world-size") or os.environ.get("WORLD_SIZE") or "1"
     try:
         world_size = int(size)

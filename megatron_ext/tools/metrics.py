@@ -6,6 +6,8 @@ import glob
 import os
 from typing import Dict, List, Tuple
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 
 def read_tensorboard_scalars(log_dir: str) -> Dict[str, List[Tuple[int, float]]]:
     """All scalar series under ``log_dir``: ``{tag: [(step, value), ...]}`` sorted by step.
@@ -14,8 +16,6 @@ def read_tensorboard_scalars(log_dir: str) -> Dict[str, List[Tuple[int, float]]]
     training, at the last step). When a run is resumed into the same directory, a later event
     file's values for a step replace an earlier file's.
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     files = sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True),
                    key=os.path.getmtime)
     if not files:

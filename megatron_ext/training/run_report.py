@@ -40,7 +40,8 @@ import torch.distributed as dist
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
 from megatron_ext.models.registry import family_config
-from megatron_ext.tools import estimate
+from megatron_ext.tools.estimate import estimate_from_args
+from megatron_ext.tools.model_shape import ModelShape, family_terms, training_flops_per_token
 from megatron_ext.training import log_hooks
 
 SCHEMA_VERSION = 1
@@ -145,14 +146,13 @@ class FlopsPerToken:
         self.error: Optional[str] = None
         self._varies = False
         try:
-            self._estimate = estimate
-            self.at_start = float(estimate.estimate_from_args(args).train_flops_per_token)
+            self.at_start = float(estimate_from_args(args).train_flops_per_token)
             # A family whose FLOPs per token change during training (Sigma's sparsification).
-            self._terms = estimate.family_terms(args.model_family)
+            self._terms = family_terms(args.model_family)
             self._args, self._cfg = args, family_config(args)
             if self._terms.topks_at(args, self._cfg, 0) is not None:
                 self._varies = True
-                self._spec = estimate.spec_from_args(args)
+                self._spec = ModelShape.from_args(args)
         except Exception as exc:
             self.at_start, self.error = None, f"{type(exc).__name__}: {exc}"
             if _rank() == 0:
@@ -164,7 +164,7 @@ class FlopsPerToken:
             return self.at_start
         # The step that ends at `iteration` ran with `iteration - 1` completed iterations.
         topks = self._terms.topks_at(self._args, self._cfg, iteration - 1)
-        return float(self._estimate.training_flops_per_token(self._spec, topks)["total"])
+        return float(training_flops_per_token(self._spec, topks).total)
 
 
 class RunReport:

@@ -23,6 +23,10 @@ import sys
 
 import torch
 
+from megatron_ext.tools.estimate import rank_estimate
+from megatron_ext.tools.layout import Layout
+from megatron_ext.tools.model_shape import ModelShape
+
 
 def main() -> None:
     argv = sys.argv[1:]
@@ -88,8 +92,6 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
 
-    from megatron_ext.tools.estimate import rank_estimate, spec_from_args, layout_from_args
-
     args = get_args()
     model, optimizer = captured["model"], captured["optimizer"]
     seen, n, experts, weight_bytes = set(), 0, 0, 0
@@ -120,7 +122,7 @@ def main() -> None:
         for group in getattr(opt, "shard_fp32_from_float16_groups", []) or []:
             for p in group:
                 opt_bytes += p.numel() * p.element_size()
-    spec, layout = spec_from_args(args), layout_from_args(args)
+    spec, layout = ModelShape.from_args(args), Layout.from_args(args)
     stage = mpu.get_pipeline_model_parallel_rank()
     est = rank_estimate(spec, layout, stage)
     rank = torch.distributed.get_rank()
