@@ -53,7 +53,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
     from megatron_ext.stem.table_optimizer import OwedStep, StemTablesOptimizer
     from megatron_ext.stem.tables import StemTables
     from megatron_ext.stem.worker import WORKER
-    from megatron_ext.training.forward_step import TableReadAhead
+    from megatron_ext.stem.read_ahead import TableReadAhead
 
     OwedStep.CHUNK_ELEMENTS = mode_chunk if mode_chunk > 0 else 1 << 62
     g = torch.Generator().manual_seed(seed)

@@ -94,7 +94,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
 
     from megatron_ext.stem.table_optimizer import OwedStep, StemTablesOptimizer
     from megatron_ext.stem.worker import WORKER
-    from megatron_ext.training.forward_step import TableReadAhead
+    from megatron_ext.stem.read_ahead import TableReadAhead
 
     if slow:
         monkeypatch.setattr(OwedStep, "CHUNK_ELEMENTS", 1)

@@ -48,6 +48,10 @@ class Family:
     # every iteration, on every rank, before Megatron's training log (collectives allowed):
     # log_report(args, iteration, total_loss_dict, writer, wandb_writer)
     log_report: Optional[Callable[..., None]] = None
+    # every micro-batch: take_batch(model, read_batch, args, cfg) -> the batch the chunk runs
+    # now, ``read_batch()``'s tuple (tokens first) by default (STEM binds the rows of its managed
+    # tables and reads ahead)
+    take_batch: Optional[Callable[[Any, Callable[[], tuple], Any, Any], tuple]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None
     # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)

@@ -31,6 +31,7 @@ from megatron_ext.stem.config import (
 )
 from megatron_ext.stem.hot_rows import parse_tier_size
 from megatron_ext.stem.mlp import StemMLP
+from megatron_ext.stem.read_ahead import take_batch
 from megatron_ext.stem.table_optimizer import dump_tables, report_stats
 from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
 from megatron_ext.stem.tables import StemTables, chunk_stem_layers
@@ -285,5 +286,6 @@ FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 validate_args=validate_args, model_state=model_state,
                 wrap_optimizer=wrap_optimizer, log_report=log_report,
                 check_checkpoint=check_checkpoint, after_training=after_training, reset=reset,
+                take_batch=take_batch,
                 estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
                 hf_mlp_tensors={"stem": hf_stem_tensors})

@@ -18,9 +18,9 @@ before it, so it sees them), and ``finish_fetch`` (training thread: wait for tha
 rows back: a collective, and bind them). Every collective is issued by the training thread in
 program order, the same on every rank; the worker never issues one.
 
-The forward step (``training/forward_step.py``) owns the data read-ahead: with ``--stem-prefetch``
-it reads micro-batch ``m + 1`` while ``m`` computes and starts its fetch, so the owners' reads run
-in the background. Read-ahead never crosses an optimizer step except for the next step's first
+The data read-ahead (``stem/read_ahead.py``, the family's ``take_batch`` the forward step
+calls): with ``--stem-prefetch`` it reads micro-batch ``m + 1`` while ``m`` computes and starts
+its fetch, so the owners' reads run in the background. Read-ahead never crosses an optimizer step except for the next step's first
 micro-batch, whose rows are read only after its table step (``deferred``: the optimizer releases
 the read after stepping the rows it reads, then steps the rest while the next step computes). So
 a row updated at step ``i`` is read with that update at step ``i + 1``, and the numbers are those

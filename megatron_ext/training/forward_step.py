@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import weakref
 from functools import partial
-from typing import Callable, Optional
 
 import torch
-from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers
 
@@ -25,60 +22,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
-class TableReadAhead:
-    """The data read-ahead of one model chunk with managed STEM tables (``stem/tables.py``).
-
-    While training, with ``--stem-prefetch``: when micro-batch ``m`` of a step is taken, ``m + 1``
-    is read from the data iterator and its rows' fetch started, so the owners read them while
-    ``m`` computes. At the step's last micro-batch, if another step follows (``next_step``) and
-    the tables step on the host (``tables.overlap``), the next step's first micro-batch is read
-    and routed now and its rows are read after the table step (``after_step``). Read-ahead never
-    crosses an optimizer step otherwise. Evaluation fetches synchronously and leaves what was
-    read ahead for training."""
-
-    def __init__(self, tables):
-        self.tables = tables
-        self.next: Optional[tuple] = None  # (batch, Fetch) read ahead
-        self.microbatch = 0  # training micro-batches taken in this step
-
-    def take(self, read_batch: Callable[[], tuple], num_microbatches: int,
-             next_step: bool) -> tuple:
-        """The micro-batch to run now (``read_batch()``'s tuple, tokens first), its rows bound to
-        the chunk's STEM layers. Collective over the data-parallel group."""
-        tables = self.tables
-        training = torch.is_grad_enabled()
-        if training and self.next is not None:
-            batch, fetch = self.next
-            self.next = None
-            tables.finish_fetch(fetch)
-        else:
-            batch = read_batch()
-            tables.fetch_now(batch[0])
-        if not training:
-            return batch
-        self.microbatch += 1
-        if self.microbatch < num_microbatches:
-            if tables.prefetch:
-                upcoming = read_batch()
-                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True))
-        else:
-            self.microbatch = 0
-            if tables.overlap and next_step:
-                upcoming = read_batch()
-                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True,
-                                                          after_step=True))
-        return batch
+_CONFIG: list = [None, None, None]  # (args, family, its config): built once per training
 
 
-_READ_AHEAD = weakref.WeakKeyDictionary()
-
-
-def read_ahead_of(tables) -> TableReadAhead:
-    """The read-ahead of the chunk whose tables are ``tables`` (made on first use)."""
-    state = _READ_AHEAD.get(tables)
-    if state is None:
-        state = _READ_AHEAD[tables] = TableReadAhead(tables)
-    return state
+def _family_and_config(args):
+    if _CONFIG[0] is not args:
+        family = family_of(args)
+        _CONFIG[:] = [args, family, family.config_from_args(args)]
+    return _CONFIG[1], _CONFIG[2]
 
 
 def forward_step(data_iterator, model):
@@ -87,27 +38,18 @@ def forward_step(data_iterator, model):
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
-    tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True) \
-        if token_layers_here else None
+    family, cfg = _family_and_config(args)
 
     def read_batch():
         return get_batch(data_iterator, args, vp_stage, token_layers_here)
 
-    # Managed STEM tables: the batch comes with its rows bound (and, with prefetch, the next
-    # micro-batch read and its rows' fetch started). The last micro-batch of a step may read the
-    # next step's first one (the overlapped table step) when a next step will run here:
-    # ``curr_iteration`` is the number of steps done before this one.
-    if tables is not None:
-        upcoming = args.curr_iteration + 1
-        next_step = upcoming < args.train_iters and not (
-            args.exit_interval and upcoming % args.exit_interval == 0)
-        batch = read_ahead_of(tables).take(read_batch, get_num_microbatches(), next_step)
+    if family.take_batch is not None:  # e.g. STEM's managed tables: rows bound, read-ahead
+        batch = family.take_batch(model, read_batch, args, cfg)
     else:
         batch = read_batch()
     tokens, labels, loss_mask, attention_mask, position_ids = batch
     timers("batch-generator").stop()
-    family = family_of(args)
     if family.before_forward is not None:  # e.g. Sigma's top-k of this step
-        family.before_forward(model, args, family.config_from_args(args))
+        family.before_forward(model, args, cfg)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

@@ -1,0 +1,84 @@
+"""The data read-ahead of managed STEM tables: the family's ``take_batch`` hook
+(``models/family.py``), which the forward step (``training/forward_step.py``) calls for every
+micro-batch. Binds the micro-batch's rows to the chunk's STEM layers before the model runs and,
+with ``--stem-prefetch``, starts the next micro-batch's fetch while this one computes."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_attr_wrapped_model
+
+
+class TableReadAhead:
+    """The data read-ahead of one model chunk with managed STEM tables (``stem/tables.py``).
+
+    While training, with ``--stem-prefetch``: when micro-batch ``m`` of a step is taken, ``m + 1``
+    is read from the data iterator and its rows' fetch started, so the owners read them while
+    ``m`` computes. At the step's last micro-batch, if another step follows (``next_step``) and
+    the tables step on the host (``tables.overlap``), the next step's first micro-batch is read
+    and routed now and its rows are read after the table step (``after_step``). Read-ahead never
+    crosses an optimizer step otherwise. Evaluation fetches synchronously and leaves what was
+    read ahead for training."""
+
+    def __init__(self, tables):
+        self.tables = tables
+        self.next: Optional[tuple] = None  # (batch, Fetch) read ahead
+        self.microbatch = 0  # training micro-batches taken in this step
+
+    def take(self, read_batch: Callable[[], tuple], num_microbatches: int,
+             next_step: bool) -> tuple:
+        """The micro-batch to run now (``read_batch()``'s tuple, tokens first), its rows bound to
+        the chunk's STEM layers. Collective over the data-parallel group."""
+        tables = self.tables
+        training = torch.is_grad_enabled()
+        if training and self.next is not None:
+            batch, fetch = self.next
+            self.next = None
+            tables.finish_fetch(fetch)
+        else:
+            batch = read_batch()
+            tables.fetch_now(batch[0])
+        if not training:
+            return batch
+        self.microbatch += 1
+        if self.microbatch < num_microbatches:
+            if tables.prefetch:
+                upcoming = read_batch()
+                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True))
+        else:
+            self.microbatch = 0
+            if tables.overlap and next_step:
+                upcoming = read_batch()
+                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True,
+                                                          after_step=True))
+        return batch
+
+
+_READ_AHEAD = weakref.WeakKeyDictionary()
+
+
+def read_ahead_of(tables) -> TableReadAhead:
+    """The read-ahead of the chunk whose tables are ``tables`` (made on first use)."""
+    state = _READ_AHEAD.get(tables)
+    if state is None:
+        state = _READ_AHEAD[tables] = TableReadAhead(tables)
+    return state
+
+
+def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> tuple:
+    """The micro-batch the chunk ``model`` runs now. With managed tables on this stage, its rows
+    are bound (and, with prefetch, the next micro-batch read and its rows' fetch started). The
+    last micro-batch of a step may read the next step's first one (the overlapped table step)
+    when a next step will run here: ``curr_iteration`` is the number of steps done before this
+    one."""
+    tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True)
+    if tables is None:  # ordinary tables, or no STEM layer on this stage
+        return read_batch()
+    upcoming = args.curr_iteration + 1
+    next_step = upcoming < args.train_iters and not (
+        args.exit_interval and upcoming % args.exit_interval == 0)
+    return read_ahead_of(tables).take(read_batch, get_num_microbatches(), next_step)
