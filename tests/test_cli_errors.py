@@ -184,6 +184,18 @@ def test_sigma_switch_beyond_training_is_announced(capsys):
     assert "will not happen" not in capsys.readouterr().err
 
 
+def test_sigma_switch_warning_is_printed_once(capsys):
+    """The entry point checks the family's flags before and after Megatron's own checks."""
+    from megatron_ext.training.arguments import check_family_args
+
+    args = parse(SIGMA + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                          "--sigma-topk-schedule", "[2,2]", "--sigma-sparsify-at", "13",
+                          "--train-iters", "10"])
+    check_family_args(args)
+    check_family_args(args)
+    assert capsys.readouterr().err.count("the switch will not happen in this run") == 1
+
+
 def run_entry(flags):
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     return subprocess.run([sys.executable, PRETRAIN, *flags], cwd=ROOT, capture_output=True,

@@ -66,16 +66,21 @@ def config_from_args(args) -> SigmaConfig:
         sparsify_at=parse_sparsify_at(args.sigma_sparsify_at))
 
 
+_WARNED: set = set()
+
+
 def check_args(args) -> None:
     """The Sigma layer's fixed choices (Sec. 2 of the report) and a layout that can work."""
     sigma = config_from_args(args)
     switch = sigma.switch_iteration(args.train_iters)  # a fraction needs --train-iters
     if switch is not None and args.train_iters and switch >= args.train_iters \
             and os.environ.get("RANK", "0") == "0":
-        print(f"megatron-ext: warning: --sigma-sparsify-at={args.sigma_sparsify_at} switches to "
-              f"the target top-k after step {switch}, at or beyond --train-iters="
-              f"{args.train_iters}: the switch will not happen in this run", file=sys.stderr,
-              flush=True)
+        warning = (f"megatron-ext: warning: --sigma-sparsify-at={args.sigma_sparsify_at} switches "
+                   f"to the target top-k after step {switch}, at or beyond --train-iters="
+                   f"{args.train_iters}: the switch will not happen in this run")
+        if warning not in _WARNED:  # the entry point checks before and after Megatron's checks
+            _WARNED.add(warning)
+            print(warning, file=sys.stderr, flush=True)
     required = [
         (args.moe_ffn_hidden_size is not None, "--moe-ffn-hidden-size (the expert width)"),
         (args.swiglu, "--swiglu (SwiGLU experts)"),
