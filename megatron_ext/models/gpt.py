@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from megatron_ext.stem.mlp import StemMLP
 
 
 class TokenIdsGPTModel(GPTModel):
@@ -35,12 +34,12 @@ class TokenIdsGPTModel(GPTModel):
                 f"{self.table_vocab_size}): the data was tokenized with another tokenizer, or "
                 "--vocab-size/--padded-vocab-size does not match it")
 
-    def _managed_stem_layers(self):
-        """STEM MLPs of this model chunk whose rows are bound per micro-batch (managed tables)."""
-        if not hasattr(self, "_managed_stem"):
-            self._managed_stem = [m for m in self.modules()
-                                  if isinstance(m, StemMLP) and m.managed]
-        return self._managed_stem
+    def _row_claiming_layers(self):
+        """Token-indexed MLPs of this model chunk that tie rows bound per micro-batch to the
+        block context (``claim_rows(context)``: STEM's managed tables, ``stem/mlp.py``)."""
+        if not hasattr(self, "_claiming"):
+            self._claiming = [m for m in self.modules() if callable(getattr(m, "claim_rows", None))]
+        return self._claiming
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
@@ -53,7 +52,7 @@ class TokenIdsGPTModel(GPTModel):
         extra_block_kwargs = dict(extra_block_kwargs or {})
         context = input_ids.t().contiguous()
         extra_block_kwargs["context"] = context
-        for layer in self._managed_stem_layers():
+        for layer in self._row_claiming_layers():
             layer.claim_rows(context)
         return super().forward(
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,

@@ -197,8 +197,8 @@ class StemMLP(MegatronModule):
         between a forward and its recompute, the recompute still finds its own rows. Contexts of
         micro-batches in flight are alive, so their storages are distinct; an entry of a
         finished micro-batch may be replaced by a later one reusing its memory, which is harmless.
-        Emptied each step by :meth:`release_rows`."""
-        if self._rows is not None:
+        Emptied each step by :meth:`release_rows`. Ordinary tables: nothing to claim."""
+        if self.managed and self._rows is not None:
             if not torch.is_grad_enabled() and not self.training:
                 self._rows_by_context.clear()  # evaluation: no recompute, keep one entry
             self._rows_by_context[context.untyped_storage().data_ptr()] = self._rows
