@@ -21,6 +21,10 @@ class Family:
     description: str
     # (args, config, use_te, vp_stage) -> the decoder's TransformerBlockSubmodules
     block_spec: BlockSpecFn
+    # the hybrid path (``--hybrid-layer-pattern``): (args, config, use_te, vp_stage) -> the
+    # HybridModel's stack spec (``models/hybrid_specs.py``); None: the family builds on the GPT
+    # path only
+    hybrid_stack_spec: Optional[BlockSpecFn] = None
     heterogeneous_layers: bool = False  # layers differ in their parameters (checkpoint per layer)
     # the family's argument group: add_args(parser)
     add_args: Optional[Callable[[Any], None]] = None
