@@ -1,7 +1,7 @@
 """The hybrid path (``--hybrid-layer-pattern``, upstream's ``HybridModel``): the dense and STEM
 families train on it, ``*-`` repeated gives the GPT path's losses, and STEM's layout does not
-change the numbers (TP=2 + SP, PP=2 with full recompute, interleaved PP=2, against TP=1 x DP=2),
-and a resume is exact. fp32, CPU, gloo, 2 ranks, all in one launch."""
+change the numbers (TP=2 + SP, PP=2 with full recompute, interleaved PP=2, managed tables alone
+and with PP=2 and full recompute, against TP=1 x DP=2), and a resume is exact. fp32, CPU, gloo, 2 ranks, all in one launch."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ PP2_RECOMPUTE = ["--hybrid-layer-pattern", "*-*-|*-*-", "--pipeline-model-parall
                  "--recompute-num-layers", "1"]
 # Four segments on two stages: interleaved 1F1B, chunks {0, 2} and {1, 3}; STEM in chunks 1, 3.
 PP2_VPP = ["--hybrid-layer-pattern", "*-|*-|*-|*-", "--pipeline-model-parallel-size", "2"]
+# Managed tables: host-resident, rows sharded over DP, bound per micro-batch (stem/tables.py).
+CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
 FIRST5 = [1, 2, 3, 4, 5]
 AFTER_RESUME = [4, 5, 6]
 
@@ -45,6 +47,9 @@ def runs(tmp_path_factory):
     launches.add("tp2_sp", TINY_GPT + HYBRID + STEM + ITERS + start + TP2_SP)
     launches.add("pp2_recompute", TINY_GPT + STEM + ITERS + start + PP2_RECOMPUTE)
     launches.add("pp2_vpp", TINY_GPT + STEM + ITERS + start + PP2_VPP)
+    launches.add("cpu_vocab", TINY_GPT + HYBRID + STEM + ITERS + start + CPU_VOCAB)
+    launches.add("cpu_vocab_pp2_recompute", TINY_GPT + STEM + ITERS + start + CPU_VOCAB +
+                 PP2_RECOMPUTE)
     launches.add("resume", TINY_GPT + HYBRID + STEM + ITERS + ["--load", ck_ref,
                                                                "--ckpt-step", "3"])
     r = launches.run()
@@ -68,7 +73,8 @@ def test_star_dash_repeated_gives_the_gpt_path_losses(runs, gpt, hybrid):
     assert_close_curves(require_ok(runs[hybrid]), require_ok(runs[gpt]), [1, 2, 3, 4, 5, 6])
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2_recompute", "pp2_vpp"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2_recompute", "pp2_vpp", "cpu_vocab",
+                                    "cpu_vocab_pp2_recompute"])
 def test_stem_layout_does_not_change_losses(runs, layout):
     assert_close_curves(require_ok(runs[layout]), require_ok(runs["ref"]), FIRST5)
 
