@@ -155,3 +155,26 @@ def test_ids_outside_the_tables_are_refused(mcore_single_rank):
     tokens[1, 3] = VOCAB
     with pytest.raises(ValueError, match="outside the STEM tables"):
         model(tokens, pos, MASK)
+
+
+def test_mlp_blocks_are_counted_in_the_pattern():
+    from types import SimpleNamespace
+
+    from megatron_ext.models.hybrid_specs import mlp_block_count, mlp_layer_indices
+
+    assert mlp_layer_indices("*-*-|*-*-") == [1, 3, 5, 7]  # "|" is no layer
+    assert mlp_layer_indices("*--*E-") == [1, 2, 5]
+    assert mlp_block_count(SimpleNamespace(hybrid_layer_pattern="*-*-*-*-", num_layers=8)) == 4
+    assert mlp_block_count(SimpleNamespace(hybrid_layer_pattern=None, num_layers=8)) == 8
+    with pytest.raises(ValueError, match="out of range"):  # MLP block 5 of 4
+        StemConfig(layers=[1, 5]).stem_layers(mlp_block_count(
+            SimpleNamespace(hybrid_layer_pattern="*-*-*-*-", num_layers=8)))
+
+
+def test_a_family_without_the_hybrid_path_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from megatron_ext.training.arguments import check_family_args
+
+    with pytest.raises(ValueError, match="--model-family structmoe does not build on the hybrid"):
+        check_family_args(SimpleNamespace(model_family="structmoe", hybrid_layer_pattern="*-*-"))

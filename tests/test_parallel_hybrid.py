@@ -30,12 +30,16 @@ AFTER_RESUME = [4, 5, 6]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hybrid_parallel")
-    ck_init, ck_ref = str(tmp / "ck_init"), str(tmp / "ck_ref")
+    ck_init, ck_ref, ck_gpt = (str(tmp / n) for n in ("ck_init", "ck_ref", "ck_gpt"))
     start = ["--load", ck_init, "--finetune"]
     launches = Launches(str(tmp))
     # From scratch: the same seed draws the same parameters on both paths.
-    launches.add("gpt_path", TINY_GPT + ITERS)
+    launches.add("gpt_path", TINY_GPT + ITERS + ["--save", ck_gpt, "--save-interval", "3"])
     launches.add("gpt_hybrid", TINY_GPT + ITERS + HYBRID)
+    # A GPT-path checkpoint resumed on the hybrid path (upstream's GPT/hybrid interoperation,
+    # megatron.core.dist_checkpointing.gpt_checkpoint_interop).
+    launches.add("gpt_to_hybrid_resume", TINY_GPT + ITERS + HYBRID + ["--load", ck_gpt,
+                                                                      "--ckpt-step", "3"])
     launches.add("stem_gpt_path", TINY_GPT + ITERS + STEM)
     launches.add("stem_hybrid", TINY_GPT + ITERS + HYBRID + STEM)
     # Every layout starts from one checkpoint (initialisation independent of the layout).
@@ -83,3 +87,9 @@ def test_stem_resume_continues_the_curve_exactly(runs):
     ref, resumed = require_ok(runs["ref"]), require_ok(runs["resume"])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert resumed.curve(AFTER_RESUME) == ref.curve(AFTER_RESUME)
+
+
+def test_dense_gpt_path_checkpoint_resumes_on_the_hybrid_path(runs):
+    gpt, resumed = require_ok(runs["gpt_path"]), require_ok(runs["gpt_to_hybrid_resume"])
+    assert sorted(resumed.losses) == AFTER_RESUME
+    assert resumed.curve(AFTER_RESUME) == gpt.curve(AFTER_RESUME)
