@@ -30,7 +30,8 @@ AFTER_RESUME = [4, 5, 6]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hybrid_parallel")
-    ck_init, ck_ref, ck_gpt = (str(tmp / n) for n in ("ck_init", "ck_ref", "ck_gpt"))
+    ck_init, ck_ref, ck_gpt, ck_stem_gpt = (str(tmp / n) for n in
+                                            ("ck_init", "ck_ref", "ck_gpt", "ck_stem_gpt"))
     start = ["--load", ck_init, "--finetune"]
     launches = Launches(str(tmp))
     # From scratch: the same seed draws the same parameters on both paths.
@@ -40,8 +41,20 @@ def runs(tmp_path_factory):
     # megatron.core.dist_checkpointing.gpt_checkpoint_interop).
     launches.add("gpt_to_hybrid_resume", TINY_GPT + ITERS + HYBRID + ["--load", ck_gpt,
                                                                       "--ckpt-step", "3"])
-    launches.add("stem_gpt_path", TINY_GPT + ITERS + STEM)
+    launches.add("stem_gpt_path", TINY_GPT + ITERS + STEM + ["--save", ck_stem_gpt,
+                                                             "--save-interval", "3"])
     launches.add("stem_hybrid", TINY_GPT + ITERS + HYBRID + STEM)
+    # STEM's GPT-path checkpoints have a key per layer: our retargeting
+    # (models/hybrid_checkpoint.py), also into another layout and into managed tables.
+    from_stem_gpt = ["--load", ck_stem_gpt, "--ckpt-step", "3"]
+    launches.add("stem_gpt_to_hybrid_resume", TINY_GPT + ITERS + HYBRID + STEM + from_stem_gpt)
+    launches.add("stem_gpt_to_hybrid_pp2", TINY_GPT + ITERS + STEM + from_stem_gpt +
+                 PP2_RECOMPUTE)
+    # Into managed tables the optimizer state does not load (the tables are no parameters of
+    # Megatron's optimizer, as on the GPT path): compared with the GPT path doing the same.
+    to_managed = from_stem_gpt + CPU_VOCAB + ["--no-load-optim"]
+    launches.add("stem_gpt_to_gpt_cpu_vocab", TINY_GPT + ITERS + STEM + to_managed)
+    launches.add("stem_gpt_to_hybrid_cpu_vocab", TINY_GPT + ITERS + HYBRID + STEM + to_managed)
     # Every layout starts from one checkpoint (initialisation independent of the layout).
     launches.add("init", TINY_GPT + HYBRID + STEM + ["--train-iters", "1", "--lr-warmup-iters",
                                                      "0", "--save", ck_init,
@@ -93,3 +106,19 @@ def test_dense_gpt_path_checkpoint_resumes_on_the_hybrid_path(runs):
     gpt, resumed = require_ok(runs["gpt_path"]), require_ok(runs["gpt_to_hybrid_resume"])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert resumed.curve(AFTER_RESUME) == gpt.curve(AFTER_RESUME)
+
+
+@pytest.mark.parametrize("name", ["stem_gpt_to_hybrid_resume", "stem_gpt_to_hybrid_pp2"])
+def test_stem_gpt_path_checkpoint_continues_on_the_hybrid_path(runs, name):
+    gpt, resumed = require_ok(runs["stem_gpt_path"]), require_ok(runs[name])
+    assert sorted(resumed.losses) == AFTER_RESUME
+    assert_close_curves(resumed, gpt, AFTER_RESUME)
+    if name == "stem_gpt_to_hybrid_resume":  # the same layout: the same numbers
+        assert resumed.curve(AFTER_RESUME) == gpt.curve(AFTER_RESUME)
+
+
+def test_stem_gpt_path_checkpoint_loads_into_managed_tables_on_the_hybrid_path(runs):
+    gpt, hybrid = (require_ok(runs[n]) for n in ("stem_gpt_to_gpt_cpu_vocab",
+                                                 "stem_gpt_to_hybrid_cpu_vocab"))
+    assert sorted(hybrid.losses) == AFTER_RESUME
+    assert_close_curves(hybrid, gpt, AFTER_RESUME)
