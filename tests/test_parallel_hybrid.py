@@ -23,6 +23,7 @@ PP2_RECOMPUTE = ["--hybrid-layer-pattern", "*-*-|*-*-", "--pipeline-model-parall
 PP2_VPP = ["--hybrid-layer-pattern", "*-|*-|*-|*-", "--pipeline-model-parallel-size", "2"]
 # Managed tables: host-resident, rows sharded over DP, bound per micro-batch (stem/tables.py).
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
+EVAL = ["--eval-interval", "3", "--eval-iters", "1"]  # evaluation: no recompute, model.eval()
 FIRST5 = [1, 2, 3, 4, 5]
 AFTER_RESUME = [4, 5, 6]
 
@@ -41,9 +42,9 @@ def runs(tmp_path_factory):
     # megatron.core.dist_checkpointing.gpt_checkpoint_interop).
     launches.add("gpt_to_hybrid_resume", TINY_GPT + ITERS + HYBRID + ["--load", ck_gpt,
                                                                       "--ckpt-step", "3"])
-    launches.add("stem_gpt_path", TINY_GPT + ITERS + STEM + ["--save", ck_stem_gpt,
-                                                             "--save-interval", "3"])
-    launches.add("stem_hybrid", TINY_GPT + ITERS + HYBRID + STEM)
+    launches.add("stem_gpt_path", TINY_GPT + ITERS + STEM + EVAL + ["--save", ck_stem_gpt,
+                                                                    "--save-interval", "3"])
+    launches.add("stem_hybrid", TINY_GPT + ITERS + HYBRID + STEM + EVAL)
     # STEM's GPT-path checkpoints have a key per layer: our retargeting
     # (models/hybrid_checkpoint.py), also into another layout and into managed tables.
     from_stem_gpt = ["--load", ck_stem_gpt, "--ckpt-step", "3"]
@@ -88,6 +89,13 @@ def test_hybrid_path_trains_a_hybrid_model(runs, name):
                                         ("stem_gpt_path", "stem_hybrid")])
 def test_star_dash_repeated_gives_the_gpt_path_losses(runs, gpt, hybrid):
     assert_close_curves(require_ok(runs[hybrid]), require_ok(runs[gpt]), [1, 2, 3, 4, 5, 6])
+
+
+def test_stem_evaluation_on_the_hybrid_path_gives_the_gpt_path_losses(runs):
+    gpt, hybrid = require_ok(runs["stem_gpt_path"]), require_ok(runs["stem_hybrid"])
+    valid = hybrid.scalars["lm loss validation"]
+    assert [step for step, _ in valid][:2] == [3, 6]
+    assert valid == gpt.scalars["lm loss validation"]
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "pp2_recompute", "pp2_vpp", "cpu_vocab",
