@@ -22,6 +22,10 @@ class Family:
     # (args, config, use_te, vp_stage) -> the decoder's TransformerBlockSubmodules
     block_spec: BlockSpecFn
     heterogeneous_layers: bool = False  # layers differ in their parameters (checkpoint per layer)
+    # the hybrid path (``--hybrid-layer-pattern``): (args, config, use_te, vp_stage) -> the
+    # HybridModel's stack spec (``models/hybrid_specs.py``); None: the family builds on the GPT
+    # path only
+    hybrid_stack_spec: Optional[BlockSpecFn] = None
     # the family's argument group: add_args(parser)
     add_args: Optional[Callable[[Any], None]] = None
     # its options dataclass from the parsed flags (raises ValueError naming a flag)

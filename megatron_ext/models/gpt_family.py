@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
 from megatron_ext.models.specs import decoder_block_spec
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
     return decoder_block_spec(config, None, args.padded_vocab_size, use_te, vp_stage=vp_stage)
+
+
+def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    return hybrid_specs.hybrid_stack_spec(config, args.hybrid_layer_pattern, use_te)
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
@@ -21,4 +26,4 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
 
 
 FAMILY = Family("gpt", "dense SwiGLU GPT (the baseline)", block_spec,
-                hf_mlp_layers=hf_mlp_layers)
+                hybrid_stack_spec=hybrid_stack_spec, hf_mlp_layers=hf_mlp_layers)

@@ -10,6 +10,7 @@ micro-batches see their own ids under full recompute and pipeline parallelism (a
 
 from __future__ import annotations
 
+from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -30,7 +31,9 @@ class TokenContextTransformerLayer(TransformerLayer):
         if token_ids is None:
             raise RuntimeError(
                 "a STEM layer got no token ids: build the model with "
-                "megatron_ext.models.gpt.TokenIdsGPTModel, which passes them as the block context")
+                "megatron_ext.models.gpt.TokenIdsGPTModel (or, on the hybrid path, "
+                "megatron_ext.models.hybrid.TokenIdsHybridModel), which pass them as the block "
+                "context")
         hidden_states, context = self._forward_attention(*args, **kwargs)
         with self.mlp.bind_token_ids(token_ids):
             output = self._forward_mlp(
@@ -40,3 +43,10 @@ class TokenContextTransformerLayer(TransformerLayer):
                 packed_seq_params=kwargs.get("packed_seq_params", None),
             )
         return output, context
+
+
+class TokenContextMLPLayer(TokenContextTransformerLayer, MLPLayer):
+    """The hybrid path's MLP layer (a ``-`` of ``--hybrid-layer-pattern``) with a token-indexed
+    MLP. Extends ``megatron.core.ssm.mlp_layer.MLPLayer`` (a TransformerLayer holding only
+    ``pre_mlp_layernorm``, ``mlp`` and ``mlp_bda``); the ids come from the ``context`` that
+    ``models/hybrid.py``'s ``TokenIdsHybridStack`` gives every layer, as above."""

@@ -11,9 +11,12 @@ from typing import Optional
 
 from megatron.core import parallel_state
 
+from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
+from megatron_ext.models.hybrid_specs import mlp_block_count
+from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.models.specs import decoder_block_spec
+from megatron_ext.models.specs import decoder_block_spec, with_mlp
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem import table_optimizer
 from megatron_ext.stem.checkpoint import check_table_shapes
@@ -105,7 +108,7 @@ def stem_config(args) -> Optional[StemConfig]:
 
 def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     stem = config_from_args(args)
-    stem.stem_layers(args.num_layers)  # raises for out-of-range layers
+    stem.stem_layers(mlp_block_count(args))  # raises for out-of-range layers
     if stem.placement == "tiered":
         # The size against the table's rows where they are known (entry point), else its
         # form alone (dry run).
@@ -149,10 +152,25 @@ def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
                               use_te, vp_stage=vp_stage)
 
 
+def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    """The hybrid path: STEM layer i (``--stem-layers``, ``--stem-ratio``) is the i-th MLP block,
+    the i-th ``-`` of ``--hybrid-layer-pattern``, a ``TokenContextMLPLayer`` with a STEM MLP."""
+    stem = config_from_args(args)
+    stem_ids = set(stem.stem_layers(mlp_block_count(args)))
+
+    def mlp_fn(k, dense):
+        if k not in stem_ids:
+            return dense
+        return with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextMLPLayer, stem=stem,
+                        vocab_size=args.padded_vocab_size)
+
+    return hybrid_specs.hybrid_stack_spec(config, args.hybrid_layer_pattern, use_te, mlp_fn)
+
+
 def model_state(model, args, config, stem: StemConfig) -> None:
     """Managed tables (``--stem-table-placement cpu|tiered`` or vocab sharding): the chunk's
     ``StemTables``, a plain attribute (the rows are not parameters of the model)."""
-    print_rank_0(f"> STEM layers (0-based): {stem.stem_layers(config.num_layers)} "
+    print_rank_0(f"> STEM layers (0-based MLP blocks): {stem.stem_layers(mlp_block_count(args))} "
                  f"variant={stem.variant} init={stem.init} tables: "
                  f"placement={stem.placement} sharding={stem.sharding}")
     if not stem.managed_tables:
@@ -282,6 +300,7 @@ class StemTerms(MLPTerms):
 
 
 FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
+                hybrid_stack_spec=hybrid_stack_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state,
                 wrap_optimizer=wrap_optimizer, log_report=log_report,

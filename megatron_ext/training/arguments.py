@@ -61,6 +61,10 @@ def check_family_args(args) -> None:
     """The family's checks before Megatron validates the flags (a message naming our flag
     rather than one of Megatron's assertions)."""
     family = family_of(args)
+    if getattr(args, "hybrid_layer_pattern", None) and family.hybrid_stack_spec is None:
+        raise ValueError(f"--hybrid-layer-pattern: --model-family {args.model_family} does not "
+                         "build on the hybrid path yet (docs/hybrid.md); drop "
+                         "--hybrid-layer-pattern to build it on the GPT path")
     if family.check_args is not None:
         family.check_args(args)
 

@@ -12,6 +12,11 @@ folder it will read against its manifest, each rank hashing its share of the fil
 first, to the least loaded rank), and all of them stop with one line naming the first damaged
 file (``--no-verify-checkpoint`` loads without the check); then the family checks that the
 checkpoint fits the model (``Family.check_checkpoint``: STEM's table shapes).
+
+Wraps ``gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint`` (which upstream's
+``load_checkpoint`` calls for a GPT checkpoint loaded by a ``HybridModel`` run): a family with
+heterogeneous layers saved its GPT-path checkpoints with one key per layer, which
+``models/hybrid_checkpoint.py`` retargets instead.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import time
 from typing import List, Optional, Sequence
 
 import torch
+from megatron.core.dist_checkpointing import gpt_checkpoint_interop
 from megatron.training import get_args, get_tokenizer, training
 
 from megatron_ext import checkpoint_manifest as cm
+from megatron_ext.models.hybrid_checkpoint import retarget_to_layered_gpt_checkpoint
 from megatron_ext.models.registry import family_of
 
 
@@ -81,6 +88,18 @@ def verify_distributed(folder: str) -> Optional[dict]:
 
 
 def install() -> None:
+    retarget_upstream = gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint
+    if not getattr(retarget_upstream, "_ext_layered", False):
+
+        def retarget(sharded_state_dict, layer_maps):
+            # The current run's family saved its GPT-path checkpoints (model_provider).
+            if family_of(get_args()).heterogeneous_layers:
+                return retarget_to_layered_gpt_checkpoint(sharded_state_dict, layer_maps)
+            return retarget_upstream(sharded_state_dict, layer_maps)
+
+        retarget._ext_layered = True
+        gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint = retarget
+
     save_upstream = training.save_checkpoint
     if not getattr(save_upstream, "_ext_manifest", False):
 

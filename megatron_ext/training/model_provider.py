@@ -1,14 +1,18 @@
-"""Model provider for ``megatron.training.pretrain``: builds the per-layer spec list and the model."""
+"""Model provider for ``megatron.training.pretrain``: builds the per-layer spec list and the model,
+on the GPT path (``GPTModel``, deprecated upstream) or, when ``--hybrid-layer-pattern`` is given,
+on the hybrid path (``HybridModel``, ``models/hybrid.py``; the family's ``hybrid_stack_spec``)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.training import get_args
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 from megatron_ext.models.gpt import TokenIdsGPTModel
+from megatron_ext.models.hybrid import TokenIdsHybridModel, stack_has_token_layers
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import stage_has_token_layers, te_available
 
@@ -26,6 +30,20 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     if family.heterogeneous_layers:
         # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.
         config.hetereogenous_dist_checkpoint = True
+    if getattr(args, "hybrid_layer_pattern", None):
+        model = _hybrid_model(args, config, family, use_te, pre_process, post_process, vp_stage,
+                              pg_collection)
+    else:
+        model = _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage,
+                           pg_collection)
+    model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
+    if family.model_state is not None:  # what the family keeps beside the modules
+        family.model_state(model, args, config, family.config_from_args(args))
+    return model
+
+
+def _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage,
+               pg_collection):
     block_spec = family.block_spec(args, config, use_te, vp_stage=vp_stage)
     needs_ids = stage_has_token_layers(block_spec)
     kwargs = dict(
@@ -48,7 +66,36 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     )
     model = TokenIdsGPTModel(**kwargs) if needs_ids else GPTModel(**kwargs)
     model.needs_token_ids = needs_ids
-    model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
-    if family.model_state is not None:  # what the family keeps beside the modules
-        family.model_state(model, args, config, family.config_from_args(args))
+    return model
+
+
+def _hybrid_model(args, config, family, use_te, pre_process, post_process, vp_stage,
+                  pg_collection):
+    if family.hybrid_stack_spec is None:
+        raise ValueError(f"--hybrid-layer-pattern: --model-family {args.model_family} does not "
+                         "build on the hybrid path yet; drop --hybrid-layer-pattern")
+    if args.use_rope_scaling:
+        raise ValueError("--use-rope-scaling: HybridModel has no RoPE scaling; drop it or "
+                         "--hybrid-layer-pattern")
+    stack_spec = family.hybrid_stack_spec(args, config, use_te, vp_stage=vp_stage)
+    token_ids = stack_has_token_layers(stack_spec)
+    model = (TokenIdsHybridModel if token_ids else HybridModel)(
+        config=config,
+        hybrid_stack_spec=stack_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+    # The batch gives this chunk the token ids only where its layers read them.
+    model.needs_token_ids = bool(token_ids and model.token_layers_here)
     return model

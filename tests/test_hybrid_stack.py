@@ -1,0 +1,180 @@
+"""The hybrid path (``models/hybrid.py``, ``models/hybrid_specs.py``) in one process: STEM layer i
+is the i-th ``-`` of the pattern, every STEM MLP gets its micro-batch's ids (also when full
+recompute runs it again in backward), its output is the plain-PyTorch STEM MLP's, and
+``*-`` repeated is the GPT path's computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.stem.config import StemConfig
+
+PATTERN = "*-*-*-*-"  # 4 MLP blocks; --stem-ratio 1/2 -> MLP blocks 1 and 3 (layers 3 and 7)
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+def _config(**kwargs):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64,
+                             num_attention_heads=4, gated_linear_unit=True,
+                             activation_func=F.silu, add_bias_linear=False,
+                             normalization="RMSNorm", use_cpu_initialization=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, **kwargs)
+
+
+def _stem_spec(config, stem):
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.layer import TokenContextMLPLayer
+    from megatron_ext.models.specs import with_mlp
+    from megatron_ext.stem.mlp import StemMLP
+
+    ids = set(stem.stem_layers(len(hybrid_specs.mlp_layer_indices(PATTERN))))
+    return hybrid_specs.hybrid_stack_spec(
+        config, PATTERN, False,
+        lambda k, dense: with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextMLPLayer,
+                                  stem=stem, vocab_size=VOCAB) if k in ids else dense)
+
+
+def _hybrid(config, stem=None, seed=0):
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.hybrid import TokenIdsHybridModel
+
+    torch.manual_seed(seed)
+    spec = _stem_spec(config, stem) if stem else hybrid_specs.hybrid_stack_spec(config, PATTERN,
+                                                                                False)
+    cls = TokenIdsHybridModel if stem else HybridModel
+    return cls(config=config, hybrid_stack_spec=spec, vocab_size=VOCAB,
+               max_sequence_length=SEQ, hybrid_layer_pattern=PATTERN,
+               position_embedding_type="rope")
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return tokens, torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+
+
+MASK = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()  # causal (True: masked)
+
+
+def _record_ids(model):
+    """Each STEM MLP call's bound ids, in call order, by the layer's global index."""
+    from megatron_ext.stem.mlp import StemMLP
+
+    seen = []
+    for layer in model.decoder.layers:
+        if isinstance(layer.mlp, StemMLP):
+            layer.mlp.register_forward_pre_hook(
+                lambda m, args, n=layer.layer_number - 1: seen.append((n, m._token_ids.clone())))
+    return seen
+
+
+def test_stem_layers_are_the_mlp_symbols(mcore_single_rank):
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_ext.models.layer import TokenContextMLPLayer
+    from megatron_ext.stem.mlp import StemMLP
+
+    model = _hybrid(_config(), StemConfig(ratio="1/2"))
+    layers = model.decoder.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == [
+        "IdentityOp", "MLP", "IdentityOp", "StemMLP"] * 2
+    assert [i for i, layer in enumerate(layers) if isinstance(layer, TokenContextMLPLayer)] \
+        == [3, 7]
+    assert all(isinstance(layers[i], MLPLayer) and type(layers[i].mlp) is MLP for i in (1, 5))
+    assert [m.layer_number for m in model.modules() if isinstance(m, StemMLP)] == [4, 8]
+    assert model.token_layers_here
+
+
+def test_every_stem_mlp_gets_the_ids_and_matches_the_reference(mcore_single_rank):
+    model = _hybrid(_config(), StemConfig(ratio="1/2"))
+    tokens, pos = _inputs()
+    seen = _record_ids(model)
+    stem = model.decoder.layers[3].mlp
+    captured = {}
+    stem.register_forward_hook(lambda m, args, out: captured.update(h=args[0], y=out[0]))
+    model(tokens, pos, MASK)
+    assert [n for n, _ in seen] == [3, 7]
+    for _, ids in seen:
+        assert torch.equal(ids, tokens.t())
+    # Eq. 4 of the STEM paper in plain PyTorch: y = W_d(silu(W_g h) * U[t]).
+    h = captured["h"]
+    ref = (F.silu(h @ stem.linear_fc1.weight.t()) * stem.table[tokens.t()]) \
+        @ stem.linear_fc2.weight.t()
+    torch.testing.assert_close(captured["y"], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_full_recompute_gives_the_recomputed_layers_their_ids(mcore_single_rank):
+    config = _config(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1)
+    model = _hybrid(config, StemConfig(ratio="1/2"))
+    model.train()
+    tokens, pos = _inputs()
+    seen = _record_ids(model)
+    model(tokens, pos, MASK, labels=tokens).sum().backward()
+    assert [n for n, _ in seen] == [3, 7, 7, 3]  # forward, then recompute in backward
+    for _, ids in seen:
+        assert torch.equal(ids, tokens.t())
+    plain = _hybrid(_config(), StemConfig(ratio="1/2"))
+    plain.train()
+    plain(tokens, pos, MASK, labels=tokens).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("stem", [None, StemConfig(ratio="1/2")], ids=["dense", "stem"])
+def test_star_dash_repeated_is_the_gpt_path(mcore_single_rank, stem):
+    """Same seed, same draws in the same order: the same parameters and the same logits."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.models.gpt import TokenIdsGPTModel
+    from megatron_ext.models.specs import decoder_block_spec
+
+    hybrid = _hybrid(_config(), stem)
+    gpt_config = _config()
+    gpt_config.num_layers = 4
+    torch.manual_seed(0)
+    gpt = (TokenIdsGPTModel if stem else GPTModel)(
+        config=gpt_config, transformer_layer_spec=decoder_block_spec(gpt_config, stem, VOCAB,
+                                                                     False),
+        vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    tokens, pos = _inputs()
+    torch.testing.assert_close(hybrid(tokens, pos, MASK), gpt(tokens, pos, MASK),
+                               rtol=0, atol=0)
+
+
+def test_ids_outside_the_tables_are_refused(mcore_single_rank):
+    model = _hybrid(_config(), StemConfig(ratio="1/2"))
+    tokens, pos = _inputs()
+    tokens[1, 3] = VOCAB
+    with pytest.raises(ValueError, match="outside the STEM tables"):
+        model(tokens, pos, MASK)
+
+
+def test_mlp_blocks_are_counted_in_the_pattern():
+    from types import SimpleNamespace
+
+    from megatron_ext.models.hybrid_specs import mlp_block_count, mlp_layer_indices
+
+    assert mlp_layer_indices("*-*-|*-*-") == [1, 3, 5, 7]  # "|" is no layer
+    assert mlp_layer_indices("*--*E-") == [1, 2, 5]
+    assert mlp_block_count(SimpleNamespace(hybrid_layer_pattern="*-*-*-*-", num_layers=8)) == 4
+    assert mlp_block_count(SimpleNamespace(hybrid_layer_pattern=None, num_layers=8)) == 8
+    with pytest.raises(ValueError, match="out of range"):  # MLP block 5 of 4
+        StemConfig(layers=[1, 5]).stem_layers(mlp_block_count(
+            SimpleNamespace(hybrid_layer_pattern="*-*-*-*-", num_layers=8)))
+
+
+def test_a_family_without_the_hybrid_path_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from megatron_ext.training.arguments import check_family_args
+
+    with pytest.raises(ValueError, match="--model-family structmoe does not build on the hybrid"):
+        check_family_args(SimpleNamespace(model_family="structmoe", hybrid_layer_pattern="*-*-"))
