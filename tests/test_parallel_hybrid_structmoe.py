@@ -74,7 +74,7 @@ def test_router_metrics_are_logged_per_mlp_block_as_on_the_gpt_path(runs):
     values as the GPT path, fractions summing to 1; the mean loss over the 4 blocks, not 8."""
     gpt, hybrid = require_ok(runs["gpt_path"]), require_ok(runs["hybrid"])
     per_block = sorted(t for t in hybrid.scalars if t.startswith("moe/"))
-    assert per_block == sorted(t for t in gpt.scalars if t.startswith("moe/"))
+    assert per_block == sorted(t for t in gpt.scalars if t.startswith("moe/")), per_block
     assert fraction_tag(0, BLOCKS - 1) in per_block and fraction_tag(0, BLOCKS) not in per_block
     for tag in per_block + [LBL]:
         steps = [s for s, _ in hybrid.scalars[tag]]
@@ -112,3 +112,8 @@ def test_gpt_path_checkpoint_continues_on_the_hybrid_path(runs):
     gpt, resumed = require_ok(runs["gpt_path"]), require_ok(runs["gpt_to_hybrid"])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert_close_curves(resumed, gpt, AFTER_RESUME, tol=1e-6)
+    # The routers continue too: the same load balance per block.
+    for tag in [LBL, fraction_tag(1, 2)]:
+        gpt_values = dict(gpt.scalars[tag])
+        for step, value in resumed.scalars[tag]:
+            assert math.isclose(value, gpt_values[step], rel_tol=1e-6), (tag, step)
