@@ -171,10 +171,18 @@ def test_mlp_blocks_are_counted_in_the_pattern():
             SimpleNamespace(hybrid_layer_pattern="*-*-*-*-", num_layers=8)))
 
 
-def test_a_family_without_the_hybrid_path_is_refused_naming_it():
+def test_a_family_without_the_hybrid_path_is_refused_naming_it(monkeypatch):
     from types import SimpleNamespace
 
+    from megatron_ext.models import registry
+    from megatron_ext.models.family import Family
     from megatron_ext.training.arguments import check_family_args
 
-    with pytest.raises(ValueError, match="--model-family structmoe does not build on the hybrid"):
-        check_family_args(SimpleNamespace(model_family="structmoe", hybrid_layer_pattern="*-*-"))
+    # A family of the GPT path only (no hybrid_stack_spec), registered for this test alone.
+    gpt = registry.get_family("gpt")
+    monkeypatch.setitem(registry._FAMILIES, "gpt_path_only",
+                        Family("gpt_path_only", "test: no hybrid path", gpt.block_spec))
+    with pytest.raises(ValueError, match="--model-family gpt_path_only does not build on the "
+                                         "hybrid"):
+        check_family_args(SimpleNamespace(model_family="gpt_path_only",
+                                          hybrid_layer_pattern="*-*-"))

@@ -128,9 +128,12 @@ def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> Mod
                     vocab_size=vocab_size)
 
 
-def structmoe_layer_spec(dense: ModuleSpec, structmoe) -> ModuleSpec:
-    """A StructMoE layer: the dense layer with a StructMoE MLP."""
-    return with_mlp(dense, StructMoEMLP.as_mlp_submodule, structmoe=structmoe)
+def structmoe_layer_spec(dense: ModuleSpec, structmoe, mlp_block: Optional[int] = None,
+                         num_mlp_blocks: Optional[int] = None) -> ModuleSpec:
+    """A StructMoE layer: the dense layer (or the hybrid path's ``MLPLayer``) with a StructMoE MLP;
+    ``mlp_block`` and ``num_mlp_blocks`` where the layers are not the MLP blocks (the hybrid path)."""
+    return with_mlp(dense, StructMoEMLP.as_mlp_submodule, structmoe=structmoe,
+                    mlp_block=mlp_block, num_mlp_blocks=num_mlp_blocks)
 
 
 def sigma_layer_spec(moe_spec: ModuleSpec, sigma, layer_index: int) -> ModuleSpec:

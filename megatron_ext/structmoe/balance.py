@@ -52,21 +52,22 @@ def switch_loss(routing: Routing) -> torch.Tensor:
         topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=1.0)
 
 
-def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, layer_number: int,
-                      num_layers: int) -> torch.Tensor:
+def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, block: int,
+                      num_blocks: int) -> torch.Tensor:
     """Attach ``coeff x loss`` to ``update``'s backward and record the loss (unscaled, as upstream
-    does) and the routing fractions of this layer for logging. Only while training with autograd
-    on: evaluation and the no-grad first pass of activation recomputation record nothing."""
+    does) and the routing fractions of this MLP block (1-based, of ``num_blocks``: the GPT path's
+    layers, the hybrid path's ``-`` symbols) for logging. Only while training with autograd on:
+    evaluation and the no-grad first pass of activation recomputation record nothing."""
     if not (torch.is_grad_enabled() and update.requires_grad):
         return update
     loss = switch_loss(routing)
     tracker = get_moe_metrics_tracker()
-    if layer_number is not None:
-        tracker.record(LOSS_NAME, loss, layer_number, num_layers)
+    if block is not None:
+        tracker.record(LOSS_NAME, loss, block, num_blocks)
         n, k = routing.indices.shape
         fractions = routing.tokens_per_expert().float() / (n * k)
         for expert, value in enumerate(fractions):
-            tracker.record(fraction_name(expert), value, layer_number, num_layers)
+            tracker.record(fraction_name(expert), value, block, num_blocks)
     if coeff > 0:
         update = MoEAuxLossAutoScaler.apply(update, coeff * loss)
     return update
@@ -83,13 +84,15 @@ def set_aux_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
-def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
-    """Reduce the recorded values over PP and DP, add the mean loss to the console line, write the
-    loss and, per layer, the loss and each expert's routing fraction (the StructMoE paper's Fig. 4).
-    Collective: every rank calls it once per iteration (the family's ``log_report``)."""
+def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer,
+           num_blocks: int) -> None:
+    """Reduce the recorded values over PP and DP, add the mean loss over the ``num_blocks`` MLP
+    blocks to the console line, write the loss and, per block (``moe/..._layer_<block - 1>``), the
+    loss and each expert's routing fraction (the StructMoE paper's Fig. 4). Collective: every rank
+    calls it once per iteration (the family's ``log_report``)."""
     # One report for all names: report() clears every entry of the tracker when it is done.
     get_moe_metrics_tracker().report(
         loss_scale=1.0 / get_num_microbatches(), iteration=iteration, writer=writer,
         wandb_writer=wandb_writer, per_layer_logging=True, force_initialize=True,
-        track_names=tracked_names(args.structmoe_num_experts), num_layers=args.num_layers,
+        track_names=tracked_names(args.structmoe_num_experts), num_layers=num_blocks,
         total_loss_dict=total_loss_dict)

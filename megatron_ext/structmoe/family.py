@@ -1,7 +1,7 @@
 """StructMoE as a model family (``--model-family structmoe``; the contract:
 ``models/family.py``): its flags, ``StructMoEConfig`` from them, their checks, the block spec with
-``StructMoEMLP`` in every layer, the per-layer budget line, the aux-loss gradient scale of each
-micro-batch and the router metrics in the training log."""
+``StructMoEMLP`` in every layer (on the hybrid path: in every ``-``), the per-layer budget line,
+the aux-loss gradient scale of each micro-batch and the router metrics in the training log."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from typing import Optional
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_model_config
 
+from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
+from megatron_ext.models.hybrid_specs import mlp_block_count
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import block_spec as build
-from megatron_ext.models.specs import structmoe_layers_fn
+from megatron_ext.models.specs import structmoe_layer_spec, structmoe_layers_fn
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.structmoe.balance import report, set_aux_loss_scale
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
@@ -82,6 +84,20 @@ def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
     return build(config, use_te, structmoe_layers_fn(config_from_args(args)), vp_stage=vp_stage)
 
 
+def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    """The hybrid path: every ``-`` of ``--hybrid-layer-pattern`` is upstream's ``MLPLayer`` with a
+    StructMoE MLP, told which MLP block it is (the i-th ``-``) and how many there are, which
+    ``config.num_layers`` (every symbol) does not say: the DeepNorm depth and the per-block
+    router metrics are those of the GPT path's model with as many layers."""
+    smoe = config_from_args(args)
+    blocks = mlp_block_count(args)
+
+    def mlp_fn(k, dense):
+        return structmoe_layer_spec(dense, smoe, mlp_block=k + 1, num_mlp_blocks=blocks)
+
+    return hybrid_specs.hybrid_stack_spec(config, args.hybrid_layer_pattern, use_te, mlp_fn)
+
+
 def model_state(model, args, config, smoe: StructMoEConfig) -> None:
     budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
                           bool(config.gated_linear_unit))
@@ -91,7 +107,7 @@ def model_state(model, args, config, smoe: StructMoEConfig) -> None:
 def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
     """StructMoE's router metrics each iteration (upstream reports the tracker only for models
     with ``--num-experts``)."""
-    report(args, iteration, total_loss_dict, writer, wandb_writer)
+    report(args, iteration, total_loss_dict, writer, wandb_writer, mlp_block_count(args))
 
 
 def before_forward(model, args, smoe: StructMoEConfig) -> None:
@@ -153,6 +169,7 @@ class StructMoETerms(MLPTerms):
 
 
 FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP", block_spec,
+                hybrid_stack_spec=hybrid_stack_spec,
                 add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, log_report=log_report,
                 before_forward=before_forward, estimate_terms=StructMoETerms(),

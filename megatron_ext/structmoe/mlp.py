@@ -60,10 +60,21 @@ def deepnorm_init(fan_in: int, num_layers: int):
 
 
 class StructMoEMLP(MegatronModule):
+    """``mlp_block`` (1-based) and ``num_mlp_blocks``: which MLP block of the model this is and how
+    many there are, for the DeepNorm depth and the per-block router metrics. Not given (the GPT
+    path), every transformer layer is one block: ``config.num_layers`` of them, the block number
+    being the layer number ``TransformerLayer`` sets. The hybrid path gives both (its spec counts
+    the ``-`` symbols), since there ``config.num_layers`` and the layer number count every symbol of
+    ``--hybrid-layer-pattern`` (8 layers and positions 2, 4, 6, 8 for ``*-*-*-*-``)."""
+
     def __init__(self, config: TransformerConfig, submodules: MLPSubmodules,
-                 structmoe: StructMoEConfig, tp_group=None, name: Optional[str] = None):
+                 structmoe: StructMoEConfig, tp_group=None, name: Optional[str] = None,
+                 mlp_block: Optional[int] = None, num_mlp_blocks: Optional[int] = None):
         super().__init__(config=config)
         self.smoe = structmoe
+        self.num_mlp_blocks = num_mlp_blocks if num_mlp_blocks is not None else config.num_layers
+        if mlp_block is not None and not 1 <= mlp_block <= self.num_mlp_blocks:
+            raise ValueError(f"StructMoE MLP block {mlp_block}: out of 1..{self.num_mlp_blocks}")
         self.gated = bool(config.gated_linear_unit)
         self.budget = layer_budget(structmoe, config.hidden_size, config.ffn_hidden_size,
                                    self.gated)
@@ -79,7 +90,8 @@ class StructMoEMLP(MegatronModule):
         hidden, n_exp, rank = config.hidden_size, structmoe.num_experts, structmoe.rank
         small = structmoe.init == "small"
         fc1_init = small_init(hidden) if small else config.init_method
-        fc2_init = (deepnorm_init(ffn, config.num_layers) if small
+        # DeepNorm's N is the number of MLP blocks (Sec. 3.6), not the hybrid path's symbols.
+        fc2_init = (deepnorm_init(ffn, self.num_mlp_blocks) if small
                     else config.output_layer_init_method)
 
         self.linear_fc1 = submodules.linear_fc1(
@@ -110,11 +122,16 @@ class StructMoEMLP(MegatronModule):
         self.backend = resolve_backend(structmoe.backend)
         # A fused backend (triton) computes the routing with the codes; the others run route().
         self.route_codes_fn, self.expand_fn = route_codes_stages(self.backend)
-        self.layer_number = None  # set by TransformerLayer (1-based, global), for logging
+        # The MLP block (1-based, global) under which the router metrics are recorded.
+        self.mlp_block = mlp_block
+        self.layer_number = mlp_block
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by ``TransformerLayer`` as for upstream's MoE layer."""
-        self.layer_number = layer_number
+        """Called by ``TransformerLayer`` as for upstream's MoE layer: on the GPT path the layer is
+        the MLP block; a block number given at construction (the hybrid path, where the layer
+        number is a pattern position) stays."""
+        if self.mlp_block is None:
+            self.layer_number = layer_number
 
     def _draw(self, shape, init) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.float32)
@@ -125,10 +142,12 @@ class StructMoEMLP(MegatronModule):
     @classmethod
     def as_mlp_submodule(cls, submodules: MLPSubmodules, structmoe: StructMoEConfig,
                          config: TransformerConfig, pg_collection, is_mtp_layer: bool = False,
-                         name: Optional[str] = None) -> "StructMoEMLP":
+                         name: Optional[str] = None, mlp_block: Optional[int] = None,
+                         num_mlp_blocks: Optional[int] = None) -> "StructMoEMLP":
         """Builder matching megatron-core 0.18+'s ``submodules.mlp(config=, pg_collection=, ...)``."""
         return cls(config=config, submodules=submodules, structmoe=structmoe,
-                   tp_group=pg_collection.tp, name=name)
+                   tp_group=pg_collection.tp, name=name, mlp_block=mlp_block,
+                   num_mlp_blocks=num_mlp_blocks)
 
     def routed_update(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``R(x)`` for this rank's D' shard, laid out like ``linear_fc1``'s output."""
@@ -143,7 +162,7 @@ class StructMoEMLP(MegatronModule):
             codes = copy_to_tensor_model_parallel_region(codes, group=self.tp_group)
         update = self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)
         return attach_and_record(update, routing, self.smoe.aux_loss_coeff, self.layer_number,
-                                 self.config.num_layers) if self.training else update
+                                 self.num_mlp_blocks) if self.training else update
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         base, _ = self.linear_fc1(hidden_states)

@@ -3,7 +3,8 @@
 Extends upstream's ``megatron.training.training.destroy_global_state`` (what Megatron's in-process
 restart calls: global args, timers, the micro-batch calculator, the model-parallel groups, the
 rerun state machine) with what Megatron keeps elsewhere per process and what the plugin keeps:
-the tensorboard writer (flushed and closed), Megatron's aux-loss gradient scale, the plugin's
+the tensorboard writer (flushed and closed), Megatron's aux-loss gradient scale and MoE metrics
+tracker (whose entries keep the layer count of the training that first recorded them), the plugin's
 log hooks and run report, and each registered family's own (its ``reset`` hook: STEM waits for the
 host worker and forgets its table optimizers, Sigma empties its router registry). The default process group stays up: ``initialize_megatron`` finds it and
 builds the next training's groups. Every training seeds its generators itself.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import gc
 
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training import training
 from megatron.training.global_vars import get_tensorboard_writer
@@ -41,5 +43,6 @@ def destroy_training_state() -> None:
         run_report._REPORT = None
     log_hooks._HOOKS.clear()  # each install registers its hook again
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    destroy_moe_metrics_tracker()
     training.destroy_global_state()
     gc.collect()
