@@ -241,7 +241,7 @@ def test_moe_blocks_are_counted_in_the_pattern():
     assert moe_block_count(SimpleNamespace(hybrid_layer_pattern=None, num_layers=8)) == 8
 
 
-def test_e_without_experts_and_dense_symbols_in_sigma_are_refused(mcore_single_rank):
+def test_e_without_experts_dense_symbols_and_long_schedules_are_refused(mcore_single_rank):
     from types import SimpleNamespace
 
     from megatron_ext.models import hybrid_specs
@@ -264,3 +264,8 @@ def test_e_without_experts_and_dense_symbols_in_sigma_are_refused(mcore_single_r
         args.hybrid_layer_pattern = pattern
         with pytest.raises(ValueError, match="write E for it, not -"):
             check_args(args)
+    # The schedule counts Sigma layers: the E symbols, not --num-layers (every symbol).
+    args.hybrid_layer_pattern, args.num_layers = "*E*E", 4
+    args.sigma_topk_schedule, args.sigma_sparsify_at = "[2,2,2]", "3"
+    with pytest.raises(ValueError, match="has 3 entries but the model has 2 layers"):
+        check_args(args)
