@@ -7,8 +7,9 @@ losses (upstream's GPT/hybrid interoperation maps ``E`` positions onto GPT layer
 
 The tiny Sigma of ``tests/test_parallel_sigma.py`` (fp32, CPU, gloo, 2 ranks, 32 experts of
 width 16, global-batch LBL 0.01), with a top-k that differs between layers before the switch
-(``[3,1,2]`` for layers 0-2 in steps 1-3, every layer top-1 from step 4; 5 steps): a Sigma layer that took
-another layer's top-k would route differently. Every layout starts from one checkpoint (with EP
+(``[3,1,2]`` for layers 0-2 in steps 1-3, every layer top-1 from steps 4-5): a Sigma layer
+that took another layer's top-k would route differently (giving every ``E`` Sigma layer 0 fails
+the GPT-path comparisons and the log checks). Every layout starts from one checkpoint (with EP
 each rank initializes only its own experts). All in one launch.
 """
 
