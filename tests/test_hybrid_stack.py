@@ -269,3 +269,55 @@ def test_e_without_experts_dense_symbols_and_long_schedules_are_refused(mcore_si
     args.sigma_topk_schedule, args.sigma_sparsify_at = "[2,2,2]", "3"
     with pytest.raises(ValueError, match="has 3 entries but the model has 2 layers"):
         check_args(args)
+
+
+def test_sigma_top1_lbl_on_e_layers_is_the_gpt_paths(mcore_single_rank):
+    """Top-1 LBL (Eqs. 2-4) on ``*E*E*E*E``: two training steps (the second with the gradient
+    weights of the first), each global batch closed in the routers: the same statistics, logged
+    values per Sigma layer and router gradients as the GPT path's Sigma model."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
+    from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.monitor import layer_scalars
+    from megatron_ext.sigma.router import SigmaRouter, end_global_batch
+
+    pattern = "*E*E*E*E"
+    sigma = SigmaConfig(num_layers=4, num_experts=8, topk=1, lbl="top1", lbl_coeff=0.1,
+                        top1_temperature=0.5)
+    config = _sigma_config()
+    torch.manual_seed(0)
+    hybrid = HybridModel(config=config, hybrid_stack_spec=hybrid_specs.hybrid_stack_spec(
+        config, pattern, False, moe_fn=lambda k, moe: sigma_layer_spec(moe, sigma, k)),
+        vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
+        position_embedding_type="rope")
+    gpt_config = _sigma_config()
+    gpt_config.num_layers = 4
+    torch.manual_seed(0)
+    gpt = GPTModel(config=gpt_config, transformer_layer_spec=sigma_block_spec(
+        gpt_config, sigma, False), vocab_size=VOCAB, max_sequence_length=SEQ,
+        position_embedding_type="rope")
+    results = []
+    for model in (hybrid, gpt):
+        model.train()
+        routers = [m for m in model.modules() if isinstance(m, SigmaRouter)]
+        assert [r.layer_index for r in routers] == [0, 1, 2, 3]
+        logs, grads = [], []
+        for seed in (1, 2):
+            model.zero_grad()
+            tokens, pos = _inputs(seed)
+            model(tokens, pos, MASK, labels=tokens).sum().backward()
+            grads.append([r.weight.grad.clone() for r in routers])
+            stats = end_global_batch([model])
+            logs.append({k: v for layer, s in sorted(stats.items())
+                         for k, v in layer_scalars(s, layer, "top1").items()})
+        results.append((logs, grads))
+    (hybrid_logs, hybrid_grads), (gpt_logs, gpt_grads) = results
+    assert sorted(hybrid_logs[1]) == sorted(gpt_logs[1])
+    assert "sigma/top1_lbl_layer_3" in hybrid_logs[1]
+    assert hybrid_logs == gpt_logs
+    for got, want in zip(hybrid_grads, gpt_grads):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
