@@ -260,10 +260,12 @@ def test_e_without_experts_dense_symbols_and_long_schedules_are_refused(mcore_si
         moe_expert_capacity_factor=None, moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=False, hybrid_layer_pattern="*E*E")
     check_args(args)
-    for pattern in ("*E*-", "*-*-"):
+    for pattern in ("*E*-", "*-*-", "*E*", "*EE", "*E*M", "*E*E/*E"):
         args.hybrid_layer_pattern = pattern
-        with pytest.raises(ValueError, match="write E for it, not -"):
+        with pytest.raises(ValueError, match=r"give only \* and E, as many of each"):
             check_args(args)
+    args.hybrid_layer_pattern = "E*|E*"  # the order within a block is the pattern's choice
+    check_args(args)
     # The schedule counts Sigma layers: the E symbols, not --num-layers (every symbol).
     args.hybrid_layer_pattern, args.num_layers = "*E*E", 4
     args.sigma_topk_schedule, args.sigma_sparsify_at = "[2,2,2]", "3"

@@ -17,13 +17,14 @@ import os
 import sys
 from typing import Optional
 
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.convert.layout import split_gated_fc1
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.models.hybrid_specs import moe_block_count, moe_layer_indices
+from megatron_ext.models.hybrid_specs import moe_block_count
 from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.sigma import monitor
@@ -108,10 +109,16 @@ def check_args(args) -> None:
         if not ok:
             raise ValueError(f"--model-family=sigma needs {flag}")
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    if pattern and (not moe_layer_indices(pattern)
-                    or hybrid_specs.mlp_layer_indices(pattern)):
-        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: every FFN of a Sigma model is an "
-                         "MoE layer: write E for it, not - (e.g. '*E*E*E*E')")
+    if pattern:
+        # A Sigma layer is one attention and one MoE layer (the budget and the GPT-path
+        # checkpoint pairing count them so); every FFN is an MoE (no dense '-').
+        layers = hybrid_specs.main_pattern(pattern)
+        if (set(layers) != {Symbols.ATTENTION, Symbols.MOE}
+                or layers.count(Symbols.ATTENTION) != layers.count(Symbols.MOE)
+                or parse_hybrid_pattern(pattern).mtp_num_depths):
+            raise ValueError(f"--hybrid-layer-pattern {pattern!r}: a Sigma layer is one attention "
+                             "layer (*) and one MoE layer (E; every FFN an MoE, no -): give only "
+                             "* and E, as many of each, without MTP depths (e.g. '*E*E*E*E')")
     if sigma.topk_schedule is not None and args.moe_token_dispatcher_type == "flex":
         raise ValueError("--sigma-topk-schedule with --moe-token-dispatcher-type flex: the flex "
                          "dispatcher sizes its buffers once for one top-k; use alltoall or "
