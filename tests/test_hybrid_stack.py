@@ -186,3 +186,148 @@ def test_a_family_without_the_hybrid_path_is_refused_naming_it(monkeypatch):
                                          "hybrid"):
         check_family_args(SimpleNamespace(model_family="gpt_path_only",
                                           hybrid_layer_pattern="*-*-"))
+
+
+def _sigma_config(**kwargs):
+    return _config(num_moe_experts=8, moe_ffn_hidden_size=16, moe_router_topk=1,
+                   moe_router_pre_softmax=True, moe_router_dtype="fp32",
+                   moe_router_load_balancing_type="none", qk_layernorm=True, num_query_groups=2,
+                   moe_token_dispatcher_type="alltoall", **kwargs)
+
+
+def test_the_kth_e_is_sigma_layer_k_and_star_e_repeated_is_the_gpt_path(mcore_single_rank):
+    """``*E*E*E*E`` with a top-k per Sigma layer (3, 2, 1, 1): the k-th E is Sigma layer k (its
+    top-k, its index), QK-norm and GQA in the ``*`` layers, and the same logits as the GPT
+    path's Sigma model from the same seed (failed with every E given Sigma layer 0)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
+    from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.layer import SigmaMoELayer
+
+    pattern = "*E*E*E*E"
+    sigma = SigmaConfig(num_layers=4, num_experts=8, topk=1, topk_schedule=(3, 2),
+                        sparsify_at=5)
+    config = _sigma_config()
+    torch.manual_seed(0)
+    spec = hybrid_specs.hybrid_stack_spec(config, pattern, False,
+                                          moe_fn=lambda k, moe: sigma_layer_spec(moe, sigma, k))
+    hybrid = HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=VOCAB,
+                         max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
+                         position_embedding_type="rope")
+    layers = hybrid.decoder.layers
+    assert [i for i, layer in enumerate(layers) if isinstance(layer, MoETransformerLayer)] \
+        == [1, 3, 5, 7]
+    moe = [layer.mlp for layer in layers if isinstance(layer.mlp, SigmaMoELayer)]
+    assert [(m.layer_number, m.layer_index, m.router.layer_index, m.topk) for m in moe] == [
+        (2, 0, 0, 3), (4, 1, 1, 2), (6, 2, 2, 1), (8, 3, 3, 1)]
+    attention = layers[0].self_attention
+    assert type(attention.q_layernorm).__name__ != "IdentityOp"
+    assert attention.linear_qkv.weight.shape[0] == 32 + 2 * 2 * 8  # 4 heads of 8, 2 groups
+    gpt_config = _sigma_config()
+    gpt_config.num_layers = 4
+    torch.manual_seed(0)
+    gpt = GPTModel(config=gpt_config, transformer_layer_spec=sigma_block_spec(
+        gpt_config, sigma, False), vocab_size=VOCAB, max_sequence_length=SEQ,
+        position_embedding_type="rope")
+    tokens, pos = _inputs()
+    torch.testing.assert_close(hybrid(tokens, pos, MASK), gpt(tokens, pos, MASK),
+                               rtol=0, atol=0)
+
+
+def test_moe_blocks_are_counted_in_the_pattern():
+    from types import SimpleNamespace
+
+    from megatron_ext.models.hybrid_specs import moe_block_count, moe_layer_indices
+
+    assert moe_layer_indices("*E*E|*E*E") == [1, 3, 5, 7]
+    assert moe_layer_indices("*--*E-E") == [4, 6]
+    assert moe_block_count(SimpleNamespace(hybrid_layer_pattern="*E*E*E*E", num_layers=8)) == 4
+    assert moe_block_count(SimpleNamespace(hybrid_layer_pattern=None, num_layers=8)) == 8
+
+
+def test_e_without_experts_dense_symbols_and_long_schedules_are_refused(mcore_single_rank):
+    from types import SimpleNamespace
+
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.sigma.family import check_args
+
+    with pytest.raises(ValueError, match="need --num-experts"):
+        hybrid_specs.hybrid_stack_spec(_config(), "*E*-", False)
+    args = SimpleNamespace(
+        num_layers=None, num_experts=8, moe_router_topk=1, expert_model_parallel_size=1,
+        sigma_lbl="global", sigma_lbl_coeff=1e-3, sigma_top1_lbl_temperature=1.0,
+        sigma_topk_schedule=None, sigma_sparsify_at=None, train_iters=10,
+        moe_ffn_hidden_size=16, swiglu=True, normalization="RMSNorm", qk_layernorm=True,
+        moe_router_pre_softmax=True, moe_router_dtype="fp32",
+        moe_router_score_function="softmax", add_bias_linear=False,
+        moe_router_load_balancing_type="none", moe_shared_expert_intermediate_size=None,
+        moe_expert_capacity_factor=None, moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=False, hybrid_layer_pattern="*E*E")
+    check_args(args)
+    for pattern in ("*E*-", "*-*-", "*E*", "*EE", "*E*M", "*E*E/*E"):
+        args.hybrid_layer_pattern = pattern
+        with pytest.raises(ValueError, match=r"give only \* and E, as many of each"):
+            check_args(args)
+    args.hybrid_layer_pattern = "E*|E*"  # the order within a block is the pattern's choice
+    check_args(args)
+    # The schedule counts Sigma layers: the E symbols, not --num-layers (every symbol).
+    args.hybrid_layer_pattern, args.num_layers = "*E*E", 4
+    args.sigma_topk_schedule, args.sigma_sparsify_at = "[2,2,2]", "3"
+    with pytest.raises(ValueError, match="has 3 entries but the model has 2 layers"):
+        check_args(args)
+
+
+def test_sigma_top1_lbl_on_e_layers_is_the_gpt_paths(mcore_single_rank):
+    """Top-1 LBL (Eqs. 2-4) on ``*E*E*E*E``: two training steps (the second with the gradient
+    weights of the first), each global batch closed in the routers: the same statistics, logged
+    values per Sigma layer and router gradients as the GPT path's Sigma model."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
+    from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.monitor import layer_scalars
+    from megatron_ext.sigma.router import SigmaRouter, end_global_batch
+
+    pattern = "*E*E*E*E"
+    sigma = SigmaConfig(num_layers=4, num_experts=8, topk=1, lbl="top1", lbl_coeff=0.1,
+                        top1_temperature=0.5)
+    config = _sigma_config()
+    torch.manual_seed(0)
+    hybrid = HybridModel(config=config, hybrid_stack_spec=hybrid_specs.hybrid_stack_spec(
+        config, pattern, False, moe_fn=lambda k, moe: sigma_layer_spec(moe, sigma, k)),
+        vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
+        position_embedding_type="rope")
+    gpt_config = _sigma_config()
+    gpt_config.num_layers = 4
+    torch.manual_seed(0)
+    gpt = GPTModel(config=gpt_config, transformer_layer_spec=sigma_block_spec(
+        gpt_config, sigma, False), vocab_size=VOCAB, max_sequence_length=SEQ,
+        position_embedding_type="rope")
+    results = []
+    for model in (hybrid, gpt):
+        model.train()
+        routers = [m for m in model.modules() if isinstance(m, SigmaRouter)]
+        assert [r.layer_index for r in routers] == [0, 1, 2, 3]
+        logs, grads = [], []
+        for seed in (1, 2):
+            model.zero_grad()
+            tokens, pos = _inputs(seed)
+            model(tokens, pos, MASK, labels=tokens).sum().backward()
+            grads.append([r.weight.grad.clone() for r in routers])
+            stats = end_global_batch([model])
+            logs.append({k: v for layer, s in sorted(stats.items())
+                         for k, v in layer_scalars(s, layer, "top1").items()})
+        results.append((logs, grads))
+    (hybrid_logs, hybrid_grads), (gpt_logs, gpt_grads) = results
+    assert sorted(hybrid_logs[1]) == sorted(gpt_logs[1])
+    assert "sigma/top1_lbl_layer_3" in hybrid_logs[1]
+    assert hybrid_logs == gpt_logs
+    for got, want in zip(hybrid_grads, gpt_grads):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -10,9 +10,10 @@ and into the checkpoint, as ``TransformerBlock`` does on the GPT path, so a reco
 sees the ids of its own micro-batch (saved by the checkpoint) under pipeline schedules; the
 model hands them over to its stack for the one synchronous decoder call.
 
-Upstream's stack holds one spec per layer symbol (every ``-`` the same MLP layer); STEM puts its
-table in some MLP layers only. ``LayerChoice`` is a spec slot that builds, per global layer
-index, the layer spec given for that index, else the symbol's default.
+Upstream's stack holds one spec per layer symbol (every ``-`` the same MLP layer, every ``E`` the
+same MoE layer); STEM puts its table in some MLP layers only, and Sigma gives each MoE layer its
+own top-k (progressive sparsification, indexed by MoE block). ``LayerChoice`` is a spec slot that
+builds, per global layer index, the layer spec given for that index, else the symbol's default.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ report's "0.5B activated" they are given without the embedding and output layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,15 @@ class SigmaBudget:
     tied_embeddings: bool
 
     @classmethod
-    def from_config(cls, config, vocab: int, tied: bool) -> "SigmaBudget":
+    def from_config(cls, config, vocab: int, tied: bool,
+                    num_layers: Optional[int] = None) -> "SigmaBudget":
+        """``num_layers``: the Sigma layers (attention + MoE blocks); ``config.num_layers``
+        counts every symbol of a hybrid pattern (8 for ``*E*E*E*E``), so the hybrid path passes
+        the ``E`` count."""
         groups = config.num_query_groups or config.num_attention_heads
-        return cls(config.num_layers, config.hidden_size, config.num_attention_heads, groups,
-                   config.kv_channels, config.num_moe_experts, config.moe_ffn_hidden_size, vocab,
-                   tied)
+        return cls(num_layers or config.num_layers, config.hidden_size,
+                   config.num_attention_heads, groups, config.kv_channels, config.num_moe_experts,
+                   config.moe_ffn_hidden_size, vocab, tied)
 
     @property
     def expert(self) -> int:

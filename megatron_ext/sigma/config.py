@@ -89,7 +89,8 @@ class SigmaConfig:
             self.topk_schedule = tuple(self.topk_schedule)
             if len(self.topk_schedule) > self.num_layers:
                 raise ValueError(f"--sigma-topk-schedule has {len(self.topk_schedule)} entries "
-                                 f"but the model has {self.num_layers} layers (--num-layers)")
+                                 f"but the model has {self.num_layers} layers (--num-layers; on "
+                                 "the hybrid path the E symbols of --hybrid-layer-pattern)")
             for i, k in enumerate(self.topk_schedule):
                 if not 1 <= k <= self.num_experts:
                     raise ValueError(f"--sigma-topk-schedule entry {i} (layer {i}) is {k}: must "

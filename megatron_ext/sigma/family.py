@@ -1,8 +1,13 @@
 """Sigma MoE as a model family (``--model-family sigma``; the contract: ``models/family.py``): its
 flags and the fixed flags it implies, ``SigmaConfig`` from them, the checks of the Sigma layer's
-fixed choices, the block spec with ``SigmaMoELayer`` in every layer, the router statistics closed
-at each global batch, and progressive sparsification (every layer's top-k set before each
-micro-batch, and after a checkpoint is loaded for evaluation)."""
+fixed choices, the block spec with ``SigmaMoELayer`` in every layer (on the hybrid path: every
+``E`` of ``--hybrid-layer-pattern``), the router statistics closed at each global batch, and
+progressive sparsification (every layer's top-k set before each micro-batch, and after a
+checkpoint is loaded for evaluation).
+
+Sigma's layers are its MoE blocks: GPT layer ``l`` on the GPT path, the ``l``-th ``E`` of the
+pattern on the hybrid path (``moe_block_count``), whatever stands between the ``E`` symbols; the
+top-k schedule, the per-layer logs and ``SigmaMoELayer.layer_index`` count them so."""
 
 from __future__ import annotations
 
@@ -12,12 +17,15 @@ import os
 import sys
 from typing import Optional
 
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.convert.layout import split_gated_fc1
+from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.models.specs import sigma_block_spec
+from megatron_ext.models.hybrid_specs import moe_block_count
+from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.sigma import monitor
 from megatron_ext.sigma.budget import SigmaBudget
@@ -59,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> SigmaConfig:
     return SigmaConfig(
-        num_layers=args.num_layers, num_experts=args.num_experts, topk=args.moe_router_topk,
+        num_layers=moe_block_count(args), num_experts=args.num_experts, topk=args.moe_router_topk,
         ep_size=args.expert_model_parallel_size, lbl=args.sigma_lbl,
         lbl_coeff=args.sigma_lbl_coeff, top1_temperature=args.sigma_top1_lbl_temperature,
         topk_schedule=parse_topk_schedule(args.sigma_topk_schedule),
@@ -100,6 +108,17 @@ def check_args(args) -> None:
     for ok, flag in required:
         if not ok:
             raise ValueError(f"--model-family=sigma needs {flag}")
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:
+        # A Sigma layer is one attention and one MoE layer (the budget and the GPT-path
+        # checkpoint pairing count them so); every FFN is an MoE (no dense '-').
+        layers = hybrid_specs.main_pattern(pattern)
+        if (set(layers) != {Symbols.ATTENTION, Symbols.MOE}
+                or layers.count(Symbols.ATTENTION) != layers.count(Symbols.MOE)
+                or parse_hybrid_pattern(pattern).mtp_num_depths):
+            raise ValueError(f"--hybrid-layer-pattern {pattern!r}: a Sigma layer is one attention "
+                             "layer (*) and one MoE layer (E; every FFN an MoE, no -): give only "
+                             "* and E, as many of each, without MTP depths (e.g. '*E*E*E*E')")
     if sigma.topk_schedule is not None and args.moe_token_dispatcher_type == "flex":
         raise ValueError("--sigma-topk-schedule with --moe-token-dispatcher-type flex: the flex "
                          "dispatcher sizes its buffers once for one top-k; use alltoall or "
@@ -117,11 +136,22 @@ def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
     return sigma_block_spec(config, config_from_args(args), use_te, vp_stage=vp_stage)
 
 
+def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    """The hybrid path: the ``k``-th ``E`` of ``--hybrid-layer-pattern`` is Sigma layer ``k``
+    (its top-k from the schedule, its logs), whatever its pattern position."""
+    sigma = config_from_args(args)
+    return hybrid_specs.hybrid_stack_spec(
+        config, args.hybrid_layer_pattern, use_te,
+        moe_fn=lambda k, moe: sigma_layer_spec(moe, sigma, k))
+
+
 def model_state(model, args, config, sigma: SigmaConfig) -> None:
     """The chunk's Sigma layers (a plain list: the forward step applies the schedule to it),
     and the routers' global-batch close at each step (the finalize function)."""
+    # Sigma's layer count, not config.num_layers (on the hybrid path every symbol counts).
     budget = SigmaBudget.from_config(config, args.padded_vocab_size,
-                                     tied=not args.untie_embeddings_and_output_weights)
+                                     tied=not args.untie_embeddings_and_output_weights,
+                                     num_layers=sigma.num_layers)
     print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
     print_rank_0(f"> Sigma top-k per layer: {list(sigma.initial_topks())}, after step "
                  f"{sigma.switch_iteration(args.train_iters)}: {list(sigma.target_topks())}"
@@ -230,8 +260,9 @@ class SigmaTerms(MLPTerms):
 
 
 FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", block_spec,
-                add_args=add_args, config_from_args=config_from_args,
-                default_flags=FAMILY_FLAGS, check_args=check_args, validate_args=validate_args,
+                hybrid_stack_spec=hybrid_stack_spec, add_args=add_args,
+                config_from_args=config_from_args, default_flags=FAMILY_FLAGS,
+                check_args=check_args, validate_args=validate_args,
                 model_state=model_state, log_report=log_report, before_forward=before_forward,
                 at_iteration=at_iteration, reset=forget_routers, estimate_terms=SigmaTerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})
