@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
+from megatron_ext.models.hybrid_pattern import mlp_blocks
 from megatron_ext.models.hybrid_specs import mlp_block_count
 from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.log import print_rank_0
@@ -222,7 +223,7 @@ def reset() -> None:
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
-    stem, n, ffn = config_from_args(args), args.num_layers, args.ffn_hidden_size
+    stem, n, ffn = config_from_args(args), mlp_blocks(args), args.ffn_hidden_size
     layers = set(stem.stem_layers(n))
     return [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
             else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
