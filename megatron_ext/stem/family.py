@@ -248,7 +248,7 @@ class StemTerms(MLPTerms):
     the parameters (host or GPU), with two fetched-row buffers on the GPU."""
 
     def spec_fields(self, args, stem) -> dict:
-        return dict(stem_layers=tuple(stem.stem_layers(args.num_layers)),
+        return dict(stem_layers=tuple(stem.stem_layers(mlp_blocks(args))),
                     stem_variant=stem.variant)
 
     def layout_fields(self, args, stem) -> dict:
