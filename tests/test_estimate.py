@@ -330,6 +330,10 @@ def test_hybrid_pattern_counts_by_hand():
     piped = rank_estimate(tiny(num_layers=3, hybrid_layer_pattern="*-|*--"),
                           Layout(world_size=2, pp=2, global_batch=8), 0)["params"]
     assert piped == 512 * 64 + (attn + 64) + (mlp + 64)
+    # interleaved: segment k on stage k % pp (upstream's select_pipeline_segment)
+    interleaved = rank_estimate(tiny(num_layers=6, hybrid_layer_pattern="*-|*-|*--|*--"),
+                                Layout(world_size=2, pp=2, global_batch=8, virtual_pp=2), 0)
+    assert interleaved["params"] == 512 * 64 + 2 * (attn + 64) + 3 * (mlp + 64)
 
 
 def test_hybrid_pattern_refusals():
