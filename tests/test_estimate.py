@@ -279,3 +279,102 @@ def test_dry_run_refusals():
     novocab = dry_run("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "64", "--max-position-embeddings", "64", check=False)
     assert novocab.returncode == 2 and "needs the vocabulary" in novocab.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the hybrid path (--hybrid-layer-pattern): blocks from the pattern, not --num-layers
+
+
+@pytest.mark.parametrize("family, pattern, layout", [
+    (family, pattern, layout) for family in ("gpt", "stem") for pattern, layout in [
+        ("*-*-*-*-", dict()),
+        ("*-*-|*-*-", dict(world_size=2, pp=2, global_batch=8)),
+        ("*-*-*-*-", dict(world_size=4, tp=2, global_batch=8, distributed_optimizer=True))]
+] + [("gpt", "*-|*-|*-|*-", dict(world_size=2, pp=2, global_batch=8, virtual_pp=2))])
+def test_hybrid_pattern_of_pairs_is_the_gpt_model(family, pattern, layout):
+    """``*-`` repeated n times: the n-layer GPT model's parameters, FLOPs and memory per rank
+    (STEM's layers count MLP blocks: 1 and 3 are the pattern's 2nd and 4th '-'). Interleaved
+    stages only for the dense model: the GPT path's estimate splits the layers into contiguous
+    stages, the hybrid one puts segment k on stage k % pp, as upstream builds them."""
+    stem = dict(stem_layers=(1, 3)) if family == "stem" else {}
+    gpt = estimate(tiny(family=family, **stem), Layout(**layout))
+    hybrid = estimate(tiny(family=family, hybrid_layer_pattern=pattern, **stem), Layout(**layout))
+    for key in ("total_params", "stem_table_params", "active_params", "paper_active_params",
+                "flops", "rank_params", "gpu_bytes", "host_bytes", "busiest_stage"):
+        assert getattr(hybrid, key) == getattr(gpt, key), key
+    assert hybrid.model.attention_layers == 4
+
+
+def test_hybrid_pattern_counts_by_hand():
+    """``*-*--``: two attention blocks and three MLP blocks, each with the norm before it."""
+    s = tiny(num_layers=3, hybrid_layer_pattern="*-*--")
+    assert s.attention_layers == 2
+    attn = 64 * (64 + 2 * 32) + 64 * 64
+    mlp = 3 * 64 * 192
+    total = 512 * 64 * 2 + 2 * (attn + 64) + 3 * (mlp + 64) + 64
+    est = estimate(s, Layout())
+    assert est.total_params == total
+    assert est.active_params == total - 512 * 64 + 64
+    core = 12 * 32 * 64
+    assert est.flops["attention_linear"] == 6 * 2 * attn
+    assert est.flops["attention_core"] == 2 * core
+    assert est.flops["mlp"] == 6 * 3 * mlp
+    assert est.train_flops_per_token == 6 * (2 * attn + 3 * mlp) + 2 * core + 6 * 64 * 512
+    # stages: '*-*' and '--' (an even split of the 6 symbols without '|'), then by segments
+    even = estimate(tiny(num_layers=4, hybrid_layer_pattern="*-*---"),
+                    Layout(world_size=2, pp=2, global_batch=8))
+    split = rank_estimate(tiny(num_layers=4, hybrid_layer_pattern="*-*---"),
+                          Layout(world_size=2, pp=2, global_batch=8), 1)["params"]
+    assert split == 3 * (mlp + 64) + 64 + 512 * 64  # 3 MLP blocks, final norm, output layer
+    assert even.total_params == 512 * 64 * 2 + 2 * (attn + 64) + 4 * (mlp + 64) + 64
+    piped = rank_estimate(tiny(num_layers=3, hybrid_layer_pattern="*-|*--"),
+                          Layout(world_size=2, pp=2, global_batch=8), 0)["params"]
+    assert piped == 512 * 64 + (attn + 64) + (mlp + 64)
+    # interleaved: segment k on stage k % pp (upstream's select_pipeline_segment)
+    interleaved = rank_estimate(tiny(num_layers=6, hybrid_layer_pattern="*-|*-|*--|*--"),
+                                Layout(world_size=2, pp=2, global_batch=8, virtual_pp=2), 0)
+    assert interleaved["params"] == 512 * 64 + 2 * (attn + 64) + 3 * (mlp + 64)
+
+
+def test_hybrid_pattern_refusals():
+    with pytest.raises(ValueError, match=r"--hybrid-layer-pattern '\*M\*-': layers M"):
+        tiny(num_layers=1, hybrid_layer_pattern="*M*-")
+    with pytest.raises(ValueError, match="has 2 MLP blocks"):
+        tiny(num_layers=4, hybrid_layer_pattern="*-*-")
+    with pytest.raises(ValueError, match="its 5 layers are not divisible by pp2"):
+        estimate(tiny(num_layers=3, hybrid_layer_pattern="*-*--"),
+                 Layout(world_size=2, pp=2, global_batch=8))
+    with pytest.raises(ValueError, match="3 '\\|'-separated segments are not divisible by pp2"):
+        estimate(tiny(num_layers=3, hybrid_layer_pattern="*-|*-|-"),
+                 Layout(world_size=2, pp=2, global_batch=8))
+
+
+def test_hybrid_shape_from_flags():
+    """The scaling harness's reading: Megatron derives --num-layers from the pattern."""
+    argv = ["--num-layers", "5", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--swiglu", "--hybrid-layer-pattern", "*-*--"]
+    s = ModelShape.from_flags(argv, 500)
+    assert (s.num_layers, s.attention_layers, s.hybrid_layer_pattern) == (3, 2, "*-*--")
+    assert ModelShape.from_flags(argv[2:], 500) == s  # no --num-layers needed
+    with pytest.raises(ValueError, match="--hybrid-layer-pattern"):
+        ModelShape.from_flags(argv[:-1] + ["*-M-"], 500)
+
+
+def test_dry_run_on_the_hybrid_path(tmp_path):
+    """``--dry-run`` with ``*-`` x 16 on the dense 1B preset (Megatron's --num-layers: 32): the
+    16-layer GPT model's numbers, written out by hand from the preset; a Mamba pattern is
+    refused naming the flag."""
+    out = tmp_path / "est.json"
+    proc = dry_run("--preset", "dense_1b", "--hybrid-layer-pattern", "*-" * 16,
+                   "--dry-run-world-size", "8", "--micro-batch-size", "1",
+                   "--dry-run-json", str(out))
+    assert "16 attention blocks, 16 MLP blocks" in proc.stdout
+    data = json.loads(out.read_text())
+    fields = {k: v for k, v in data["layout"].items() if k in Layout.__dataclass_fields__}
+    by_hand = estimate(spec_from_preset("dense_1b"), Layout(**fields))
+    assert data["total_params"] == by_hand.total_params
+    assert data["flops"] == by_hand.flops
+    assert data["gpu_bytes"] == by_hand.gpu_bytes
+    bad = dry_run("--preset", "dense_1b", "--hybrid-layer-pattern", "*M" * 16,
+                  "--dry-run-world-size", "8", check=False)
+    assert bad.returncode == 2 and "--hybrid-layer-pattern" in bad.stderr, bad.stderr[-2000:]

@@ -174,3 +174,44 @@ def test_padded_vocab_and_validation():
     with pytest.raises(ValueError, match="stem_variant"):
         ModelShape(family="stem", num_layers=4, hidden=8, ffn=8, heads=2, vocab=16,
                    seq_length=4, stem_variant="down")
+
+
+@pytest.mark.parametrize("pattern, stem_blocks", [("*-*-*-*-*-*-", (2, 5)),
+                                                  ("*-*--*--", (1, 4)), ("*--*-", ())])
+def test_hybrid_parameter_counts_match_built_model(mcore_single_rank, pattern, stem_blocks):
+    """A HybridModel built from the pattern (upstream's, local layer slots; STEM layers are MLP
+    blocks) holds the parameters ModelShape counts from the same pattern, whatever the mix of
+    attention and MLP blocks."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.hybrid import TokenIdsHybridModel
+    from megatron_ext.models.layer import TokenContextMLPLayer
+    from megatron_ext.models.specs import with_mlp
+    from megatron_ext.stem.config import StemConfig
+
+    config = TransformerConfig(
+        num_layers=len(pattern), hidden_size=H, ffn_hidden_size=FF, num_attention_heads=HEADS,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        normalization="RMSNorm", use_cpu_initialization=True)
+    stem = StemConfig(layers=stem_blocks) if stem_blocks else None
+    mlp_fn = (lambda k, dense: with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextMLPLayer,
+                                        stem=stem, vocab_size=V) if k in stem_blocks else dense)
+    spec = hybrid_specs.hybrid_stack_spec(config, pattern, False, mlp_fn if stem else None)
+    model = (TokenIdsHybridModel if stem else HybridModel)(
+        config=config, hybrid_stack_spec=spec, vocab_size=V, max_sequence_length=S,
+        hybrid_layer_pattern=pattern, position_embedding_type="rope")
+    blocks = pattern.count("-")
+    analytic = parameter_counts(ModelShape(
+        family="stem", num_layers=blocks, hidden=H, ffn=FF, heads=HEADS, vocab=V, seq_length=S,
+        stem_layers=stem_blocks, hybrid_layer_pattern=pattern))
+    assert count_model_parameters(model) == {"total": analytic.total,
+                                             "stem_tables": analytic.stem_tables,
+                                             "dense": analytic.dense}
+    flops = training_flops_per_token(ModelShape(
+        family="stem", num_layers=blocks, hidden=H, ffn=FF, heads=HEADS, vocab=V, seq_length=S,
+        stem_layers=stem_blocks, hybrid_layer_pattern=pattern))
+    attention = pattern.count("*")
+    assert flops.total == (attention * (6 * 4 * H * H + 6 * 2 * S * H)
+                           + 6 * H * FF * (3 * blocks - len(stem_blocks)) + 6 * H * V)

@@ -10,7 +10,9 @@ gets the fp32 ``[batch, seq, padded_vocab]`` logits, written by the rank that ho
 pipeline stage with TP rank 0 and DP rank 0. Uses megatron.training's own initialisation, model
 builder (our ``model_provider``), checkpoint loader and pipeline schedule (forward only), so what
 it runs is the trained model, not a re-implementation. Sigma layers route with the top-k of the
-checkpoint's iteration.
+checkpoint's iteration. A checkpoint saved on the hybrid path (``--hybrid-layer-pattern``) is
+evaluated as the ``HybridModel`` it was: its pattern is added when the flags give none (upstream's
+loader refuses a hybrid checkpoint in a GPT model).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.training import get_model
 
 from megatron_ext.compat import cpu, upstream_fixes
+from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
 from megatron_ext.models.registry import family_of
 from megatron_ext.training.arguments import add_extension_args, drop_unavailable_fusions
 from megatron_ext.training.entry import _default_transformer_impl
 from megatron_ext.training.model_provider import model_provider
-from megatron_ext.training.presets import expand_argv
+from megatron_ext.training.presets import expand_argv, flag_value, has_flag
 
 
 def _split_argv(argv: Sequence[str]) -> Tuple[str, str, List[str]]:
@@ -54,6 +57,20 @@ def _split_argv(argv: Sequence[str]) -> Tuple[str, str, List[str]]:
     return own["--logits-tokens"], own["--logits-out"], rest
 
 
+def _checkpoint_pattern(argv: Sequence[str]) -> List[str]:
+    """``--hybrid-layer-pattern`` of the checkpoint's run when ``argv`` gives none (``[]`` for a
+    GPT-path checkpoint, or one Megatron's loader will report as missing or unreadable)."""
+    load, step = flag_value(argv, "--load"), flag_value(argv, "--ckpt-step")
+    if load is None or has_flag(argv, "--hybrid-layer-pattern"):
+        return []
+    try:
+        ck = MegatronCheckpoint(load, int(step) if step is not None else None)
+    except (CheckpointError, ValueError):
+        return []
+    pattern = getattr(ck.args, "hybrid_layer_pattern", None)
+    return ["--hybrid-layer-pattern", pattern] if pattern else []
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     tokens_path, out_path, rest = _split_argv(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -62,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     upstream_fixes.install()
 
     argv, _ = cpu.default_flags(expand_argv(rest))  # gloo etc. without CUDA, as pretrain
+    argv = list(argv) + _checkpoint_pattern(argv)
     sys.argv = [sys.argv[0]] + _default_transformer_impl(argv) + [
         "--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
 

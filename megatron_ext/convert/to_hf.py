@@ -37,6 +37,7 @@ from megatron_ext.convert.hf_code.configuration_megatron_ext import MegatronExtC
 from megatron_ext.convert.layout import split_gated_fc1, split_qkv
 from megatron_ext.convert.output import DTYPES, check_output_path, staged_directory
 from megatron_ext.convert.output import progress as progress_bar
+from megatron_ext.models.hybrid_pattern import MLP_SYMBOLS, HybridLayers
 from megatron_ext.models.registry import families, get_family
 
 HF_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
@@ -47,6 +48,10 @@ AUTO_MAP = {"AutoConfig": "configuration_megatron_ext.MegatronExtConfig",
 # Per-layer entries that are training state, not weights: Sigma's previous-global-batch
 # statistics (the Top-1 / global LBL gradient uses them; inference does not).
 TRAINING_STATE = re.compile(r"\.router\.sigma_prev_[a-z]+$")
+
+# A layer's tensors of its attention half (the rest belong to its MLP half): on the hybrid path
+# the halves are two layers of the pattern.
+ATTENTION_PARTS = ("input_layernorm.", "self_attention.")
 
 
 def log(msg: str) -> None:
@@ -77,6 +82,13 @@ class ModelDescription:
     mlp_layers: List[dict]
     iteration: Optional[int]
     rope_scaling_factor: Optional[float] = None  # Llama-3 RoPE scaling (--use-rope-scaling)
+    # Checkpoint layer (``decoder.layers.<i>``) of each Hugging Face layer's attention and MLP:
+    # the same index on the GPT path, the i-th ``*`` and the i-th ``-``/``E`` position of
+    # --hybrid-layer-pattern on the hybrid path (``hf_layer_positions``).
+    attention_positions: List[int] = dataclasses.field(default_factory=list)
+    mlp_positions: List[int] = dataclasses.field(default_factory=list)
+    hybrid_layer_pattern: Optional[str] = None
+    final_norm: str = "decoder.final_layernorm.weight"
 
     @property
     def native(self) -> Optional[str]:
@@ -94,6 +106,26 @@ class ModelDescription:
 def _refuse(cond: bool, msg: str) -> None:
     if cond:
         raise CheckpointError(msg)
+
+
+def hf_layer_positions(pattern: str) -> Tuple[List[int], List[int]]:
+    """(attention positions, MLP positions) of a hybrid-path checkpoint's layers, Hugging Face
+    layer ``i`` taking the i-th of each. A Llama-style layer is attention then MLP, so the
+    pattern (pipes dropped) must be ``*`` followed by one MLP symbol (``-`` or ``E``), repeated;
+    anything else has no Hugging Face layout here and is refused."""
+    try:
+        layers = HybridLayers.parse(pattern)
+    except ValueError as exc:
+        raise CheckpointError(f"the checkpoint's {exc}; to-hf converts patterns of '*' "
+                              "followed by '-' or 'E', repeated") from None
+    s = layers.symbols
+    pairs = [s[k: k + 2] for k in range(0, len(s), 2)]
+    if any(len(p) != 2 or p[0] != "*" or p[1] not in MLP_SYMBOLS for p in pairs):
+        raise CheckpointError(
+            f"the checkpoint's --hybrid-layer-pattern {pattern!r} has no Hugging Face layout: "
+            "a converted layer is one attention and one MLP block, so to-hf converts patterns "
+            "of '*' followed by '-' or 'E', repeated (e.g. '*-*-*-*-'; pipes '|' anywhere)")
+    return layers.attention_positions, layers.mlp_positions
 
 
 def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescription:
@@ -127,7 +159,13 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
     heads = a.num_attention_heads
     groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
     head_dim = a.kv_channels or a.hidden_size // heads
-    n = a.num_layers
+    pattern = getattr(a, "hybrid_layer_pattern", None)
+    if pattern:  # the hybrid path: --num-layers counts every symbol of the pattern
+        attention, mlps = hf_layer_positions(pattern)
+        n, final_norm = len(attention), "decoder.final_norm.weight"
+    else:
+        n, final_norm = a.num_layers, "decoder.final_layernorm.weight"
+        attention = mlps = list(range(n))
     padded = ck.shape("embedding.word_embeddings.weight")[0]
     true_vocab = vocab if vocab is not None else padded
     _refuse(true_vocab > padded, f"--vocab-size {true_vocab} exceeds the checkpoint's "
@@ -141,6 +179,9 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
             f"--model-family {family}: the family has no Hugging Face mapping")
     # The family's MLP of every layer, as the exported config describes it.
     mlp = fam.hf_mlp_layers(a, ck.iteration, gated, _refuse)
+    _refuse(len(mlp) != n, f"--model-family {family}: its Hugging Face mapping describes "
+            f"{len(mlp)} MLP blocks, the checkpoint has {n}" +
+            (f" (--hybrid-layer-pattern {pattern!r})" if pattern else ""))
     return ModelDescription(
         family=family, num_layers=n, hidden=a.hidden_size, num_heads=heads, num_groups=groups,
         head_dim=head_dim, padded_vocab=padded, vocab=true_vocab, eps=float(a.layernorm_epsilon),
@@ -148,7 +189,9 @@ def describe(ck: MegatronCheckpoint, vocab: Optional[int] = None) -> ModelDescri
         tied=not a.untie_embeddings_and_output_weights, gated=gated, act=act,
         qk_norm=bool(a.qk_layernorm), mlp_layers=mlp, iteration=ck.iteration,
         rope_scaling_factor=float(getattr(a, "rope_scaling_factor", 8.0))
-        if getattr(a, "use_rope_scaling", False) else None)
+        if getattr(a, "use_rope_scaling", False) else None,
+        attention_positions=list(attention), mlp_positions=list(mlps),
+        hybrid_layer_pattern=pattern or None, final_norm=final_norm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,18 +234,27 @@ class Plan:
             return False
         return True
 
+    def position(self, i: int, name: str) -> int:
+        """The checkpoint layer holding Hugging Face layer ``i``'s tensor ``name``: its attention
+        part (``input_layernorm``, ``self_attention``) or its MLP part (the rest: the pre-MLP
+        norm, ``mlp``), two layers of the pattern on the hybrid path."""
+        d = self.desc
+        return (d.attention_positions if name.startswith(ATTENTION_PARTS)
+                else d.mlp_positions)[i]
+
     def layer(self, i: int, names: Sequence[str], shape: Tuple[int, ...]):
-        """A reader of layer ``i``'s tensor, under the first of ``names`` the checkpoint has
-        (the local and Transformer Engine specs name the layer norms differently)."""
+        """A reader of Hugging Face layer ``i``'s tensor, under the first of ``names`` the
+        checkpoint has (the local and Transformer Engine specs name the layer norms
+        differently)."""
         for name in names:
             try:
-                key, index = self.ck.layer_key(i, name)
+                key, index = self.ck.layer_key(self.position(i, name), name)
             except KeyError:
                 continue
             if self._need(key, index, shape):
                 return lambda key=key, index=index: self.ck.read(key, index)
             return None
-        self.missing.append(f"decoder.layers.{i}.{names[0]}")
+        self.missing.append(f"decoder.layers.{self.position(i, names[0])}.{names[0]}")
         return None
 
     def whole(self, key: str, shape: Tuple[int, ...]):
@@ -225,7 +277,7 @@ class Plan:
         for i in range(d.num_layers):
             self._attention(i)
             self._mlp(i, d.mlp_layers[i])
-        self.add("model.norm.weight", (h,), self.whole("decoder.final_layernorm.weight", (h,)))
+        self.add("model.norm.weight", (h,), self.whole(d.final_norm, (h,)))
         if not d.tied:
             out = self.whole("output_layer.weight", (P, h))
             self.add("lm_head.weight", (V, h), out and rows(out))
@@ -313,7 +365,10 @@ class Plan:
         if problems:
             raise CheckpointError(
                 f"{self.ck.dir} does not match the {self.desc.family} model its args describe "
-                f"({self.desc.num_layers} layers, hidden {self.desc.hidden}):\n  " +
+                f"({self.desc.num_layers} layers" +
+                (f", --hybrid-layer-pattern {self.desc.hybrid_layer_pattern!r}"
+                 if self.desc.hybrid_layer_pattern else "") +
+                f", hidden {self.desc.hidden}):\n  " +
                 "\n  ".join(problems))
 
 
@@ -485,6 +540,7 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
         with open(os.path.join(tmp, "megatron_ext_conversion.json"), "w") as f:
             json.dump({"source": ck.dir, "iteration": ck.iteration, "family": desc.family,
                        "architecture": config.architectures[0], "padded_vocab": desc.padded_vocab,
+                       "hybrid_layer_pattern": desc.hybrid_layer_pattern,
                        "mlp_layers": desc.mlp_layers}, f, indent=2)
         if os.path.exists(out):  # --overwrite
             shutil.rmtree(out)

@@ -23,6 +23,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron_ext.convert.layout import split_gated_fc1
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
+from megatron_ext.models.hybrid_pattern import mlp_blocks
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.hybrid_specs import moe_block_count
 from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
@@ -190,7 +191,7 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
     refuse(getattr(args, "moe_shared_expert_intermediate_size", None) is not None,
            "shared experts are not supported")
     return [{"type": "moe", "num_experts": args.num_experts, "top_k": int(topks[i]),
-             "intermediate_size": args.moe_ffn_hidden_size} for i in range(args.num_layers)]
+             "intermediate_size": args.moe_ffn_hidden_size} for i in range(mlp_blocks(args))]
 
 
 def hf_moe_tensors(plan, i: int, m: dict) -> None:

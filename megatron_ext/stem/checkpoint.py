@@ -23,13 +23,15 @@ applied, so on load every row's decay mark is the saved product.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import dataclasses
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
+from megatron_ext.convert.checkpoint import MegatronCheckpoint
 from megatron_ext.stem.store import gather_rows
 from megatron_ext.stem.tiers import full_tensor, write_back
 from megatron_ext.stem.worker import WORKER
@@ -224,29 +226,49 @@ def _prepend_offsets(sharded_tensor) -> tuple:
                  for axis in range(p))
 
 
-def check_table_shapes(load_dir: str, expected: Dict[str, Tuple[int, int]],
-                       step: int | None = None, token_ids: int | None = None) -> None:
-    """Refuse, with the shapes and the flags that set them, a checkpoint whose STEM tables do not
-    fit this model's ``[vocab, d_ff]`` (``expected``: checkpoint key -> shape): ``d_ff`` must be
-    equal; the (padded) vocabulary may differ, as the padding depends on the TP size, as long as
-    the checkpoint has a row for each of the tokenizer's ``token_ids`` ids."""
+_TABLE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.table$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTables:
+    """The STEM tables a checkpoint holds: saved layer index (``decoder.layers.<i>``: a GPT
+    layer, or a pattern position for a hybrid-path checkpoint) -> global ``[vocab, d_ff]``, and
+    the ``--hybrid-layer-pattern`` of the run that saved it (None: the GPT path)."""
+
+    path: str
+    shapes: Dict[int, Tuple[int, ...]]
+    hybrid_layer_pattern: Optional[str]
+
+
+def saved_tables(load_dir: str, step: Optional[int] = None) -> Optional[SavedTables]:
+    """The tables of the checkpoint upstream's loader will read, from its metadata and args (no
+    tensor is read); None where there is none to check (no checkpoint, not ``torch_dist``:
+    Megatron's loader reports it)."""
     try:
         path, _ = resolve_checkpoint_dir(load_dir, step)
+        ck = MegatronCheckpoint(path)
     except CheckpointError:
-        return  # nothing to load (Megatron says so itself)
-    try:
-        metadata = dist_checkpointing.load_tensors_metadata(path)
-    except Exception:  # not a torch_dist checkpoint: Megatron's loader reports it
-        return
-    for key, shape in expected.items():
-        if key not in metadata:
+        return None
+    shapes = {int(m.group(1)): ck.shape(key) for key in ck.tensor_keys()
+              for m in [_TABLE.match(key)] if m}
+    return SavedTables(ck.dir, shapes, getattr(ck.args, "hybrid_layer_pattern", None) or None)
+
+
+def check_table_shapes(saved: SavedTables, expected: Dict[int, Tuple[int, int]],
+                       token_ids: int | None = None) -> None:
+    """Refuse, with the shapes and the flags that set them, a checkpoint whose STEM tables do not
+    fit this model's ``[vocab, d_ff]`` (``expected``: saved layer index -> shape): ``d_ff`` must
+    be equal; the (padded) vocabulary may differ, as the padding depends on the TP size, as long
+    as the checkpoint has a row for each of the tokenizer's ``token_ids`` ids."""
+    for layer, shape in expected.items():
+        if layer not in saved.shapes:
             continue
-        found = tuple(metadata[key].global_shape)
+        key, found = f"decoder.layers.{layer}.mlp.table", tuple(saved.shapes[layer])
         needed_rows = shape[0] if token_ids is None else min(shape[0], token_ids)
         if found[1:] != tuple(shape[1:]) or found[0] < needed_rows or (
                 token_ids is None and found[0] != shape[0]):
             raise ValueError(
-                f"STEM table checkpoint {path}: {key} has shape [vocab, d_ff] = "
+                f"STEM table checkpoint {saved.path}: {key} has shape [vocab, d_ff] = "
                 f"{list(found)}, but this model's tables are {list(shape)} (padded vocabulary "
                 "size from --vocab-size/the tokenizer and --make-vocab-size-divisible-by, d_ff "
                 "from --ffn-hidden-size); load it with the model it was trained with")

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
 
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
+from megatron_ext.models.hybrid_pattern import mlp_blocks
 from megatron_ext.models.hybrid_specs import mlp_block_count
 from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import decoder_block_spec, with_mlp
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem import table_optimizer
-from megatron_ext.stem.checkpoint import check_table_shapes
+from megatron_ext.stem.checkpoint import SavedTables, check_table_shapes, saved_tables
 from megatron_ext.stem.config import (
     INITS,
     KERNELS,
@@ -187,16 +189,51 @@ def model_state(model, args, config, stem: StemConfig) -> None:
         hot_mask=hot) if layers else None
 
 
+def _saved_layer(args, saved: SavedTables) -> Optional[Callable[[int], int]]:
+    """Where upstream's loader reads a layer of this model (its global index: a GPT layer, or a
+    pattern position on the hybrid path) from: the same index, or for a GPT-path checkpoint
+    into the hybrid path the paired GPT layer (upstream's ``gpt_compatible_layer_maps``: the
+    i-th MLP position is GPT layer i, as ``models/hybrid_checkpoint.py`` retargets). None: a
+    pairing upstream's loader refuses itself."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern or saved.hybrid_layer_pattern:
+        return None if saved.hybrid_layer_pattern and not pattern else (lambda i: i)
+    try:
+        mlp_to_gpt = gpt_compatible_layer_maps(pattern).mlp_to_gpt
+    except ValueError:
+        return None
+    return lambda i: mlp_to_gpt[i]
+
+
 def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Optional[int],
                      tokenizer_vocab_size: Optional[int]) -> None:
-    """The checkpoint's STEM tables fit this model's ``[vocab, d_ff]`` (``check_table_shapes``)."""
+    """The checkpoint has this model's STEM tables, in the layers ``--stem-layers`` /
+    ``--stem-ratio`` choose and with its ``[vocab, d_ff]`` (``check_table_shapes``), looked up
+    where upstream's loader reads them (a GPT-path checkpoint into the hybrid path: the paired
+    GPT layers)."""
+    saved = saved_tables(load_dir, step)
+    saved_layer = _saved_layer(args, saved) if saved is not None else None
+    if saved_layer is None:
+        return
     expected = {}
     for chunk in chunks:
         for _, module in chunk.named_modules():
             if isinstance(module, StemMLP) and module.layer_number is not None:
-                key = f"decoder.layers.{module.layer_number - 1}.mlp.table"
-                expected[key] = (module.vocab_size, module.config.ffn_hidden_size)
-    check_table_shapes(load_dir, expected, step, tokenizer_vocab_size)
+                expected[saved_layer(module.layer_number - 1)] = (
+                    module.vocab_size, module.config.ffn_hidden_size)
+    check_table_shapes(saved, expected, tokenizer_vocab_size)
+    # Every STEM layer of the model (all stages), by its global index, and where it is read.
+    blocks = stem.stem_layers(mlp_block_count(args))
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    layers = [hybrid_specs.mlp_layer_indices(pattern)[k] for k in blocks] if pattern else blocks
+    wanted = sorted(saved_layer(i) for i in layers)
+    if sorted(saved.shapes) != wanted:
+        where = ("pattern positions" if saved.hybrid_layer_pattern else "layers")
+        raise ValueError(
+            f"STEM table checkpoint {saved.path}: it holds STEM tables in {where} "
+            f"{sorted(saved.shapes)}, but this model's STEM layers (MLP blocks {blocks} from "
+            f"--stem-layers/--stem-ratio) read them from {where} {wanted}; load it with the "
+            "STEM layers it was trained with")
 
 
 def wrap_optimizer(optimizer, chunks, args, stem: StemConfig):
@@ -222,7 +259,7 @@ def reset() -> None:
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
-    stem, n, ffn = config_from_args(args), args.num_layers, args.ffn_hidden_size
+    stem, n, ffn = config_from_args(args), mlp_blocks(args), args.ffn_hidden_size
     layers = set(stem.stem_layers(n))
     return [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
             else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
@@ -247,7 +284,7 @@ class StemTerms(MLPTerms):
     the parameters (host or GPU), with two fetched-row buffers on the GPU."""
 
     def spec_fields(self, args, stem) -> dict:
-        return dict(stem_layers=tuple(stem.stem_layers(args.num_layers)),
+        return dict(stem_layers=tuple(stem.stem_layers(mlp_blocks(args))),
                     stem_variant=stem.variant)
 
     def layout_fields(self, args, stem) -> dict:

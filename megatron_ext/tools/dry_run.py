@@ -102,6 +102,11 @@ def report(est, preset: Optional[str]) -> str:
         f"CP {lay.cp} x DP {lay.dp} (EP {lay.ep}, expert TP {lay.etp}); micro batch "
         f"{lay.micro_batch}, global batch {lay.global_batch} ({lay.microbatches} micro-batches "
         f"per step per DP rank), sequence {m.seq_length}, vocabulary {m.vocab:,} (padded)",
+    ]
+    if m.hybrid_layer_pattern:  # the hybrid path: the pattern's blocks, not --num-layers
+        lines.append(f"hybrid path: --hybrid-layer-pattern {m.hybrid_layer_pattern!r}: "
+                     f"{m.attention_layers} attention blocks, {m.num_layers} MLP blocks")
+    lines += [
         "parameters",
         f"  total                          {_count(est.total_params)}",
     ]

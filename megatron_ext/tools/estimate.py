@@ -24,6 +24,13 @@ Megatron's parsed arguments by :func:`estimate_from_args`.
   ``min(pp - stage, micro-batches)`` micro-batches in flight on a stage; full recomputation keeps
   each layer's input only, plus one layer's activations while it is recomputed.
 
+On the hybrid path (``--hybrid-layer-pattern``) a stage holds the pattern's layers of its
+segments (``|``; an even split of the symbols without one, as upstream's
+``select_pipeline_segment``): its attention blocks (``*``) and MLP blocks (``-``/``E``), each with
+the norm before it; full recomputation keeps the input of every pattern layer. ``*-`` repeated is
+then the GPT path's model, counted alike but for full recomputation (two layer inputs per block
+instead of one).
+
 Not counted: CUDA context, NCCL and allocator fragmentation (budget 2-5 GiB per GPU), Megatron's
 distributed-optimizer communication buckets, and temporary buffers of fused kernels.
 """
@@ -39,7 +46,8 @@ from megatron_ext.tools.model_shape import (
     ModelShape,
     Parts,
     active_params,
-    layer_parts,
+    attention_block_parts,
+    mlp_block_parts,
     model_parts,
     paper_active_params,
     stem_table_params,
@@ -63,7 +71,9 @@ def norm_activation_bytes(layout: Layout, hs: float, rows: float) -> float:
 
 def layer_activation_bytes(spec: ModelShape, layout: Layout, layer: int,
                            topks: Sequence[int]) -> float:
-    """Bytes autograd keeps for one layer and one micro-batch on one rank.
+    """Bytes autograd keeps for one GPT-path layer (attention block and MLP block ``layer``) and
+    one micro-batch on one rank: :func:`attention_activation_bytes` plus
+    :func:`mlp_activation_bytes`.
 
     ``s`` the local sequence, ``b`` the micro batch, ``t`` the TP size, ``B`` bytes per element of
     the training dtype; ``hs = s b h`` (divided by ``t`` with sequence parallelism). Checked
@@ -90,15 +100,23 @@ def layer_activation_bytes(spec: ModelShape, layout: Layout, layer: int,
     1% of the bytes really saved; StructMoE and Sigma, whose routing keeps index and gather
     tensors this model does not itemise, within 15% (the estimate is lower).
     """
-    t = layout.tp
+    return (attention_activation_bytes(spec, layout)
+            + mlp_activation_bytes(spec, layout, layer, topks))
+
+
+def _local(spec: ModelShape, layout: Layout):
+    """(local sequence, micro batch, sequence-parallel divisor, ``s b h`` per rank, rows)."""
     s = spec.seq_length // layout.cp
     b = layout.micro_batch
-    B = layout.act_bytes
-    sp = t if spec.sequence_parallel else 1
-    hs = s * b * spec.hidden / sp
-    rows = s * b / sp
-    n = 2 * norm_activation_bytes(layout, hs, rows)
-    # attention block
+    sp = layout.tp if spec.sequence_parallel else 1
+    return s, b, sp, s * b * spec.hidden / sp, s * b / sp
+
+
+def attention_activation_bytes(spec: ModelShape, layout: Layout) -> float:
+    """An attention block (its norm, attention, hidden dropout) and one micro-batch."""
+    t, B = layout.tp, layout.act_bytes
+    s, b, sp, hs, rows = _local(spec, layout)
+    n = norm_activation_bytes(layout, hs, rows)
     n += B * s * b * ((spec.q + 2 * spec.kv) + spec.q) / t
     if spec.rope:
         n += B * s * b * (spec.q + spec.kv) / t + 4 * s * spec.head_dim * B
@@ -113,10 +131,18 @@ def layer_activation_bytes(spec: ModelShape, layout: Layout, layer: int,
         if layout.attention_dropout:
             n += B * scores + scores
     if layout.hidden_dropout:
-        n += 2 * hs
-    # MLP block
-    n += spec.terms.mlp_activation_bytes(spec, layout, layer, topks, s, b, sp)
+        n += hs
     return n
+
+
+def mlp_activation_bytes(spec: ModelShape, layout: Layout, layer: int,
+                         topks: Sequence[int]) -> float:
+    """MLP block ``layer`` (its norm, the family's MLP, hidden dropout) and one micro-batch."""
+    s, b, sp, hs, rows = _local(spec, layout)
+    n = norm_activation_bytes(layout, hs, rows)
+    if layout.hidden_dropout:
+        n += hs
+    return n + spec.terms.mlp_activation_bytes(spec, layout, layer, topks, s, b, sp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,12 +197,47 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+@dataclass(frozen=True)
+class StageBlocks:
+    """What one pipeline stage holds: its attention blocks, the indices of its MLP blocks (the
+    family's layer index) and the layers whose input full recomputation keeps."""
+
+    attention: int
+    mlp: List[int]
+    layers: int
+
+
+def stage_blocks(spec: ModelShape, layout: Layout, stage: int) -> StageBlocks:
+    """The blocks of pipeline stage ``stage``: Megatron's even split of the transformer layers
+    (GPT path), or the pattern's segments the stage builds (hybrid path; upstream's
+    ``select_pipeline_segment``: segment ``k`` on stage ``k % pp``, all virtual chunks)."""
+    hybrid = spec.hybrid
+    if hybrid is None:
+        layers = list(stage_layers(spec.num_layers, layout.pp, stage))
+        return StageBlocks(len(layers), layers, len(layers))
+    if len(hybrid.segments) == 1:  # no '|': an even split of the symbols
+        per = len(hybrid.symbols) // layout.pp
+        positions = list(range(stage * per, (stage + 1) * per))
+    else:
+        positions, start = [], 0
+        for k, segment in enumerate(hybrid.segments):
+            if k % layout.pp == stage:
+                positions += range(start, start + len(segment))
+            start += len(segment)
+    block = {p: k for k, p in enumerate(hybrid.mlp_positions)}
+    return StageBlocks(sum(hybrid.symbols[p] == "*" for p in positions),
+                       [block[p] for p in positions if p in block], len(positions))
+
+
 def rank_parts(spec: ModelShape, layout: Layout, stage: int) -> Parts:
     """Parameters on tensor-parallel rank 0 of pipeline stage ``stage``."""
     tp, pp = layout.tp, layout.pp
     p = Parts()
-    for layer in stage_layers(spec.num_layers, pp, stage):
-        p.add(layer_parts(spec, layer, tp, layout.ep, layout.expert_tp, layout.stem_managed))
+    blocks = stage_blocks(spec, layout, stage)
+    for _ in range(blocks.attention):
+        p.add(attention_block_parts(spec, tp))
+    for layer in blocks.mlp:
+        p.add(mlp_block_parts(spec, layer, tp, layout.ep, layout.expert_tp, layout.stem_managed))
     if stage == 0:
         p.embedding += spec.vocab * spec.hidden // tp + spec.learned_positions * spec.hidden
     if stage == pp - 1:
@@ -203,16 +264,22 @@ def _stage_memory(spec: ModelShape, layout: Layout, stage: int, topks: Sequence[
     else:
         gpu["optimizer"] = state * n
     # activations
-    layers = list(stage_layers(spec.num_layers, layout.pp, stage))
+    blocks = stage_blocks(spec, layout, stage)
+    layers = blocks.mlp
     B = layout.act_bytes
     s = spec.seq_length // layout.cp
     b = layout.micro_batch
     hs = s * b * spec.hidden / (layout.tp if spec.sequence_parallel else 1)
-    full = [layer_activation_bytes(spec, layout, i, topks) for i in layers]
+    attention = attention_activation_bytes(spec, layout)
+    mlp = [mlp_activation_bytes(spec, layout, i, topks) for i in layers]
+    if spec.hybrid is None:  # a recomputed GPT layer is one attention and one MLP block
+        full = [attention + m for m in mlp]
+    else:  # a recomputed hybrid layer is one block
+        full = [attention] * min(blocks.attention, 1) + mlp
     if layout.recompute == "full":
-        one_microbatch = len(layers) * hs * B + (max(full) if full else 0)
+        one_microbatch = blocks.layers * hs * B + (max(full) if full else 0)
     else:
-        one_microbatch = sum(full)
+        one_microbatch = blocks.attention * attention + sum(mlp)
     if not layout.flash_attention and layout.recompute is None:
         one_microbatch += s * s * b  # the causal mask (bool), shared by the layers
     rows = s * b / (layout.tp if spec.sequence_parallel else 1)

@@ -192,8 +192,19 @@ def validate_layout(layout: Layout, shape: Optional[ModelShape] = None,
             raise ValueError(f"{n}Megatron's MoE layer trains with TP only under sequence "
                              "parallelism: add --sequence-parallel (after `--` in "
                              "launch/scaling.py; Megatron turns it off by itself where TP is 1)")
-        if shape.num_layers % pp:
+        hybrid = shape.hybrid
+        if hybrid is None and shape.num_layers % pp:
             raise ValueError(f"{n}--num-layers={shape.num_layers} is not divisible by pp{pp}")
+        # upstream's select_pipeline_segment: the stages are the pattern's '|' segments, or an
+        # even split of its layers where it has none
+        if hybrid is not None and len(hybrid.segments) == 1 and len(hybrid.symbols) % pp:
+            raise ValueError(f"{n}--hybrid-layer-pattern {hybrid.pattern!r}: its "
+                             f"{len(hybrid.symbols)} layers are not divisible by pp{pp} (mark "
+                             "the stages with '|')")
+        if hybrid is not None and len(hybrid.segments) > 1 and len(hybrid.segments) % pp:
+            raise ValueError(f"{n}--hybrid-layer-pattern {hybrid.pattern!r}: its "
+                             f"{len(hybrid.segments)} '|'-separated segments are not divisible "
+                             f"by pp{pp}")
         widths = [("--num-attention-heads", shape.heads),
                   ("--num-query-groups", shape.query_groups), ("--ffn-hidden-size", shape.ffn)]
         for flag, value in widths + shape.terms.widths(shape):

@@ -21,6 +21,15 @@ dense and STEM models built in-process):
 * word embedding ``V h`` (``V`` Megatron's padded vocabulary, :func:`padded_vocab_size`), learned
   positions, and the output layer ``V h`` when untied (a tied one is the embedding).
 
+**Blocks.** On the GPT path ``--num-layers`` counts transformer layers, each one attention block
+and one MLP block. On the hybrid path (``--hybrid-layer-pattern``, ``docs/hybrid.md``) Megatron's
+``--num-layers`` counts every symbol; the counts take the attention blocks from the ``*`` symbols
+and the MLP blocks from the ``-``/``E`` symbols (``models/hybrid_pattern.py``), each with its own
+norm, so ``*-`` repeated ``n`` times counts as the ``n``-layer GPT model and ``*-*--`` as two
+attention and three MLP blocks. ``ModelShape.num_layers`` is the MLP blocks (the index the
+families' layer terms take: STEM's layers, Sigma's top-k), ``attention_layers`` the attention
+blocks.
+
 *Active* parameters per token count what one token touches in a forward pass: every dense weight
 and norm, one row of the word (and learned position) embedding, one STEM table row (``f``), the
 selected ``k`` StructMoE experts (``k r (h + D')``) and Sigma experts (``k_l`` in layer ``l``), and
@@ -58,6 +67,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple
 
+from megatron_ext.models.hybrid_pattern import HybridLayers
 from megatron_ext.models.registry import family_config, get_family, registered_families
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem.config import VARIANTS
@@ -86,6 +96,10 @@ class ModelShape:
     sequence shards (it changes activations, not parameters or FLOPs). ``stem_layers`` are 0-based
     layer indices. The family-specific fields are set by the family's terms
     (``spec_fields``) and mean nothing to the others.
+
+    ``hybrid_layer_pattern`` (the hybrid path's ``--hybrid-layer-pattern``): ``num_layers`` is then
+    its MLP blocks (``-``/``E``), :attr:`attention_layers` its ``*`` symbols; empty: the GPT path,
+    ``num_layers`` transformer layers of one attention and one MLP block each.
     """
 
     family: str
@@ -118,8 +132,14 @@ class ModelShape:
     expert_ffn: int = 0
     topks: Tuple[int, ...] = ()  # per layer, in effect now
     target_topks: Tuple[int, ...] = ()
+    hybrid_layer_pattern: str = ""
 
     def __post_init__(self) -> None:
+        if self.hybrid_layer_pattern:
+            blocks = HybridLayers.parse(self.hybrid_layer_pattern).mlp_blocks
+            if blocks != self.num_layers:
+                raise ValueError(f"num_layers={self.num_layers}: --hybrid-layer-pattern "
+                                 f"{self.hybrid_layer_pattern!r} has {blocks} MLP blocks")
         for name in ("num_layers", "hidden", "ffn", "heads", "vocab", "seq_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -148,8 +168,11 @@ class ModelShape:
         """The model ``launch/pretrain.py`` builds from Megatron's parsed and validated arguments
         (``padded_vocab_size`` set); the family's own numbers from its terms and config."""
         groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+        pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+        blocks = HybridLayers.parse(pattern).mlp_blocks if pattern else args.num_layers
         fields = dict(
-            family=args.model_family, num_layers=args.num_layers, hidden=args.hidden_size,
+            family=args.model_family, num_layers=blocks, hybrid_layer_pattern=pattern,
+            hidden=args.hidden_size,
             ffn=args.ffn_hidden_size, heads=args.num_attention_heads,
             vocab=args.padded_vocab_size, seq_length=args.seq_length, query_groups=groups,
             head_dim=args.kv_channels, gated=bool(args.swiglu), bias=bool(args.add_bias_linear),
@@ -190,9 +213,13 @@ class ModelShape:
         seq_length = required("--seq-length")
         position = flag_value(argv, "--position-embedding-type") or "learned_absolute"
         groups = number("--num-query-groups") or 1
+        # The hybrid path: Megatron derives --num-layers from the pattern (every symbol).
+        pattern = flag_value(argv, "--hybrid-layer-pattern") or ""
+        blocks = (HybridLayers.parse(pattern).mlp_blocks if pattern
+                  else required("--num-layers"))
         return cls(
             family=flag_value(argv, "--model-family") or "gpt",
-            num_layers=required("--num-layers"), hidden=hidden, ffn=ffn,
+            num_layers=blocks, hybrid_layer_pattern=pattern, hidden=hidden, ffn=ffn,
             heads=required("--num-attention-heads"),
             vocab=padded_vocab_size(vocab, number("--make-vocab-size-divisible-by") or 128),
             seq_length=seq_length,
@@ -211,6 +238,18 @@ class ModelShape:
     @property
     def terms(self) -> MLPTerms:
         return family_terms(self.family)
+
+    @property
+    def hybrid(self) -> Optional[HybridLayers]:
+        """The hybrid decoder (None on the GPT path)."""
+        return HybridLayers.parse(self.hybrid_layer_pattern) if self.hybrid_layer_pattern \
+            else None
+
+    @property
+    def attention_layers(self) -> int:
+        """Attention blocks: the pattern's ``*`` on the hybrid path, else one per layer."""
+        hybrid = self.hybrid
+        return hybrid.attention_layers if hybrid is not None else self.num_layers
 
     @property
     def m(self) -> int:
@@ -287,11 +326,24 @@ def mlp_params(shape: ModelShape, layer: int, tp: int = 1) -> int:
     return shape.terms.mlp_params(shape, layer, tp)
 
 
+def attention_block_parts(shape: ModelShape, tp: int = 1) -> Parts:
+    """One attention block: its input norm and the attention."""
+    return Parts(attention=attention_params(shape, tp), norms=shape.norm)
+
+
+def mlp_block_parts(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1, etp: int = 1,
+                    managed_tables: bool = False) -> Parts:
+    """MLP block ``layer``: its pre-MLP norm and the family's MLP (tables, routers, experts)."""
+    p = Parts(norms=shape.norm, mlp=mlp_params(shape, layer, tp))
+    shape.terms.add_layer_parts(shape, layer, p, tp, ep, etp, managed_tables)
+    return p
+
+
 def layer_parts(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1, etp: int = 1,
                 managed_tables: bool = False) -> Parts:
-    p = Parts(attention=attention_params(shape, tp), norms=2 * shape.norm,
-              mlp=mlp_params(shape, layer, tp))
-    shape.terms.add_layer_parts(shape, layer, p, tp, ep, etp, managed_tables)
+    """A GPT-path transformer layer: one attention and one MLP block."""
+    p = attention_block_parts(shape, tp)
+    p.add(mlp_block_parts(shape, layer, tp, ep, etp, managed_tables))
     return p
 
 
@@ -300,8 +352,10 @@ def model_parts(shape: ModelShape, managed_tables: bool = False) -> Parts:
     h = shape.hidden
     total = Parts(embedding=shape.vocab * h + shape.learned_positions * h, norms=shape.norm,
                   output_layer=shape.vocab * h if shape.untied else 0)
+    for _ in range(shape.attention_layers):
+        total.add(attention_block_parts(shape))
     for layer in range(shape.num_layers):
-        total.add(layer_parts(shape, layer, managed_tables=managed_tables))
+        total.add(mlp_block_parts(shape, layer, managed_tables=managed_tables))
     return total
 
 
@@ -315,8 +369,9 @@ def active_params(shape: ModelShape, topks: Optional[Sequence[int]] = None) -> i
     topks = shape.topks if topks is None else topks
     h = shape.hidden
     n = h + (h if shape.learned_positions else 0) + shape.norm + shape.vocab * h
+    n += shape.attention_layers * (attention_params(shape) + shape.norm)
     for layer in range(shape.num_layers):
-        n += attention_params(shape) + 2 * shape.norm + mlp_params(shape, layer)
+        n += shape.norm + mlp_params(shape, layer)
         n += shape.terms.active_extra(shape, layer, topks)
     return n
 
@@ -384,7 +439,8 @@ def _attention_core_flops(shape: ModelShape, causal: bool) -> float:
 
 def layer_training_flops(shape: ModelShape, layer: int, causal: bool = False,
                          topks: Optional[Sequence[int]] = None) -> float:
-    """Training FLOPs per token of one decoder layer (attention + MLP)."""
+    """Training FLOPs per token of one GPT-path decoder layer (attention + MLP block
+    ``layer``)."""
     topks = shape.topks if topks is None else topks
     return (6 * attention_weights(shape) + _attention_core_flops(shape, causal)
             + shape.terms.mlp_flops(shape, layer, topks))
@@ -395,10 +451,10 @@ def training_flops_per_token(shape: ModelShape, topks: Optional[Sequence[int]] =
     """Training FLOPs per token of the whole model (``topks``: Sigma's experts per token of each
     layer, those in effect now by default)."""
     topks = shape.topks if topks is None else topks
-    layers = range(shape.num_layers)
+    layers = range(shape.num_layers)  # MLP blocks
     return FlopCounts(
-        attention_linear=6.0 * shape.num_layers * attention_weights(shape),
-        attention_core=shape.num_layers * _attention_core_flops(shape, causal),
+        attention_linear=6.0 * shape.attention_layers * attention_weights(shape),
+        attention_core=shape.attention_layers * _attention_core_flops(shape, causal),
         mlp=sum(shape.terms.mlp_flops(shape, layer, topks) for layer in layers),
         output_layer=6.0 * shape.hidden * shape.vocab,
     )

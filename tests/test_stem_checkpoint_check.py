@@ -1,0 +1,123 @@
+"""STEM's checkpoint check (``Family.check_checkpoint``, ``stem/family.py``) looks the tables up
+where upstream's loader reads them: a GPT-path checkpoint loaded into the hybrid path
+(``--hybrid-layer-pattern``) gives hybrid MLP position ``p`` the paired GPT layer (the i-th ``-``
+is GPT layer i), so a table of another width, or STEM layers the checkpoint does not have
+(``--stem-layers``), is refused naming the flags before upstream's loader runs; the matching
+checkpoint is accepted. Checkpoints of real models saved in one process (``torch_dist``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+PATTERN = "*-*-*-*-"  # 4 MLP blocks at positions 1, 3, 5, 7
+VOCAB, HIDDEN, FFN = 128, 32, 64
+
+
+def _config(num_layers, ffn=FFN):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=num_layers, hidden_size=HIDDEN, ffn_hidden_size=ffn,
+                               num_attention_heads=4, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False,
+                               normalization="RMSNorm", use_cpu_initialization=True)
+    config.hetereogenous_dist_checkpoint = True  # one key per layer, as the model provider sets
+    return config
+
+
+def _gpt_model(stem_layers, ffn=FFN):
+    from megatron_ext.models.gpt import TokenIdsGPTModel
+    from megatron_ext.models.specs import decoder_block_spec
+    from megatron_ext.stem.config import StemConfig
+
+    config = _config(4, ffn)
+    spec = decoder_block_spec(config, StemConfig(layers=stem_layers), VOCAB, use_te=False)
+    return TokenIdsGPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                            max_sequence_length=16, position_embedding_type="rope")
+
+
+def _hybrid_model(stem_layers, ffn=FFN):
+    from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.hybrid import TokenIdsHybridModel
+    from megatron_ext.models.layer import TokenContextMLPLayer
+    from megatron_ext.models.specs import with_mlp
+    from megatron_ext.stem.config import StemConfig
+    from megatron_ext.stem.mlp import StemMLP
+
+    config = _config(len(PATTERN), ffn)
+    stem = StemConfig(layers=stem_layers)
+    spec = hybrid_specs.hybrid_stack_spec(
+        config, PATTERN, False,
+        lambda k, dense: with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextMLPLayer,
+                                  stem=stem, vocab_size=VOCAB) if k in stem_layers else dense)
+    return TokenIdsHybridModel(config=config, hybrid_stack_spec=spec, vocab_size=VOCAB,
+                               max_sequence_length=16, hybrid_layer_pattern=PATTERN,
+                               position_embedding_type="rope")
+
+
+def _args(stem_layers, pattern):
+    return argparse.Namespace(
+        model_family="stem", hybrid_layer_pattern=pattern, num_layers=8 if pattern else 4,
+        stem_layers=",".join(map(str, stem_layers)), stem_ratio="1/3")
+
+
+def _save(model, directory, pattern=None):
+    """``model`` as Megatron saves it (iteration 1, the run's args in the common state)."""
+    from megatron.core import dist_checkpointing
+
+    folder = os.path.join(directory, "iter_0000001")
+    os.makedirs(folder)
+    state = {"model": model.sharded_state_dict(), "iteration": 1,
+             "args": _args([], pattern)}
+    dist_checkpointing.save(state, folder)
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(mcore_single_rank, tmp_path_factory):
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("stem_check")
+    return {
+        # GPT path: STEM layers 1 and 3 (the 2nd and 4th MLP blocks).
+        "gpt_13": _save(_gpt_model((1, 3)), str(root / "gpt_13")),
+        "gpt_12_wide": _save(_gpt_model((1, 2), ffn=2 * FFN), str(root / "gpt_12_wide")),
+        "hybrid_13": _save(_hybrid_model((1, 3)), str(root / "hybrid_13"), PATTERN),
+    }
+
+
+def _check(model, stem_layers, load, pattern=PATTERN):
+    from megatron_ext.models.registry import get_family
+    from megatron_ext.stem.config import StemConfig
+
+    get_family("stem").check_checkpoint([model], _args(stem_layers, pattern),
+                                        StemConfig(layers=stem_layers), load, None, VOCAB)
+
+
+def test_the_paired_checkpoint_is_accepted(checkpoints):
+    _check(_hybrid_model((1, 3)), (1, 3), checkpoints["gpt_13"])  # GPT layers 1, 3
+    _check(_hybrid_model((1, 3)), (1, 3), checkpoints["hybrid_13"])  # positions 3, 7
+    _check(_gpt_model((1, 3)), (1, 3), checkpoints["gpt_13"], pattern=None)
+
+
+def test_another_table_width_is_refused(checkpoints):
+    """STEM layers 1, 2: pattern positions 3 and 5, GPT layers 1 and 2 of the checkpoint."""
+    with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.table has shape \[vocab, "
+                       r"d_ff\] = \[128, 128\], but this model's tables are \[128, 64\] .*"
+                       "--ffn-hidden-size"):
+        _check(_hybrid_model((1, 2)), (1, 2), checkpoints["gpt_12_wide"])
+
+
+@pytest.mark.parametrize("load, where", [("gpt_13", "layers [1, 3]"),
+                                         ("hybrid_13", "pattern positions [3, 7]")])
+def test_other_stem_layers_are_refused(checkpoints, load, where):
+    with pytest.raises(ValueError, match=rf"holds STEM tables in {re.escape(where)}, but "
+                       r"this model's STEM layers \(MLP blocks \[1, 2\] from "
+                       r"--stem-layers/--stem-ratio\)"):
+        _check(_hybrid_model((1, 2)), (1, 2), checkpoints[load])
