@@ -27,11 +27,12 @@ def _config(**kwargs):
 
 def _stem_spec(config, stem):
     from megatron_ext.models import hybrid_specs
+    from megatron_ext.models.hybrid_pattern import mlp_layer_indices
     from megatron_ext.models.layer import TokenContextMLPLayer
     from megatron_ext.models.specs import with_mlp
     from megatron_ext.stem.mlp import StemMLP
 
-    ids = set(stem.stem_layers(len(hybrid_specs.mlp_layer_indices(PATTERN))))
+    ids = set(stem.stem_layers(len(mlp_layer_indices(PATTERN))))
     return hybrid_specs.hybrid_stack_spec(
         config, PATTERN, False,
         lambda k, dense: with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextMLPLayer,
@@ -160,7 +161,7 @@ def test_ids_outside_the_tables_are_refused(mcore_single_rank):
 def test_mlp_blocks_are_counted_in_the_pattern():
     from types import SimpleNamespace
 
-    from megatron_ext.models.hybrid_specs import mlp_block_count, mlp_layer_indices
+    from megatron_ext.models.hybrid_pattern import mlp_block_count, mlp_layer_indices
 
     assert mlp_layer_indices("*-*-|*-*-") == [1, 3, 5, 7]  # "|" is no layer
     assert mlp_layer_indices("*--*E-") == [1, 2, 5]
@@ -241,12 +242,30 @@ def test_the_kth_e_is_sigma_layer_k_and_star_e_repeated_is_the_gpt_path(mcore_si
 def test_moe_blocks_are_counted_in_the_pattern():
     from types import SimpleNamespace
 
-    from megatron_ext.models.hybrid_specs import moe_block_count, moe_layer_indices
+    from megatron_ext.models.hybrid_pattern import mlp_block_count, moe_layer_indices
 
     assert moe_layer_indices("*E*E|*E*E") == [1, 3, 5, 7]
     assert moe_layer_indices("*--*E-E") == [4, 6]
-    assert moe_block_count(SimpleNamespace(hybrid_layer_pattern="*E*E*E*E", num_layers=8)) == 4
-    assert moe_block_count(SimpleNamespace(hybrid_layer_pattern=None, num_layers=8)) == 8
+    assert mlp_block_count(SimpleNamespace(hybrid_layer_pattern="*E*E*E*E", num_layers=8)) == 4
+    assert mlp_block_count(SimpleNamespace(hybrid_layer_pattern="*--*E-E", num_layers=7)) == 5
+
+
+@pytest.mark.parametrize("family,pattern,ok", [
+    ("gpt", "*-*-|*-*-", True), ("stem", "*-*-", True), ("structmoe", "-*-*", True),
+    ("gpt", "*-*E", False), ("stem", "*E*E", False), ("structmoe", "*-*M", False),
+    ("sigma", "*E*-", False)])
+def test_a_pattern_holds_only_the_layers_its_family_builds(family, pattern, ok):
+    """Each family builds one kind of MLP block (``Family.hybrid_symbols``), so its k-th block is
+    the k-th ``-`` (or ``E``) that its layer flags, logs and exports count."""
+    from megatron_ext.models.hybrid_pattern import check_family_symbols
+    from megatron_ext.models.registry import get_family
+
+    allowed = get_family(family).hybrid_symbols
+    if ok:
+        check_family_symbols(pattern, family, allowed)
+    else:
+        with pytest.raises(ValueError, match=f"--model-family {family} builds .* layers only"):
+            check_family_symbols(pattern, family, allowed)
 
 
 def test_e_without_experts_dense_symbols_and_long_schedules_are_refused(mcore_single_rank):

@@ -26,6 +26,9 @@ class Family:
     # HybridModel's stack spec (``models/hybrid_specs.py``); None: the family builds on the GPT
     # path only
     hybrid_stack_spec: Optional[BlockSpecFn] = None
+    # the pattern symbols the family's hybrid stack builds (attention ``*`` and one kind of MLP
+    # block: ``-`` or ``E``); a pattern with others is refused before Megatron starts
+    hybrid_symbols: str = "*-"
     # the family's argument group: add_args(parser)
     add_args: Optional[Callable[[Any], None]] = None
     # its options dataclass from the parsed flags (raises ValueError naming a flag)

@@ -7,7 +7,7 @@ from typing import Optional
 
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
-from megatron_ext.models.hybrid_pattern import mlp_blocks
+from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.specs import decoder_block_spec
 
 
@@ -23,7 +23,7 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
     refuse(getattr(args, "num_experts", None) is not None,
            "upstream MoE (gpt with --num-experts) is not supported; use --model-family sigma")
     return [{"type": "dense", "intermediate_size": args.ffn_hidden_size}
-            for _ in range(mlp_blocks(args))]
+            for _ in range(mlp_block_count(args))]
 
 
 FAMILY = Family("gpt", "dense SwiGLU GPT (the baseline)", block_spec,

@@ -13,7 +13,7 @@ between them (``models/hybrid_specs.py`` builds the ``-`` layers so). Upstream's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 
@@ -72,14 +72,39 @@ class HybridLayers:
         return len(self.mlp_positions)
 
 
-def hybrid_layers(args) -> Optional[HybridLayers]:
-    """The hybrid decoder of Megatron's arguments, None on the GPT path."""
+def main_pattern(pattern: str) -> str:
+    """The decoder's layer symbols, pipeline boundaries (``|``) and MTP depths dropped."""
+    return (parse_hybrid_pattern(pattern).main_pattern or "").replace(Symbols.PIPE, "")
+
+
+def mlp_layer_indices(pattern: str) -> List[int]:
+    """Global layer index of each ``-`` of the pattern, in order."""
+    return [i for i, s in enumerate(main_pattern(pattern)) if s == Symbols.MLP]
+
+
+def moe_layer_indices(pattern: str) -> List[int]:
+    """Global layer index of each ``E`` of the pattern, in order."""
+    return [i for i, s in enumerate(main_pattern(pattern)) if s == Symbols.MOE]
+
+
+def mlp_block_count(args) -> int:
+    """The model's MLP blocks (FFN blocks: dense, STEM, StructMoE or MoE), which the families'
+    layer flags (``--stem-layers``, ``--sigma-topk-schedule``), logs and exports count: the ``-``
+    and ``E`` symbols on the hybrid path, the transformer layers on the GPT path (where
+    ``--num-layers`` counts blocks). A family builds one kind of MLP block (``Family.
+    hybrid_symbols``), so its ``k``-th block is the ``k``-th ``-`` (``mlp_layer_indices``) or the
+    ``k``-th ``E`` (``moe_layer_indices``)."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    return HybridLayers.parse(pattern) if pattern else None
+    if not pattern:
+        return args.num_layers
+    return sum(s in MLP_SYMBOLS for s in main_pattern(pattern))
 
 
-def mlp_blocks(args) -> int:
-    """MLP blocks of the model: ``-``/``E`` symbols on the hybrid path, the transformer layers on
-    the GPT path (where ``--num-layers`` counts blocks)."""
-    layers = hybrid_layers(args)
-    return layers.mlp_blocks if layers is not None else args.num_layers
+def check_family_symbols(pattern: str, family: str, allowed: str) -> None:
+    """Refuse (ValueError naming the flag) a pattern with layers the family does not build:
+    ``allowed`` its symbols (``Family.hybrid_symbols``), pipes aside."""
+    extra = sorted(set(main_pattern(pattern)) - set(allowed))
+    if extra:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r}: --model-family {family} builds "
+            f"{', '.join(repr(s) for s in allowed)} layers only, not {', '.join(map(repr, extra))}")

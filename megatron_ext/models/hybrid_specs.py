@@ -21,7 +21,6 @@ import copy
 import dataclasses
 from typing import Callable, Dict, List, Optional
 
-from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_stack_spec
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -30,41 +29,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
 from megatron_ext.models.hybrid import TokenHybridStackSubmodules, TokenIdsHybridStack, layer_choice
+from megatron_ext.models.hybrid_pattern import mlp_layer_indices, moe_layer_indices
 from megatron_ext.models.specs import dense_layer_spec, final_norm_impl
 
 # (mlp_index, dense MLP layer spec) -> the spec of that MLP layer
 MLPLayerFn = Callable[[int, ModuleSpec], ModuleSpec]
 # (moe_index, upstream's MoE layer spec) -> the spec of that MoE layer (``E``)
 MoELayerFn = Callable[[int, ModuleSpec], ModuleSpec]
-
-
-def main_pattern(pattern: str) -> str:
-    """The decoder's layer symbols, pipeline boundaries (``|``) and MTP depths dropped."""
-    return (parse_hybrid_pattern(pattern).main_pattern or "").replace(Symbols.PIPE, "")
-
-
-def mlp_layer_indices(pattern: str) -> List[int]:
-    """Global layer index of each ``-`` of the pattern, in order."""
-    return [i for i, s in enumerate(main_pattern(pattern)) if s == Symbols.MLP]
-
-
-def moe_layer_indices(pattern: str) -> List[int]:
-    """Global layer index of each ``E`` of the pattern, in order."""
-    return [i for i, s in enumerate(main_pattern(pattern)) if s == Symbols.MOE]
-
-
-def moe_block_count(args) -> int:
-    """The model's MoE blocks, which a family whose every FFN is an MoE (Sigma) counts its
-    layers by: the ``E`` symbols on the hybrid path, the transformer layers on the GPT path."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    return len(moe_layer_indices(pattern)) if pattern else args.num_layers
-
-
-def mlp_block_count(args) -> int:
-    """The model's MLP blocks, which the families' layer flags (``--stem-layers``) count: the
-    ``-`` symbols on the hybrid path, the transformer layers on the GPT path."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    return len(mlp_layer_indices(pattern)) if pattern else args.num_layers
 
 
 def _moe_spec(use_te: bool, config: TransformerConfig) -> ModuleSpec:

@@ -6,7 +6,7 @@ progressive sparsification (every layer's top-k set before each micro-batch, and
 checkpoint is loaded for evaluation).
 
 Sigma's layers are its MoE blocks: GPT layer ``l`` on the GPT path, the ``l``-th ``E`` of the
-pattern on the hybrid path (``moe_block_count``), whatever stands between the ``E`` symbols; the
+pattern on the hybrid path (``mlp_block_count``), whatever stands between the ``E`` symbols; the
 top-k schedule, the per-layer logs and ``SigmaMoELayer.layer_index`` count them so."""
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron_ext.convert.layout import split_gated_fc1
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
-from megatron_ext.models.hybrid_pattern import mlp_blocks
+from megatron_ext.models.hybrid_pattern import main_pattern, mlp_block_count
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.models.hybrid_specs import moe_block_count
 from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.sigma import monitor
@@ -68,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> SigmaConfig:
     return SigmaConfig(
-        num_layers=moe_block_count(args), num_experts=args.num_experts, topk=args.moe_router_topk,
+        num_layers=mlp_block_count(args), num_experts=args.num_experts, topk=args.moe_router_topk,
         ep_size=args.expert_model_parallel_size, lbl=args.sigma_lbl,
         lbl_coeff=args.sigma_lbl_coeff, top1_temperature=args.sigma_top1_lbl_temperature,
         topk_schedule=parse_topk_schedule(args.sigma_topk_schedule),
@@ -113,7 +112,7 @@ def check_args(args) -> None:
     if pattern:
         # A Sigma layer is one attention and one MoE layer (the budget and the GPT-path
         # checkpoint pairing count them so); every FFN is an MoE (no dense '-').
-        layers = hybrid_specs.main_pattern(pattern)
+        layers = main_pattern(pattern)
         if (set(layers) != {Symbols.ATTENTION, Symbols.MOE}
                 or layers.count(Symbols.ATTENTION) != layers.count(Symbols.MOE)
                 or parse_hybrid_pattern(pattern).mtp_num_depths):
@@ -191,7 +190,7 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
     refuse(getattr(args, "moe_shared_expert_intermediate_size", None) is not None,
            "shared experts are not supported")
     return [{"type": "moe", "num_experts": args.num_experts, "top_k": int(topks[i]),
-             "intermediate_size": args.moe_ffn_hidden_size} for i in range(mlp_blocks(args))]
+             "intermediate_size": args.moe_ffn_hidden_size} for i in range(mlp_block_count(args))]
 
 
 def hf_moe_tensors(plan, i: int, m: dict) -> None:
@@ -261,7 +260,7 @@ class SigmaTerms(MLPTerms):
 
 
 FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", block_spec,
-                hybrid_stack_spec=hybrid_stack_spec, add_args=add_args,
+                hybrid_stack_spec=hybrid_stack_spec, hybrid_symbols="*E", add_args=add_args,
                 config_from_args=config_from_args, default_flags=FAMILY_FLAGS,
                 check_args=check_args, validate_args=validate_args,
                 model_state=model_state, log_report=log_report, before_forward=before_forward,

@@ -14,8 +14,7 @@ from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatib
 
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
-from megatron_ext.models.hybrid_pattern import mlp_blocks
-from megatron_ext.models.hybrid_specs import mlp_block_count
+from megatron_ext.models.hybrid_pattern import mlp_block_count, mlp_layer_indices
 from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import decoder_block_spec, with_mlp
@@ -225,7 +224,7 @@ def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Option
     # Every STEM layer of the model (all stages), by its global index, and where it is read.
     blocks = stem.stem_layers(mlp_block_count(args))
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    layers = [hybrid_specs.mlp_layer_indices(pattern)[k] for k in blocks] if pattern else blocks
+    layers = [mlp_layer_indices(pattern)[k] for k in blocks] if pattern else blocks
     wanted = sorted(saved_layer(i) for i in layers)
     if sorted(saved.shapes) != wanted:
         where = ("pattern positions" if saved.hybrid_layer_pattern else "layers")
@@ -259,7 +258,7 @@ def reset() -> None:
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
-    stem, n, ffn = config_from_args(args), mlp_blocks(args), args.ffn_hidden_size
+    stem, n, ffn = config_from_args(args), mlp_block_count(args), args.ffn_hidden_size
     layers = set(stem.stem_layers(n))
     return [{"type": "stem", "variant": stem.variant, "intermediate_size": ffn} if i in layers
             else {"type": "dense", "intermediate_size": ffn} for i in range(n)]
@@ -284,7 +283,7 @@ class StemTerms(MLPTerms):
     the parameters (host or GPU), with two fetched-row buffers on the GPU."""
 
     def spec_fields(self, args, stem) -> dict:
-        return dict(stem_layers=tuple(stem.stem_layers(mlp_blocks(args))),
+        return dict(stem_layers=tuple(stem.stem_layers(mlp_block_count(args))),
                     stem_variant=stem.variant)
 
     def layout_fields(self, args, stem) -> dict:

@@ -13,8 +13,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
-from megatron_ext.models.hybrid_pattern import mlp_blocks
-from megatron_ext.models.hybrid_specs import mlp_block_count
+from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import block_spec as build
 from megatron_ext.models.specs import structmoe_layer_spec, structmoe_layers_fn
@@ -121,7 +120,7 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
     d = layer_budget(s, args.hidden_size, args.ffn_hidden_size, gated).ffn
     return [{"type": "structmoe", "intermediate_size": d, "num_experts": s.num_experts,
              "rank": s.rank, "top_k": s.topk, "fusion": s.fusion}
-            for _ in range(mlp_blocks(args))]
+            for _ in range(mlp_block_count(args))]
 
 
 def hf_structmoe_tensors(plan, i: int, m: dict) -> None:

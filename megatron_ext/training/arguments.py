@@ -14,6 +14,7 @@ from typing import List, Optional
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.tensor_parallel import layers
 
+from megatron_ext.models.hybrid_pattern import check_family_symbols
 from megatron_ext.models.registry import families, family_of, registered_families
 from megatron_ext.tools.data_prep import verify_manifest
 
@@ -65,6 +66,8 @@ def check_family_args(args) -> None:
         raise ValueError(f"--hybrid-layer-pattern: --model-family {args.model_family} does not "
                          "build on the hybrid path yet (docs/hybrid.md); drop "
                          "--hybrid-layer-pattern to build it on the GPT path")
+    if getattr(args, "hybrid_layer_pattern", None):
+        check_family_symbols(args.hybrid_layer_pattern, family.name, family.hybrid_symbols)
     if family.check_args is not None:
         family.check_args(args)
 
