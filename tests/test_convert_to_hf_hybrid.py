@@ -4,7 +4,8 @@ final norm ``decoder.final_norm``; the converted model's logits equal (1e-4, fp3
 computes from the same checkpoint under another layout, as for GPT-path checkpoints
 (``tests/test_convert_to_hf.py``). STEM's layers count MLP blocks (``--stem-ratio 1/2``: blocks 1
 and 3, pattern positions 3 and 7). A pattern that is not ``*`` then one MLP symbol, repeated, has
-no Hugging Face layout and is refused naming the flag, with nothing written. The three trainings
+no Hugging Face layout and is refused naming the flag, with nothing written. StructMoE (every
+``-``) and Sigma (every ``E``, a Qwen3-MoE layer) go through the same mapping. The trainings
 share one launch (tests/multirank.py, Launches).
 """
 
@@ -28,6 +29,14 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 HYBRID = ["--hybrid-layer-pattern", "*-*-*-*-"]  # TINY_GPT's 4 blocks (--num-layers derived)
 HYBRID_PP2 = ["--hybrid-layer-pattern", "*-*-|*-*-"] + PP2  # the stage boundary in the pattern
 STEM = ["--model-family", "stem", "--stem-ratio", "1/2"]  # MLP blocks 1 and 3
+SMOE = ["--model-family", "structmoe", "--structmoe-num-experts", "4", "--structmoe-rank", "4",
+        "--structmoe-topk", "2"]
+# Sigma top-1 from the start: every E a Qwen3-MoE layer (native, no remote code).
+SIGMA = ["--model-family", "sigma", "--num-experts", "8", "--moe-ffn-hidden-size", "16",
+         "--moe-token-dispatcher-type", "alltoall", "--sigma-lbl", "global",
+         "--sigma-lbl-coeff", "0.01"] + GQA
+SIGMA_HYBRID = ["--hybrid-layer-pattern", "*E*E*E*E"]
+EP2 = ["--expert-model-parallel-size", "2"]
 CUSTOM = "MegatronExtForCausalLM"
 TOL = 1e-4
 
@@ -38,7 +47,15 @@ CASES = {
     # Evaluated with PP=2 and no --hybrid-layer-pattern: megatron_logits takes the checkpoint's
     # (upstream splits an unpiped pattern evenly over the stages).
     "hybrid_stem_up": (STEM, HYBRID + TP2, {"pp2_pattern_from_checkpoint": PP2}, CUSTOM),
+    # StructMoE trained with PP=2 (its DeepNorm depth counts the 4 MLP blocks), evaluated TP=2.
+    "hybrid_structmoe": (SMOE + GQA, HYBRID_PP2, {"tp2": HYBRID + TP2}, CUSTOM),
+    # Sigma's E layers trained with EP=2, evaluated with TP=2.
+    "hybrid_sigma": (SIGMA, SIGMA_HYBRID + EP2, {"tp2": SIGMA_HYBRID + TP2},
+                     "Qwen3MoeForCausalLM"),
 }
+# the exported MLP types (config "mlp_layers") of the cases with remote code
+MLP_TYPES = {"hybrid_stem_up": ["dense", "stem", "dense", "stem"],
+             "hybrid_structmoe": ["structmoe"] * 4}
 REFUSED = ("hybrid_attention_first", ["--hybrid-layer-pattern", "**--"])  # 2 `*`, then 2 `-`
 
 
@@ -64,15 +81,16 @@ def trained(checkpoints, name):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hybrid_checkpoint_logits_match_megatron(case, checkpoints, tmp_path):
-    model, _, layouts, arch = CASES[case]
+    model, train_layout, layouts, arch = CASES[case]
     ck = trained(checkpoints, case)
     out = to_hf(ck, str(tmp_path / "hf"))
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == 4
     record = json.load(open(os.path.join(out, "megatron_ext_conversion.json")))
-    assert record["hybrid_layer_pattern"] in ("*-*-*-*-", "*-*-|*-*-")
+    assert record["hybrid_layer_pattern"] == dict(zip(train_layout, train_layout[1:]))[
+        "--hybrid-layer-pattern"]
     if arch == CUSTOM:  # STEM layers are MLP blocks 1 and 3
-        assert [m["type"] for m in cfg["mlp_layers"]] == ["dense", "stem", "dense", "stem"]
+        assert [m["type"] for m in cfg["mlp_layers"]] == MLP_TYPES[case]
     hf = hf_model(out, remote=arch == CUSTOM)
     assert type(hf).__name__ == arch
     ids = tokens()

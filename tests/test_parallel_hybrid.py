@@ -1,7 +1,8 @@
 """The hybrid path (``--hybrid-layer-pattern``, upstream's ``HybridModel``): the dense and STEM
 families train on it, ``*-`` repeated gives the GPT path's losses, and STEM's layout does not
 change the numbers (TP=2 + SP, PP=2 with full recompute, interleaved PP=2, managed tables alone
-and with PP=2 and full recompute, against TP=1 x DP=2), and a resume is exact. fp32, CPU, gloo, 2 ranks, all in one launch."""
+and with PP=2 and full recompute, the tiered placement alone and with PP=2 and full recompute,
+against TP=1 x DP=2), and a resume is exact. fp32, CPU, gloo, 2 ranks, all in one launch."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ PP2_RECOMPUTE = ["--hybrid-layer-pattern", "*-*-|*-*-", "--pipeline-model-parall
 PP2_VPP = ["--hybrid-layer-pattern", "*-|*-|*-|*-", "--pipeline-model-parallel-size", "2"]
 # Managed tables: host-resident, rows sharded over DP, bound per micro-batch (stem/tables.py).
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
+# The tiered placement: the hottest 25% of rows in a tier on the model's device, the rest host rows.
+TIERED = ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+          "--stem-gpu-tier", "25%"]
 EVAL = ["--eval-interval", "3", "--eval-iters", "1"]  # evaluation: no recompute, model.eval()
 FIRST5 = [1, 2, 3, 4, 5]
 AFTER_RESUME = [4, 5, 6]
@@ -68,6 +72,9 @@ def runs(tmp_path_factory):
     launches.add("cpu_vocab", TINY_GPT + HYBRID + STEM + ITERS + start + CPU_VOCAB)
     launches.add("cpu_vocab_pp2_recompute", TINY_GPT + STEM + ITERS + start + CPU_VOCAB +
                  PP2_RECOMPUTE)
+    launches.add("tiered", TINY_GPT + HYBRID + STEM + ITERS + start + TIERED)
+    launches.add("tiered_pp2_recompute", TINY_GPT + STEM + ITERS + start + TIERED +
+                 PP2_RECOMPUTE)
     launches.add("resume", TINY_GPT + HYBRID + STEM + ITERS + ["--load", ck_ref,
                                                                "--ckpt-step", "3"])
     r = launches.run()
@@ -99,7 +106,8 @@ def test_stem_evaluation_on_the_hybrid_path_gives_the_gpt_path_losses(runs):
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "pp2_recompute", "pp2_vpp", "cpu_vocab",
-                                    "cpu_vocab_pp2_recompute"])
+                                    "cpu_vocab_pp2_recompute", "tiered",
+                                    "tiered_pp2_recompute"])
 def test_stem_layout_does_not_change_losses(runs, layout):
     assert_close_curves(require_ok(runs[layout]), require_ok(runs["ref"]), FIRST5)
 
