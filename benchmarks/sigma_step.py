@@ -39,8 +39,9 @@ def build(args, dtype, router: str):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.models.specs import dense_layer_spec, final_norm_impl, sigma_block_spec
+    from megatron_ext.models.specs import dense_layer_spec, final_norm_impl
     from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.specs import sigma_block_spec
 
     upstream = router == "upstream"
     config = TransformerConfig(

@@ -38,8 +38,9 @@ def build(args, dtype, structmoe_backend=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.models.specs import block_spec, structmoe_layers_fn
+    from megatron_ext.models.specs import block_spec
     from megatron_ext.structmoe.config import StructMoEConfig
+    from megatron_ext.structmoe.specs import structmoe_layers_fn
 
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,

@@ -34,8 +34,8 @@ def build_model(ratio=None, variant="up", untie=True, groups=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.models.specs import decoder_block_spec
     from megatron_ext.stem.config import StemConfig
+    from megatron_ext.stem.specs import decoder_block_spec
 
     config = TransformerConfig(
         num_layers=L, hidden_size=H, ffn_hidden_size=FF, num_attention_heads=HEADS,

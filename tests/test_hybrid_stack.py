@@ -135,7 +135,7 @@ def test_star_dash_repeated_is_the_gpt_path(mcore_single_rank, stem):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.models.specs import decoder_block_spec
+    from megatron_ext.stem.specs import decoder_block_spec
 
     hybrid = _hybrid(_config(), stem)
     gpt_config = _config()
@@ -205,9 +205,9 @@ def test_the_kth_e_is_sigma_layer_k_and_star_e_repeated_is_the_gpt_path(mcore_si
     from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
     from megatron_ext.models import hybrid_specs
-    from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
     from megatron_ext.sigma.config import SigmaConfig
     from megatron_ext.sigma.layer import SigmaMoELayer
+    from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
     pattern = "*E*E*E*E"
     sigma = SigmaConfig(num_layers=4, num_experts=8, topk=1, topk_schedule=(3, 2),
@@ -308,10 +308,10 @@ def test_sigma_top1_lbl_on_e_layers_is_the_gpt_paths(mcore_single_rank):
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron_ext.models import hybrid_specs
-    from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
     from megatron_ext.sigma.config import SigmaConfig
     from megatron_ext.sigma.monitor import layer_scalars
     from megatron_ext.sigma.router import SigmaRouter, end_global_batch
+    from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
     pattern = "*E*E*E*E"
     sigma = SigmaConfig(num_layers=4, num_experts=8, topk=1, lbl="top1", lbl_coeff=0.1,

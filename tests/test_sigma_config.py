@@ -105,9 +105,9 @@ def test_counts_equal_the_parameters_of_a_built_model(mcore_single_rank):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.models.specs import sigma_block_spec
     from megatron_ext.sigma.budget import SigmaBudget
     from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.specs import sigma_block_spec
 
     sigma = SigmaConfig(num_layers=3, num_experts=4, topk=1, topk_schedule=(3, 2),
                         sparsify_at=5)

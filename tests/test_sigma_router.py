@@ -190,8 +190,10 @@ def test_previous_statistics_are_checkpointed(mcore_single_rank):
 # -- the MoE layer and its top-k switch ------------------------------------------------------------
 def build_layer(topk_schedule=(2,), sparsify_at=1):
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron_ext.models.specs import dense_layer_spec, sigma_layer_spec
+
+    from megatron_ext.models.specs import dense_layer_spec
     from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.specs import sigma_layer_spec
 
     torch.manual_seed(0)
     sigma = SigmaConfig(num_layers=2, num_experts=E, topk=1, lbl="global", lbl_coeff=1e-3,

@@ -32,8 +32,8 @@ def _config(num_layers, ffn=FFN):
 
 def _gpt_model(stem_layers, ffn=FFN):
     from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.models.specs import decoder_block_spec
     from megatron_ext.stem.config import StemConfig
+    from megatron_ext.stem.specs import decoder_block_spec
 
     config = _config(4, ffn)
     spec = decoder_block_spec(config, StemConfig(layers=stem_layers), VOCAB, use_te=False)

@@ -67,8 +67,8 @@ def test_spec_list_places_stem_layers(mcore_single_rank, ratio):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.models.specs import decoder_block_spec
     from megatron_ext.stem.mlp import StemMLP
+    from megatron_ext.stem.specs import decoder_block_spec
 
     config = TransformerConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64,
                                num_attention_heads=4, gated_linear_unit=True,

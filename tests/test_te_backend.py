@@ -17,9 +17,9 @@ def test_stem_model_with_te_specs_trains_a_step(mcore_single_rank):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.models.specs import decoder_block_spec
     from megatron_ext.stem.config import StemConfig
     from megatron_ext.stem.mlp import StemMLP
+    from megatron_ext.stem.specs import decoder_block_spec
 
     config = TransformerConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128,
                                num_attention_heads=4, gated_linear_unit=True,

@@ -8,11 +8,11 @@ from typing import Optional
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count
-from megatron_ext.models.specs import decoder_block_spec
+from megatron_ext.models.specs import block_spec as dense_block_spec
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    return decoder_block_spec(config, None, args.padded_vocab_size, use_te, vp_stage=vp_stage)
+    return dense_block_spec(config, use_te, vp_stage=vp_stage)
 
 
 def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):

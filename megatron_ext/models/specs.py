@@ -1,9 +1,11 @@
-"""Layer specs: the per-layer MLP choice happens here, when the spec list is built.
+"""Layer specs of the GPT path, the generic pieces: the per-layer MLP choice happens when the spec
+list is built (``decoder_layer_specs`` with a family's ``layer_fn``).
 
 Builds on ``megatron.core.models.gpt.gpt_layer_specs``: the dense layer spec is upstream's (local or
-Transformer Engine); a STEM layer is the same spec with ``TokenContextTransformerLayer`` as the
-module and ``StemMLP`` as the MLP, built from the same fc1/fc2 builders. The list is sliced for
-this pipeline stage exactly as upstream's ``get_gpt_decoder_block_spec`` does.
+Transformer Engine, ``dense_layer_spec``; with ``num_experts`` upstream's MoE layer); a family's
+layer is that spec with its own MLP built from the same fc1/fc2 builders (``with_mlp``; the
+families' own specs: ``stem/specs.py``, ``structmoe/specs.py``, ``sigma/specs.py``). The list is
+sliced for this pipeline stage exactly as upstream's ``get_gpt_decoder_block_spec`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -33,11 +34,6 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_ext.models.layer import TokenContextTransformerLayer
 from megatron_ext.models.norm import SequenceParallelTorchNorm
-from megatron_ext.sigma.layer import SigmaMoELayer
-from megatron_ext.sigma.router import SigmaRouter
-from megatron_ext.stem.config import StemConfig
-from megatron_ext.stem.mlp import StemMLP
-from megatron_ext.structmoe.mlp import StructMoEMLP
 
 try:
     from megatron.core.extensions.transformer_engine import TENorm
@@ -122,65 +118,7 @@ def with_mlp(dense: ModuleSpec, mlp_builder, layer_module=None, **builder_kwargs
                       submodules=submodules)
 
 
-def stem_layer_spec(dense: ModuleSpec, stem: StemConfig, vocab_size: int) -> ModuleSpec:
-    """A STEM layer: the layer that hands token ids to its MLP, with a STEM MLP."""
-    return with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextTransformerLayer, stem=stem,
-                    vocab_size=vocab_size)
-
-
-def structmoe_layer_spec(dense: ModuleSpec, structmoe, mlp_block: Optional[int] = None,
-                         num_mlp_blocks: Optional[int] = None) -> ModuleSpec:
-    """A StructMoE layer: the dense layer (or the hybrid path's ``MLPLayer``) with a StructMoE MLP;
-    ``mlp_block`` and ``num_mlp_blocks`` where the layers are not the MLP blocks (the hybrid path)."""
-    return with_mlp(dense, StructMoEMLP.as_mlp_submodule, structmoe=structmoe,
-                    mlp_block=mlp_block, num_mlp_blocks=num_mlp_blocks)
-
-
-def sigma_layer_spec(moe_spec: ModuleSpec, sigma, layer_index: int) -> ModuleSpec:
-    """A Sigma layer: upstream's MoE layer spec (experts, dispatchers) with ``SigmaMoELayer`` (a
-    top-k per layer) and ``SigmaRouter`` (global-batch / Top-1 load balancing)."""
-    mlp = moe_spec.submodules.mlp
-    moe_sub = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
-    if not isinstance(moe_sub, MoESubmodules):
-        raise TypeError(f"cannot derive the experts builder from the MoE spec {mlp!r}")
-    submodules = dataclasses.replace(
-        copy.deepcopy(moe_spec.submodules),
-        mlp=functools.partial(
-            SigmaMoELayer,
-            submodules=dataclasses.replace(moe_sub, shared_experts=None,
-                                           router=functools.partial(SigmaRouter, sigma=sigma)),
-            sigma=sigma, layer_index=layer_index),
-    )
-    return ModuleSpec(module=moe_spec.module, params=dict(moe_spec.params), submodules=submodules)
-
-
-def sigma_block_spec(config: TransformerConfig, sigma, use_te: bool,
-                     vp_stage: Optional[int] = None,
-                     pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Every layer a Sigma MoE layer (no dense FFN anywhere, as in the report's Sec. 2.1)."""
-    moe = dense_layer_spec(use_te, qk_layernorm=config.qk_layernorm,
-                           num_experts=config.num_moe_experts,
-                           moe_grouped_gemm=bool(config.moe_grouped_gemm))
-    layer_specs = [sigma_layer_spec(moe, sigma, i) for i in range(config.num_layers)]
-    return TransformerBlockSubmodules(
-        layer_specs=slice_for_stage(config, layer_specs, vp_stage, pp_rank),
-        layer_norm=final_norm_impl(use_te),
-    )
-
-
 LayerFn = Callable[[int, ModuleSpec], ModuleSpec]
-
-
-def stem_layers_fn(config: TransformerConfig, stem: StemConfig, vocab_size: int) -> LayerFn:
-    """STEM where ``stem`` selects the layer, dense elsewhere."""
-    stem_ids = set(stem.stem_layers(config.num_layers))
-    return lambda i, dense: (stem_layer_spec(dense, stem, vocab_size) if i in stem_ids
-                             else copy.deepcopy(dense))
-
-
-def structmoe_layers_fn(structmoe) -> LayerFn:
-    """StructMoE in every layer (the paper augments each MLP)."""
-    return lambda i, dense: structmoe_layer_spec(dense, structmoe)
 
 
 def decoder_layer_specs(config: TransformerConfig, use_te: bool,
@@ -213,14 +151,6 @@ def block_spec(config: TransformerConfig, use_te: bool, layer_fn: Optional[Layer
         layer_specs=slice_for_stage(config, layer_specs, vp_stage, pp_rank),
         layer_norm=final_norm_impl(use_te),
     )
-
-
-def decoder_block_spec(config: TransformerConfig, stem: Optional[StemConfig], vocab_size: int,
-                       use_te: bool, vp_stage: Optional[int] = None,
-                       pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Dense (``stem=None``) or STEM block spec."""
-    layer_fn = stem_layers_fn(config, stem, vocab_size) if stem is not None else None
-    return block_spec(config, use_te, layer_fn, vp_stage, pp_rank)
 
 
 def stage_has_token_layers(block_spec: TransformerBlockSubmodules) -> bool:

@@ -25,7 +25,6 @@ from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import main_pattern, mlp_block_count
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.models.specs import sigma_block_spec, sigma_layer_spec
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.sigma import monitor
 from megatron_ext.sigma.budget import SigmaBudget
@@ -35,6 +34,7 @@ from megatron_ext.sigma.monitor import report
 from megatron_ext.sigma.presets import FAMILY_FLAGS
 from megatron_ext.sigma.router import forget_routers
 from megatron_ext.sigma.schedule import apply_schedule, sigma_layers
+from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
 NAME = "sigma"
 

@@ -17,7 +17,7 @@ from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count, mlp_layer_indices
 from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.models.specs import decoder_block_spec, with_mlp
+from megatron_ext.models.specs import with_mlp
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem import table_optimizer
 from megatron_ext.stem.checkpoint import SavedTables, check_table_shapes, saved_tables
@@ -36,6 +36,7 @@ from megatron_ext.stem.config import (
 from megatron_ext.stem.hot_rows import parse_tier_size
 from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.read_ahead import take_batch
+from megatron_ext.stem.specs import decoder_block_spec
 from megatron_ext.stem.table_optimizer import dump_tables, report_stats
 from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
 from megatron_ext.stem.tables import StemTables, chunk_stem_layers

@@ -16,7 +16,6 @@ from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import block_spec as build
-from megatron_ext.models.specs import structmoe_layer_spec, structmoe_layers_fn
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.structmoe.balance import report, set_aux_loss_scale
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
@@ -24,6 +23,7 @@ from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
 from megatron_ext.structmoe.config import INITS as SMOE_INITS
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
 from megatron_ext.structmoe.routed import check_fused_backend
+from megatron_ext.structmoe.specs import structmoe_layer_spec, structmoe_layers_fn
 
 NAME = "structmoe"
 
