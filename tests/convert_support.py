@@ -3,14 +3,15 @@ layout, convert it, and get the Hugging Face model's logits."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
-from multirank import ROOT, TINY_GPT, launch_ranks, require_ok, torchrun
+from multirank import MULTI_CONFIG, ROOT, TINY_GPT, launch_ranks, require_ok, torchrun
 
 VOCAB = 1000  # TINY_GPT's --vocab-size (Megatron pads it to 1024)
 SEQ = 64
@@ -66,6 +67,42 @@ def megatron_logits(workdir: str, name: str, flags: Sequence[str], load: str, id
         f.write(f"({nproc} ranks) " + " ".join(argv) + "\n" + log)
     assert status == 0, f"{name} failed:\n{log[-6000:]}"
     return torch.load(out_path)[..., :VOCAB]
+
+
+def megatron_logits_many(workdir: str, items: Sequence[tuple], nproc: int = 2
+                         ) -> Dict[str, torch.Tensor]:
+    """``megatron_logits`` of each ``(name, flags, load, ids, step)`` in order, all in one launch
+    of ``nproc`` ranks (``tests/dist/multi_config.py``: one start-up, Megatron's state torn down
+    between them). Returns ``{name: [b, s, V] fp32 logits}``; a failure names the item and its
+    ranks' output."""
+    plan, outs = [], {}
+    for name, flags, load, ids, step in items:
+        out_dir = os.path.join(workdir, name)
+        os.makedirs(out_dir, exist_ok=True)
+        tok_path, outs[name] = (os.path.join(out_dir, "tokens.pt"),
+                                os.path.join(out_dir, "logits.pt"))
+        torch.save(ids, tok_path)
+        argv = ["--logits-tokens", tok_path, "--logits-out", outs[name], *base(flags),
+                "--load", load, *(["--ckpt-step", str(step)] if step is not None else [])]
+        plan.append({"name": name, "module": "megatron_ext.convert.megatron_logits",
+                     "argv": argv, "log_dir": os.path.join(out_dir, "ranks")})
+    plan_path = os.path.join(workdir, f"logits_plan_{items[0][0]}.json")
+    with open(plan_path, "w") as f:
+        json.dump(plan, f, indent=1)
+    status, launch_log = launch_ranks([MULTI_CONFIG, plan_path], nproc, timeout=300 * len(plan))
+    logits = {}
+    for item in plan:
+        logs = []
+        for rank in range(nproc):
+            path = os.path.join(item["log_dir"], f"rank{rank}.log")
+            if os.path.exists(path):
+                with open(path) as f:
+                    logs.append(f.read())
+        done = len(logs) == nproc and all(f"MULTI-CONFIG OK {item['name']}" in t for t in logs)
+        assert done, (f"{item['name']} failed (launch status {status}):\n"
+                      + "".join(logs)[-6000:] + launch_log[-3000:])
+        logits[item["name"]] = torch.load(outs[item["name"]])[..., :VOCAB]
+    return logits
 
 
 def to_hf(load: str, out: str, *args: str) -> str:

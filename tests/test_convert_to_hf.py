@@ -19,8 +19,8 @@ import os
 
 import pytest
 
-from convert_support import (TIED, hf_logits, hf_model, megatron_logits, to_hf, tokens,
-                             train_flags)
+from convert_support import (TIED, hf_logits, hf_model, megatron_logits_many, to_hf,
+                             tokens, train_flags)
 from multirank import Launches, require_ok
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
@@ -102,8 +102,26 @@ def trained(checkpoints, name):
     return save
 
 
+@pytest.fixture(scope="module")
+def reference(checkpoints, tmp_path_factory):
+    """Megatron's logits of every case under each of its evaluation layouts, and of Sigma's
+    checkpoints before and after the switch, all in one launch of 2 ranks (``megatron_logits``
+    torn down between them, ``convert_support.megatron_logits_many``): ``{name: logits}``."""
+    items = []
+    for case, (model, _, layouts, _) in CASES.items():
+        run, ck = checkpoints[case]
+        if run.returncode == 0:  # else the case's test reports the failed training
+            items += [(f"{case}_{name}", model + flags, ck, tokens(), None)
+                      for name, flags in layouts.items()]
+    run, ck = checkpoints[SIGMA_EP2]
+    if run.returncode == 0:
+        items += [("sigma_step1_pp2", SIGMA + PP2, ck, tokens(1), 1),
+                  ("sigma_step3_tp2", SIGMA + TP2_SP, ck, tokens(1), None)]
+    return megatron_logits_many(str(tmp_path_factory.mktemp("to_hf_logits")), items)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_megatron(case, checkpoints, tmp_path):
+def test_logits_match_megatron(case, checkpoints, reference, tmp_path):
     model, train_layout, layouts, arch = CASES[case]
     ck = trained(checkpoints, case)
     # A small shard size: the output has several shards and an index that must cover them.
@@ -114,8 +132,7 @@ def test_logits_match_megatron(case, checkpoints, tmp_path):
     ids = tokens()
     ours = hf_logits(hf, ids)
     for name, flags in layouts.items():
-        ref = megatron_logits(str(tmp_path), f"logits_{name}", model + flags, ck, ids)
-        diff = (ours - ref).abs().max().item()
+        diff = (ours - reference[f"{case}_{name}"]).abs().max().item()
         assert diff <= TOL, f"{case} under {name}: max |HF - Megatron| = {diff:.2e}"
     # Converted models generate (greedy, with the KV cache).
     out_ids = hf.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
@@ -139,7 +156,7 @@ def _lm_eval(model, tmp_path):
     assert out["results"][lm.TASK]["acc,none"] == pytest.approx(acc)
 
 
-def test_sigma_before_and_after_the_switch(checkpoints, tmp_path):
+def test_sigma_before_and_after_the_switch(checkpoints, reference, tmp_path):
     """Expert parallelism in training; before the switch layers 0-1 route to 2 experts (exported
     code, per-layer top-k), after it every layer to 1 (native Qwen3-MoE, no remote code)."""
     ck = trained(checkpoints, SIGMA_EP2)
@@ -147,7 +164,7 @@ def test_sigma_before_and_after_the_switch(checkpoints, tmp_path):
     before = to_hf(ck, str(tmp_path / "hf_step1"), "--ckpt-step", "1")
     cfg = _check_directory(before, CUSTOM)
     assert [m["top_k"] for m in cfg["mlp_layers"]] == [2, 2, 1, 1]
-    ref = megatron_logits(str(tmp_path), "logits_step1_pp2", SIGMA + PP2, ck, ids, step=1)
+    ref = reference["sigma_step1_pp2"]
     diff = (hf_logits(hf_model(before, remote=True), ids) - ref).abs().max().item()
     assert diff <= TOL, f"Sigma step 1 (PP=2): {diff:.2e}"
 
@@ -155,7 +172,7 @@ def test_sigma_before_and_after_the_switch(checkpoints, tmp_path):
     cfg = _check_directory(after, "Qwen3MoeForCausalLM")
     assert cfg["num_experts_per_tok"] == 1 and cfg["norm_topk_prob"] is False
     hf = hf_model(after, remote=False)
-    ref = megatron_logits(str(tmp_path), "logits_step3_tp2", SIGMA + TP2_SP, ck, ids)
+    ref = reference["sigma_step3_tp2"]
     diff = (hf_logits(hf, ids) - ref).abs().max().item()
     assert diff <= TOL, f"Sigma step 3 (TP=2 + SP): {diff:.2e}"
     assert hf.generate(ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)

@@ -1,7 +1,9 @@
 """Several ``launch/pretrain.py`` trainings in one launch of the ranks, one after the other.
 
 Usage (as ``tests/multirank.torchrun_many`` launches it): ``python tests/dist/multi_config.py
-PLAN.json``, where the plan is ``[{"name", "argv", "log_dir"}, ...]``.
+PLAN.json``, where the plan is ``[{"name", "argv", "log_dir"}, ...]``; an item with a
+``"module"`` runs that module's ``main(argv)`` instead of ``launch/pretrain.py`` (e.g.
+``megatron_ext.convert.megatron_logits``, several checkpoints' logits in one launch).
 
 Most of a tiny test training is start-up: Python, torch and Megatron imports, the process group.
 Here they happen once per launch; between trainings Megatron's global state is torn down with
@@ -18,6 +20,8 @@ are not run, and their logs say so by their absence.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import sys
@@ -82,7 +86,11 @@ def main() -> None:
     from megatron_ext.training.entry import main as entry_main
 
     for item in plan:
-        run_one(entry_main, item["name"], item["argv"], item["log_dir"], rank)
+        entry = entry_main
+        if "module" in item:  # another entry point of the package: its main(argv)
+            module = importlib.import_module(item["module"])
+            entry = functools.partial(module.main, list(item["argv"]))
+        run_one(entry, item["name"], item["argv"], item["log_dir"], rank)
 
 
 if __name__ == "__main__":  # the guard matters: torch_dist checkpoint saving starts processes
