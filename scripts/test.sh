@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest tests "$@"
+# --durations: the slowest tests at the end of every run, to see where the suite's time goes.
+exec .venv/bin/python -m pytest tests --durations=30 "$@"
