@@ -202,6 +202,18 @@ def run_entry(flags):
                           text=True, timeout=300, env=env)
 
 
+def test_missing_micro_batch_size_is_named_without_traceback():
+    """Megatron's validation asserts on it (a bare AssertionError traceback before)."""
+    flags = list(TINY_GPT)
+    i = flags.index("--micro-batch-size")
+    del flags[i:i + 2]
+    proc = run_entry(flags + ["--train-iters", "1"])
+    assert proc.returncode != 0
+    assert "megatron-ext: missing --micro-batch-size (the samples of one micro-batch" in \
+        proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_missing_dataset_is_named_before_anything_is_built(tmp_path):
     flags = [f for f in TINY_GPT if f != "--mock-data"] + [
         "--train-iters", "1", "--data-path", "0.5", str(tmp_path / "corpus"), "0.5",

@@ -27,7 +27,12 @@ from megatron_ext.training.arguments import (
 from megatron_ext.training.datasets import train_valid_test_datasets_provider
 from megatron_ext.training.forward_step import forward_step
 from megatron_ext.training.model_provider import model_provider
-from megatron_ext.training.preflight import check_data_paths, check_load_dir, check_save_dir
+from megatron_ext.training.preflight import (
+    check_data_paths,
+    check_load_dir,
+    check_required_flags,
+    check_save_dir,
+)
 from megatron_ext.training.presets import expand_argv
 from megatron_ext.training.run_report import install as install_run_report
 
@@ -94,7 +99,9 @@ def main(argv=None) -> None:
     try:
         # The family's layout checks first (Sigma: experts vs EP, top-k vs experts, the schedule
         # vs the model): a message naming our flag rather than one of Megatron's assertions.
-        check_family_args(parse_args(extra_args_provider=add_extension_args))
+        parsed = parse_args(extra_args_provider=add_extension_args)
+        check_required_flags(parsed)
+        check_family_args(parsed)
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     args = parse_and_validate_args(extra_args_provider=add_extension_args)

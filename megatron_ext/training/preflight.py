@@ -12,6 +12,23 @@ from megatron_ext.data_paths import dataset_prefixes
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
+# Flags Megatron's validation asserts on (``assert args.micro_batch_size is not None``, a bare
+# AssertionError traceback): (attribute, flag, what to give)
+REQUIRED = (
+    ("micro_batch_size", "--micro-batch-size", "the samples of one micro-batch on each "
+     "data-parallel rank, e.g. --micro-batch-size 1"),
+)
+
+
+def check_required_flags(args) -> None:
+    """The flags a training cannot start without, named in one line before Megatron's validation
+    (which asserts on them without a message)."""
+    missing = [f"{flag} ({what})" for attr, flag, what in REQUIRED
+               if getattr(args, attr, None) is None]
+    if missing:
+        raise ValueError("missing " + "; ".join(missing))
+
+
 def check_data_paths(args) -> None:
     """Every prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` has its ``.bin`` and
     ``.idx`` (Megatron's indexed dataset); else one line naming the flag and the missing file."""
