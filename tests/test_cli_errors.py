@@ -202,15 +202,18 @@ def run_entry(flags):
                           text=True, timeout=300, env=env)
 
 
-def test_missing_micro_batch_size_is_named_without_traceback():
-    """Megatron's validation asserts on it (a bare AssertionError traceback before)."""
+@pytest.mark.parametrize("flag,message", [
+    ("--micro-batch-size", "--micro-batch-size (the samples of one micro-batch"),
+    ("--tokenizer-type", "--tokenizer-type (e.g. HuggingFaceTokenizer")])
+def test_missing_required_flag_is_named_without_traceback(flag, message):
+    """Megatron's validation asserts on --micro-batch-size and its tokenizer builder raises for
+    no --tokenizer-type (tracebacks before)."""
     flags = list(TINY_GPT)
-    i = flags.index("--micro-batch-size")
+    i = flags.index(flag)
     del flags[i:i + 2]
     proc = run_entry(flags + ["--train-iters", "1"])
     assert proc.returncode != 0
-    assert "megatron-ext: missing --micro-batch-size (the samples of one micro-batch" in \
-        proc.stderr, proc.stderr[-2000:]
+    assert f"megatron-ext: missing {message}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 

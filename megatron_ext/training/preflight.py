@@ -12,19 +12,24 @@ from megatron_ext.data_paths import dataset_prefixes
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
-# Flags Megatron's validation asserts on (``assert args.micro_batch_size is not None``, a bare
-# AssertionError traceback): (attribute, flag, what to give)
+# Flags a training cannot start without, which Megatron reports as a traceback: its validation
+# asserts ``args.micro_batch_size is not None``; its tokenizer builder raises for a None type.
+# (attribute, flag, what to give)
 REQUIRED = (
     ("micro_batch_size", "--micro-batch-size", "the samples of one micro-batch on each "
      "data-parallel rank, e.g. --micro-batch-size 1"),
+    ("tokenizer_type", "--tokenizer-type", "e.g. HuggingFaceTokenizer with --tokenizer-model "
+     "DIR, or NullTokenizer with --vocab-size N for --mock-data"),
 )
+FROM_CHECKPOINT = ("tokenizer_type",)  # --use-checkpoint-args reads these from the checkpoint
 
 
 def check_required_flags(args) -> None:
     """The flags a training cannot start without, named in one line before Megatron's validation
     (which asserts on them without a message)."""
+    from_checkpoint = FROM_CHECKPOINT if getattr(args, "use_checkpoint_args", False) else ()
     missing = [f"{flag} ({what})" for attr, flag, what in REQUIRED
-               if getattr(args, attr, None) is None]
+               if getattr(args, attr, None) is None and attr not in from_checkpoint]
     if missing:
         raise ValueError("missing " + "; ".join(missing))
 
