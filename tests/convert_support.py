@@ -11,7 +11,15 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from multirank import MULTI_CONFIG, ROOT, TINY_GPT, launch_ranks, require_ok, torchrun
+from multirank import (
+    MULTI_CONFIG,
+    ROOT,
+    TINY_GPT,
+    launch_ranks,
+    plan_item_logs,
+    require_ok,
+    torchrun,
+)
 
 VOCAB = 1000  # TINY_GPT's --vocab-size (Megatron pads it to 1024)
 SEQ = 64
@@ -92,17 +100,32 @@ def megatron_logits_many(workdir: str, items: Sequence[tuple], nproc: int = 2
     status, launch_log = launch_ranks([MULTI_CONFIG, plan_path], nproc, timeout=300 * len(plan))
     logits = {}
     for item in plan:
-        logs = []
-        for rank in range(nproc):
-            path = os.path.join(item["log_dir"], f"rank{rank}.log")
-            if os.path.exists(path):
-                with open(path) as f:
-                    logs.append(f.read())
-        done = len(logs) == nproc and all(f"MULTI-CONFIG OK {item['name']}" in t for t in logs)
+        logs, done = plan_item_logs(item, nproc)
         assert done, (f"{item['name']} failed (launch status {status}):\n"
                       + "".join(logs)[-6000:] + launch_log[-3000:])
         logits[item["name"]] = torch.load(outs[item["name"]])[..., :VOCAB]
     return logits
+
+
+def reference_logits(checkpoints: Dict[str, tuple], cases: Dict[str, tuple], workdir: str,
+                     extra: Sequence[tuple] = ()) -> Dict[str, torch.Tensor]:
+    """Megatron's logits (on ``tokens()``) of every case of a conversion test's ``cases``
+    (``{case: (model flags, training layout, {evaluation layout: flags}, architecture)}``) under
+    each of its evaluation layouts, as ``"<case>_<layout>"``, and of the ``extra`` items
+    (``(name, flags, checkpoint case, ids, step)``), in one launch (``megatron_logits_many``).
+    A case whose training failed (``checkpoints[case]``: its ``Run`` and --save directory) is
+    left out: its test reports the failure."""
+    items = []
+    for case, (model, _, layouts, _) in cases.items():
+        run, ck = checkpoints[case]
+        if run.returncode == 0:
+            items += [(f"{case}_{name}", model + flags, ck, tokens(), None)
+                      for name, flags in layouts.items()]
+    for name, flags, case, ids, step in extra:
+        run, ck = checkpoints[case]
+        if run.returncode == 0:
+            items.append((name, flags, ck, ids, step))
+    return megatron_logits_many(workdir, items)
 
 
 def to_hf(load: str, out: str, *args: str) -> str:

@@ -129,6 +129,19 @@ def torchrun(name: str, workdir: str, flags: Sequence[str], nproc: int = 2,
 MULTI_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "multi_config.py")
 
 
+def plan_item_logs(item: dict, nproc: int) -> Tuple[List[str], bool]:
+    """The ranks' logs of one item of a ``multi_config.py`` plan that exist, and whether every
+    rank finished it (``MULTI-CONFIG OK <name>``)."""
+    logs = []
+    for rank in range(nproc):
+        path = os.path.join(item["log_dir"], f"rank{rank}.log")
+        if os.path.exists(path):
+            with open(path) as f:
+                logs.append(f.read())
+    done = len(logs) == nproc and all(f"MULTI-CONFIG OK {item['name']}" in t for t in logs)
+    return logs, done
+
+
 def torchrun_many(workdir: str, items: Sequence[Tuple[str, Sequence[str]]], nproc: int = 2,
                   timeout: int = 600, env: Optional[Dict[str, str]] = None) -> Dict[str, Run]:
     """``torchrun`` of each ``(name, flags)`` in order, all in one launch of ``nproc`` ranks
@@ -152,14 +165,8 @@ def torchrun_many(workdir: str, items: Sequence[Tuple[str, Sequence[str]]], npro
     runs: Dict[str, Run] = {}
     for item in plan:
         name, out_dir = item["name"], dirs[item["name"]]
-        logs = []
-        for rank in range(nproc):
-            path = os.path.join(item["log_dir"], f"rank{rank}.log")
-            if os.path.exists(path):
-                with open(path) as f:
-                    logs.append(f.read())
+        logs, done = plan_item_logs(item, nproc)
         log = "".join(logs)
-        done = len(logs) == nproc and all(f"MULTI-CONFIG OK {name}" in text for text in logs)
         returncode = 0 if done else (status or 1) if logs else -1
         if not done:
             log += f"\n[launch of {len(plan)} trainings, status {status}]\n" + launch_log

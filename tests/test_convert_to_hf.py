@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from convert_support import (TIED, hf_logits, hf_model, megatron_logits_many, to_hf,
+from convert_support import (TIED, hf_logits, hf_model, reference_logits, to_hf,
                              tokens, train_flags)
 from multirank import Launches, require_ok
 
@@ -107,17 +107,10 @@ def reference(checkpoints, tmp_path_factory):
     """Megatron's logits of every case under each of its evaluation layouts, and of Sigma's
     checkpoints before and after the switch, all in one launch of 2 ranks (``megatron_logits``
     torn down between them, ``convert_support.megatron_logits_many``): ``{name: logits}``."""
-    items = []
-    for case, (model, _, layouts, _) in CASES.items():
-        run, ck = checkpoints[case]
-        if run.returncode == 0:  # else the case's test reports the failed training
-            items += [(f"{case}_{name}", model + flags, ck, tokens(), None)
-                      for name, flags in layouts.items()]
-    run, ck = checkpoints[SIGMA_EP2]
-    if run.returncode == 0:
-        items += [("sigma_step1_pp2", SIGMA + PP2, ck, tokens(1), 1),
-                  ("sigma_step3_tp2", SIGMA + TP2_SP, ck, tokens(1), None)]
-    return megatron_logits_many(str(tmp_path_factory.mktemp("to_hf_logits")), items)
+    return reference_logits(
+        checkpoints, CASES, str(tmp_path_factory.mktemp("to_hf_logits")),
+        [("sigma_step1_pp2", SIGMA + PP2, SIGMA_EP2, tokens(1), 1),
+         ("sigma_step3_tp2", SIGMA + TP2_SP, SIGMA_EP2, tokens(1), None)])
 
 
 @pytest.mark.parametrize("case", list(CASES))

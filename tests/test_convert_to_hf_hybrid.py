@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from convert_support import hf_logits, hf_model, megatron_logits_many, to_hf, tokens, train_flags
+from convert_support import hf_logits, hf_model, reference_logits, to_hf, tokens, train_flags
 from multirank import ROOT, Launches, require_ok
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
@@ -83,13 +83,8 @@ def trained(checkpoints, name):
 def reference(checkpoints, tmp_path_factory):
     """Megatron's logits of every case under each of its evaluation layouts, in one launch of 2
     ranks (``convert_support.megatron_logits_many``): ``{name: logits}``."""
-    items = []
-    for case, (model, _, layouts, _) in CASES.items():
-        run, ck = checkpoints[case]
-        if run.returncode == 0:  # else the case's test reports the failed training
-            items += [(f"{case}_{name}", model + flags, ck, tokens(), None)
-                      for name, flags in layouts.items()]
-    return megatron_logits_many(str(tmp_path_factory.mktemp("to_hf_hybrid_logits")), items)
+    return reference_logits(checkpoints, CASES,
+                            str(tmp_path_factory.mktemp("to_hf_hybrid_logits")))
 
 
 @pytest.mark.parametrize("case", list(CASES))
