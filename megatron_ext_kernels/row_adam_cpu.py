@@ -181,9 +181,19 @@ def affinity_cores() -> int:
 
 def default_threads() -> int:
     """The cores in this process's affinity mask, shared equally among the ranks torchrun started
-    on this node (``LOCAL_WORLD_SIZE``), at least 1."""
+    on this node (``LOCAL_WORLD_SIZE``), at least 1; with a GPU, one of a rank's cores is left to
+    its training thread, which launches the GPU's work while the table step runs in the
+    background (a team on every core would stall the launches and starve the GPU)."""
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    return max(affinity_cores() // local, 1)
+    share = affinity_cores() // local
+    if share > 2 and _cuda_available():
+        share -= 1
+    return max(share, 1)
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def set_threads(threads: int) -> None:

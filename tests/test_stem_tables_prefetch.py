@@ -238,3 +238,96 @@ def test_owed_step_steps_every_row_once_in_reads_and_chunks(monkeypatch):
         size = len(c[0]) * 8 + len(c[1]) * 16
         assert size <= 40 or len(c[0]) + len(c[1]) == 1
     assert owed.result() == pytest.approx((0.001 * len(calls), 0.001))
+
+
+class RecordingTables:
+    """The calls the read-ahead makes on StemTables, recording the ids each fetch gets."""
+
+    prefetch, overlap = True, True
+
+    def __init__(self):
+        self.ids = []
+
+    def fetch_now(self, ids):
+        self.ids.append(("now", ids))
+
+    def start_fetch(self, ids, ahead=False, after_step=False):
+        self.ids.append(("ahead", ids))
+        return object()
+
+    def finish_fetch(self, fetch):
+        pass
+
+
+def test_read_ahead_routes_the_host_copy_of_the_tokens():
+    """The read-ahead hands the tables the batch's host tokens (the sixth item, what routing
+    reads without waiting for the GPU) when the batch has them, the tokens otherwise, and gives
+    the forward step the five tensors."""
+    from megatron_ext.stem.read_ahead import TableReadAhead
+
+    batches = []
+
+    def read_batch(host=True):
+        tokens = torch.full((1, 4), len(batches))
+        batch = (tokens, None, None, None, None, tokens.clone() if host else None)
+        batches.append(batch)
+        return batch
+
+    tables = RecordingTables()
+    ahead = TableReadAhead(tables)
+    with torch.enable_grad():
+        for m in range(2):
+            got = ahead.take(read_batch, num_microbatches=2, next_step=True)
+            assert len(got) == 5 and got[0] is batches[m][0]
+    assert [kind for kind, _ in tables.ids] == ["now", "ahead", "ahead"]
+    assert all(ids is batch[5] for (_, ids), batch in zip(tables.ids, batches))
+    tables.ids.clear()
+    ahead.next = None
+    with torch.no_grad():  # evaluation, a batch without a host copy: the tokens themselves
+        got = ahead.take(lambda: read_batch(host=False), num_microbatches=2, next_step=True)
+    assert len(got) == 5 and tables.ids == [("now", batches[-1][0])]
+
+
+def test_get_batch_keeps_the_host_tokens(mcore_single_rank):
+    """TP rank 0 reads the batch from the data loader: with ``host_tokens`` the sixth item is the
+    loader's tokens on the host, equal to the tokens the model gets."""
+    from types import SimpleNamespace
+
+    from megatron_ext.training.batch import get_batch
+
+    tokens = torch.randint(0, 50, (2, 8))
+    data = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(2, 8),
+            "position_ids": torch.arange(8).repeat(2, 1)}
+    args = SimpleNamespace(micro_batch_size=2, seq_length=8,
+                           create_attention_mask_in_dataloader=False)
+    plain = get_batch(iter([data]), args)
+    assert len(plain) == 5
+    batch = get_batch(iter([data]), args, host_tokens=True)
+    assert len(batch) == 6 and batch[5].device.type == "cpu"
+    assert torch.equal(batch[5], tokens) and torch.equal(batch[0].cpu(), tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fetch_from_host_ids_does_not_wait_for_the_gpu(mcore_single_rank):
+    """On a GPU, a fetch of host ids (start and finish, through the exchange and the pinned
+    copies) makes the training thread wait for no kernel: under CUDA's sync debug mode
+    ("error") any stream or device synchronisation, implicit copy included, raises."""
+    g = torch.Generator().manual_seed(3)
+    full, layers, tables, device = host_tables(g)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    with torch.no_grad():
+        tables.fetch_now(ids)  # warm up: pinned buffers, the worker's stream
+        torch.cuda.synchronize()
+        busy = torch.randn(4096, 4096, device=device)
+        for _ in range(20):  # kernels queued ahead, as a micro-batch's backward would be
+            busy = busy @ busy.t() / 4096
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fetch = tables.start_fetch(ids, ahead=True)
+            tables.finish_fetch(fetch)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    for layer, table in zip(layers, full):
+        rows, inverse = layer.bound
+        torch.testing.assert_close(rows[inverse].cpu(), table[ids.t()])

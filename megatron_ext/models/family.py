@@ -56,8 +56,9 @@ class Family:
     # log_report(args, iteration, total_loss_dict, writer, wandb_writer)
     log_report: Optional[Callable[..., None]] = None
     # every micro-batch: take_batch(model, read_batch, args, cfg) -> the batch the chunk runs
-    # now, ``read_batch()``'s tuple (tokens first) by default (STEM binds the rows of its managed
-    # tables and reads ahead)
+    # now (tokens, labels, loss_mask, attention_mask, position_ids); ``read_batch()`` reads the
+    # next one: those five and the tokens' host copy, or None where this rank has them on the GPU
+    # only (STEM binds the rows of its managed tables and reads ahead)
     take_batch: Optional[Callable[[Any, Callable[[], tuple], Any, Any], tuple]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None

@@ -19,17 +19,27 @@ Device: the collectives run where the group's backend wants tensors (CUDA for NC
 ``serve_device``, where the owners' rows must be put for ``send_rows``). Rows may travel in the model's 16-bit
 dtype (``wire_dtype``): the layers cast them to it anyway, so the values they compute with are the
 same, and the bytes moved are halved.
+
+No wait for the GPU on the training thread: ids are host data, so ``route`` exchanges them over a
+host group (``host_group``: Megatron's gloo copy of the data-parallel group,
+``parallel_state.get_data_parallel_group_gloo``) when there is one; routing over NCCL instead needs
+the counts on the host, and reading them waits for every kernel queued before (the previous
+micro-batch's backward), so the host stops running ahead of the GPU at every micro-batch. With
+one rank in the group nothing is exchanged at all. Host tensors go to the GPU from pinned memory
+without blocking (``to_device``): a plain ``.to("cuda")`` of a host tensor synchronises the
+stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.ownership import RowOwnership
+from megatron_ext.stem.store import to_device
 
 
 def comm_device(group) -> torch.device:
@@ -38,21 +48,19 @@ def comm_device(group) -> torch.device:
         else torch.device("cpu")
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 @dataclass
 class Route:
     """Where each of this rank's unique ids goes and what it is asked for in return."""
-    order: torch.Tensor          # permutation of the unique ids into owner order
+    order: torch.Tensor          # permutation of the unique ids into owner order (host)
     send_counts: List[int]       # ids this rank asks of each owner
     recv_counts: List[int]       # ids each rank asks of this rank
     requested: torch.Tensor      # local shard indices asked of this rank (concatenated by asker)
+    order_on: Optional[torch.Tensor] = None  # ``order`` on the communication device
+
+    def order_at(self, device: torch.device) -> torch.Tensor:
+        if self.order_on is None or self.order_on.device != device:
+            self.order_on = to_device(self.order, device)
+        return self.order_on
 
     @property
     def rows_out(self) -> int:   # rows this rank serves
@@ -64,29 +72,57 @@ class Route:
 
 
 class VocabExchange:
-    def __init__(self, ownership: RowOwnership, group):
+    """``host_group``: a host (gloo) group of the same ranks as ``group``, for ``route``'s ids
+    (``group`` itself when it is a host group; None: route over ``group``)."""
+
+    def __init__(self, ownership: RowOwnership, group, host_group=None):
         if ownership.world != dist.get_world_size(group):
             raise ValueError(f"ownership is for {ownership.world} ranks, the group has "
                              f"{dist.get_world_size(group)}")
+        if host_group is not None and (
+                dist.get_world_size(host_group) != ownership.world
+                or dist.get_rank(host_group) != dist.get_rank(group)):
+            raise ValueError("the host group of a STEM exchange must hold the same ranks, in "
+                             "the same order, as its group")
         self.ownership = ownership
         self.group = group
         self.device = comm_device(group)
+        if host_group is None and self.device.type == "cpu":
+            host_group = group
+        self.host_group = host_group
+        self.single = ownership.world == 1  # nothing to exchange
 
     def route(self, unique_ids: torch.Tensor) -> Route:
-        """Exchange counts and ids (two small all-to-alls)."""
+        """Exchange counts and ids (two small all-to-alls, on the host group when there is
+        one; none with one rank)."""
         ids = unique_ids.to(torch.long)
+        if ids.is_cuda:  # callers pass host ids; a GPU tensor costs a wait for the GPU here
+            ids = ids.cpu()
         owners = self.ownership.owner(ids)
         order = torch.argsort(owners, stable=True)
         world = self.ownership.world
         send_counts = torch.bincount(owners, minlength=world)
-        dev = self.device
-        recv_counts = torch.empty_like(send_counts, device=dev)
-        dist.all_to_all_single(recv_counts, _to(send_counts, dev), group=self.group)
-        send, recv = send_counts.tolist(), recv_counts.cpu().tolist()
-        requested = torch.empty(sum(recv), dtype=torch.long, device=dev)
-        dist.all_to_all_single(requested, _to(ids[order], dev), output_split_sizes=recv,
-                               input_split_sizes=send, group=self.group)
-        local = self.ownership.local_index(requested.cpu())
+        send = send_counts.tolist()
+        if self.single:
+            recv, requested = send, ids[order]
+        elif self.host_group is not None:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.host_group)
+            recv = recv_counts.tolist()
+            requested = torch.empty(sum(recv), dtype=torch.long)
+            dist.all_to_all_single(requested, ids[order].contiguous(), output_split_sizes=recv,
+                                   input_split_sizes=send, group=self.host_group)
+        else:  # NCCL only (no gloo copy of the group): the counts' read waits for the GPU
+            dev = self.device
+            recv_counts = torch.empty_like(send_counts, device=dev)
+            dist.all_to_all_single(recv_counts, to_device(send_counts, dev), group=self.group)
+            recv = recv_counts.cpu().tolist()
+            requested = torch.empty(sum(recv), dtype=torch.long, device=dev)
+            dist.all_to_all_single(requested, to_device(ids[order], dev),
+                                   output_split_sizes=recv, input_split_sizes=send,
+                                   group=self.group)
+            requested = requested.cpu()
+        local = self.ownership.local_index(requested)
         return Route(order=order, send_counts=send, recv_counts=recv, requested=local)
 
     def serve_device(self, out_device: torch.device) -> torch.device:
@@ -101,13 +137,17 @@ class VocabExchange:
         asked; the rows this rank asked for come back (one all-to-all for all layers). Returns
         ``[len(unique_ids), width]`` per shard, in ``unique_ids`` order, as ``dtype`` on
         ``out_device``. The rows travel as ``served``'s dtype."""
-        received = torch.empty(route.rows_in, sum(widths), dtype=served.dtype, device=self.device)
-        dist.all_to_all_single(received, served.contiguous(),
-                               output_split_sizes=route.send_counts,
-                               input_split_sizes=route.recv_counts, group=self.group)
-        rows = torch.empty_like(received)
-        rows[route.order.to(received.device)] = received
-        rows = _to(rows, out_device).to(dtype)
+        if self.single:  # one owner: the rows are served in the asker's order already
+            rows = served
+        else:
+            received = torch.empty(route.rows_in, sum(widths), dtype=served.dtype,
+                                   device=self.device)
+            dist.all_to_all_single(received, served.contiguous(),
+                                   output_split_sizes=route.send_counts,
+                                   input_split_sizes=route.recv_counts, group=self.group)
+            rows = torch.empty_like(received)
+            rows[route.order_at(received.device)] = received
+        rows = to_device(rows, out_device).to(dtype)
         return list(torch.split(rows, list(widths), dim=1))
 
     def push(self, route: Route, grads: Sequence[torch.Tensor]
@@ -116,15 +156,19 @@ class VocabExchange:
         the owners. Returns this rank's touched local rows (unique, sorted) and, per shard, their
         gradients summed over all ranks that sent them (on the communication device)."""
         widths = [g.shape[1] for g in grads]
-        outgoing = _to(torch.cat(list(grads), dim=1), self.device)[route.order.to(self.device)]
-        incoming = torch.empty(route.rows_out, sum(widths), dtype=outgoing.dtype,
-                               device=self.device)
-        dist.all_to_all_single(incoming, outgoing.contiguous(),
-                               output_split_sizes=route.recv_counts,
-                               input_split_sizes=route.send_counts, group=self.group)
+        outgoing = to_device(torch.cat(list(grads), dim=1), self.device)
+        if self.single:  # one owner, ids in owner order already
+            incoming = outgoing
+        else:
+            outgoing = outgoing[route.order_at(self.device)]
+            incoming = torch.empty(route.rows_out, sum(widths), dtype=outgoing.dtype,
+                                   device=self.device)
+            dist.all_to_all_single(incoming, outgoing.contiguous(),
+                                   output_split_sizes=route.recv_counts,
+                                   input_split_sizes=route.send_counts, group=self.group)
         rows, inverse = torch.unique(route.requested, return_inverse=True)
         summed = torch.zeros(rows.numel(), sum(widths), dtype=incoming.dtype, device=self.device)
-        summed.index_add_(0, inverse.to(self.device), incoming)
+        summed.index_add_(0, to_device(inverse, self.device), incoming)
         return rows, list(torch.split(summed, widths, dim=1))
 
 
@@ -149,15 +193,15 @@ class ReplicatedExchange:
                   out_device: torch.device, dtype: torch.dtype = torch.float32
                   ) -> List[torch.Tensor]:
         """``served`` are the route's (this rank's own) rows already: no collective."""
-        rows = _to(served, out_device).to(dtype)
+        rows = to_device(served, out_device).to(dtype)
         return list(torch.split(rows, list(widths), dim=1))
 
     def push(self, route: Route, grads: Sequence[torch.Tensor]
              ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         widths = [g.shape[1] for g in grads]
         world = dist.get_world_size(self.group)
-        ids = _to(route.requested, self.device)
-        payload = _to(torch.cat(list(grads), dim=1), self.device)
+        ids = to_device(route.requested, self.device)
+        payload = to_device(torch.cat(list(grads), dim=1), self.device)
         counts = torch.tensor([ids.numel()], device=self.device)
         all_counts = [torch.empty_like(counts) for _ in range(world)]
         dist.all_gather(all_counts, counts, group=self.group)

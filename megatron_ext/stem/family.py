@@ -186,7 +186,17 @@ def model_state(model, args, config, stem: StemConfig) -> None:
                      f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
     model.stem_tables = StemTables(
         layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
-        hot_mask=hot) if layers else None
+        hot_mask=hot, host_group=_host_data_parallel_group()) if layers else None
+
+
+def _host_data_parallel_group():
+    """Megatron's gloo copy of the data-parallel group (``create_gloo_process_groups``, on unless
+    ``--disable-gloo-process-groups``), over which the tables route their host ids without
+    waiting for the GPU (``stem/exchange.py``); None without it."""
+    try:
+        return parallel_state.get_data_parallel_group_gloo()
+    except AssertionError:
+        return None
 
 
 def _saved_layer(args, saved: SavedTables) -> Optional[Callable[[int], int]]:

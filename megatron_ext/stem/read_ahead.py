@@ -31,8 +31,9 @@ class TableReadAhead:
 
     def take(self, read_batch: Callable[[], tuple], num_microbatches: int,
              next_step: bool) -> tuple:
-        """The micro-batch to run now (``read_batch()``'s tuple, tokens first), its rows bound to
-        the chunk's STEM layers. Collective over the data-parallel group."""
+        """The micro-batch to run now (the five tensors of ``read_batch()``'s tuple, which may
+        add the tokens' host copy), its rows bound to the chunk's STEM layers. Collective over
+        the data-parallel group."""
         tables = self.tables
         training = torch.is_grad_enabled()
         if training and self.next is not None:
@@ -41,21 +42,26 @@ class TableReadAhead:
             tables.finish_fetch(fetch)
         else:
             batch = read_batch()
-            tables.fetch_now(batch[0])
+            tables.fetch_now(_ids(batch))
         if not training:
-            return batch
+            return batch[:5]
         self.microbatch += 1
         if self.microbatch < num_microbatches:
             if tables.prefetch:
                 upcoming = read_batch()
-                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True))
+                self.next = (upcoming, tables.start_fetch(_ids(upcoming), ahead=True))
         else:
             self.microbatch = 0
             if tables.overlap and next_step:
                 upcoming = read_batch()
-                self.next = (upcoming, tables.start_fetch(upcoming[0], ahead=True,
+                self.next = (upcoming, tables.start_fetch(_ids(upcoming), ahead=True,
                                                           after_step=True))
-        return batch
+        return batch[:5]
+
+
+def _ids(batch: tuple) -> torch.Tensor:
+    """The micro-batch's token ids for routing: the host copy when the batch has one."""
+    return batch[5] if len(batch) > 5 and batch[5] is not None else batch[0]
 
 
 _READ_AHEAD = weakref.WeakKeyDictionary()
@@ -77,7 +83,7 @@ def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> tuple:
     one."""
     tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True)
     if tables is None:  # ordinary tables, or no STEM layer on this stage
-        return read_batch()
+        return read_batch()[:5]
     upcoming = args.curr_iteration + 1
     next_step = upcoming < args.train_iters and not (
         args.exit_interval and upcoming % args.exit_interval == 0)

@@ -95,6 +95,16 @@ class TableStore:
         write_back(self.shards[i], whole)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to a GPU through pinned memory without blocking
+    the host (PyTorch's pinned-memory allocator keeps the staging block until the copy ends)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class PinnedStaging:
     """A reusable page-locked host buffer for copies between host shards and the GPU (pinned
     memory is what lets the copy engine move it while kernels run; allocating it is slow, so it
@@ -159,7 +169,7 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
     n = index.numel()
     on_host = all(s.device.type == "cpu" for s in shards)
     if not (staging is not None and on_host and device.type == "cuda") or n == 0:
-        rows = torch.cat([s[index.to(s.device)] for s in shards], dim=1) if n else \
+        rows = torch.cat([s[to_device(index, s.device)] for s in shards], dim=1) if n else \
             shards[0].new_empty(0, sum(widths))
         return rows.to(device=device, dtype=dtype)
     flat = staging.view(n * sum(widths), dtype)
@@ -186,9 +196,9 @@ def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: t
     out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
     if hot_pos.numel():
         hot_dev = shards[0].hot.device
-        rows = torch.cat([s.hot[hot_rows.to(hot_dev)] for s in shards], dim=1)
-        out[hot_pos.to(device)] = rows.to(device, dtype)
+        rows = torch.cat([s.hot[to_device(hot_rows, hot_dev)] for s in shards], dim=1)
+        out[to_device(hot_pos, device)] = rows.to(device, dtype)
     if cold_pos.numel():
-        out[cold_pos.to(device)] = gather_rows([s.cold for s in shards], cold_rows, device, dtype,
-                                               staging)
+        out[to_device(cold_pos, device)] = gather_rows([s.cold for s in shards], cold_rows,
+                                                       device, dtype, staging)
     return out

@@ -46,7 +46,7 @@ from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.exchange import ReplicatedExchange, Route, VocabExchange
 from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.store import TableStore
+from megatron_ext.stem.store import TableStore, to_device
 from megatron_ext.stem.tiers import TieredOwnership
 from megatron_ext.stem.worker import WORKER
 
@@ -64,7 +64,7 @@ class Fetch:
 class StemTables:
     def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
                  device: Optional[torch.device] = None,
-                 hot_mask: Optional[torch.Tensor] = None):
+                 hot_mask: Optional[torch.Tensor] = None, host_group=None):
         self.layers = list(layers)
         self.vocab_size = vocab_size
         for index, layer in enumerate(self.layers):  # checkpoints reach the rows through this
@@ -84,7 +84,7 @@ class StemTables:
                     raise ValueError("--stem-table-placement tiered needs the GPU tier's rows")
                 self.ownership = TieredOwnership(self.ownership, hot_mask, self.dp_rank)
                 num_hot = self.ownership.num_hot
-            self.exchange = VocabExchange(self.ownership, dp_group)
+            self.exchange = VocabExchange(self.ownership, dp_group, host_group)
             self.owned_ids = self.ownership.owned_ids(self.dp_rank)
         else:
             self.ownership = None
@@ -141,10 +141,12 @@ class StemTables:
         the rows on the worker, unless ``after_step``: the read waits for the next table step,
         which releases it (``release``)."""
         start = time.perf_counter()
-        unique, inverse = torch.unique(token_ids.reshape(-1), return_inverse=True)
-        unique = unique.cpu()
-        fetch = Fetch(unique, inverse.view(token_ids.shape).t().contiguous(),
-                      self.exchange.route(unique), ahead)
+        # Host ids (the batch's host copy, ``training/batch.py``): deduplicating them on the GPU
+        # and reading the result back would wait for every kernel queued before.
+        ids = token_ids.cpu() if token_ids.is_cuda else token_ids
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        inverse = to_device(inverse.view(ids.shape).t().contiguous(), self.device)
+        fetch = Fetch(unique, inverse, self.exchange.route(unique), ahead)
         self._open += 1
         if after_step:
             if self.deferred is not None:

@@ -39,10 +39,14 @@ def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
             raise RuntimeError("TP rank 0 of a stage that needs data has no data iterator")
         data = next(data_iterator)
         batch = {k: data[k].to(device=device, dtype=_DTYPES[k], non_blocking=True) for k in keys}
+        # The ids as the data loader gave them, on the host: what token-indexed tables route
+        # without reading the GPU copy back (which would wait for every queued kernel).
+        batch["host_tokens"] = data["tokens"].to(torch.int64)
     else:
         shapes = {k: (micro_batch_size, seq_length) for k in KEYS}
         shapes["attention_mask"] = (micro_batch_size, 1, seq_length, seq_length)
         batch = {k: torch.empty(shapes[k], dtype=_DTYPES[k], device=device) for k in keys}
+        batch["host_tokens"] = None  # TP ranks > 0 receive the ids on the GPU only
     if mpu.get_tensor_model_parallel_world_size() > 1:
         for k in keys:
             torch.distributed.broadcast(batch[k], src, group=group)
@@ -52,15 +56,20 @@ def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
 
 
 def get_batch(data_iterator, args, vp_stage: Optional[int] = None,
-              token_layers_here: bool = False):
-    """Returns ``tokens, labels, loss_mask, attention_mask, position_ids`` for this rank."""
+              token_layers_here: bool = False, host_tokens: bool = False):
+    """Returns ``tokens, labels, loss_mask, attention_mask, position_ids`` for this rank, and with
+    ``host_tokens`` a sixth item: the tokens on the host where this rank has them without
+    waiting for the GPU (TP rank 0 without context parallelism), else None."""
     if not stage_needs_batch(vp_stage, token_layers_here):
-        return None, None, None, None, None
+        return (None,) * (6 if host_tokens else 5)
     batch = broadcast_batch(data_iterator, args.micro_batch_size, args.seq_length,
                             args.create_attention_mask_in_dataloader)
+    host = batch.pop("host_tokens")
     batch["cu_seqlens"] = None
     if mpu.get_context_parallel_world_size() > 1:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
                                           cp_group=mpu.get_context_parallel_group())
-    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
-            batch["position_ids"])
+        host = None  # the slice of this CP rank is on the GPU
+    out = (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
+           batch["position_ids"])
+    return out + (host,) if host_tokens else out

@@ -40,13 +40,13 @@ def forward_step(data_iterator, model):
     token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
     family, cfg = _family_and_config(args)
 
-    def read_batch():
-        return get_batch(data_iterator, args, vp_stage, token_layers_here)
-
     if family.take_batch is not None:  # e.g. STEM's managed tables: rows bound, read-ahead
-        batch = family.take_batch(model, read_batch, args, cfg)
+        # read_batch gives the five tensors and the tokens' host copy (or None); take_batch
+        # returns the five.
+        batch = family.take_batch(model, lambda: get_batch(
+            data_iterator, args, vp_stage, token_layers_here, host_tokens=True), args, cfg)
     else:
-        batch = read_batch()
+        batch = get_batch(data_iterator, args, vp_stage, token_layers_here)
     tokens, labels, loss_mask, attention_mask, position_ids = batch
     timers("batch-generator").stop()
     if family.before_forward is not None:  # e.g. Sigma's top-k of this step

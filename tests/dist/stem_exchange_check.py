@@ -66,10 +66,69 @@ def main() -> None:
                              f"!= {expect_ids.tolist()}")
                 if not torch.allclose(summed[wi].double(), ref[got_ids], atol=1e-6):
                     sys.exit(f"{scheme} step {step} rank {rank}: summed gradients differ")
+    check_groups(rank, world, tables)
     dist.barrier()
     if rank == 0:
         print(f"exchange ok on {world} ranks")
     dist.destroy_process_group()
+
+
+class CallLog:
+    """Records the group of every ``all_to_all_single`` while installed."""
+
+    def __init__(self):
+        self.groups = []
+        self._real = dist.all_to_all_single
+
+    def __enter__(self):
+        def recorded(*args, group=None, **kwargs):
+            self.groups.append(group)
+            return self._real(*args, group=group, **kwargs)
+        dist.all_to_all_single = recorded
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._real
+
+
+def check_groups(rank: int, world: int, tables) -> None:
+    """Routing runs on the host group, rows and gradients on the exchange's group; with one rank
+    in the group nothing is exchanged, and both give the reference's rows and sums."""
+    device_group = dist.new_group(list(range(world)), backend="gloo")
+    host_group = dist.new_group(list(range(world)), backend="gloo")
+    alone = [dist.new_group([r], backend="gloo") for r in range(world)][rank]
+    cpu = torch.device("cpu")
+    for scheme in SCHEMES:
+        for group, host, size in ((device_group, host_group, world), (alone, None, 1)):
+            own = RowOwnership(VOCAB, size, scheme)
+            ex = VocabExchange(own, group, host)
+            owned = own.owned_ids(0 if size == 1 else rank)
+            shards = [t[owned].clone() for t in tables]
+            unique = torch.unique(batch_ids(rank, 0))
+            with CallLog() as routed:
+                route = ex.route(unique)
+            with CallLog() as moved:
+                served = gather_rows(shards, route.requested, ex.serve_device(cpu),
+                                     torch.float32)
+                rows = ex.send_rows(route, served, WIDTHS, cpu)
+                grads = [torch.randn(unique.numel(), w) for w in WIDTHS]
+                local_rows, summed = ex.push(route, grads)
+            if size == 1:
+                if routed.groups or moved.groups:
+                    sys.exit(f"{scheme}: a one-rank exchange issued collectives")
+                for w, g in zip(WIDTHS, summed):
+                    ref = torch.zeros(VOCAB, w)
+                    ref.index_add_(0, unique, grads[WIDTHS.index(w)])
+                    if not torch.allclose(g, ref[owned[local_rows]]):
+                        sys.exit(f"{scheme}: one-rank push differs")
+            else:
+                if not routed.groups or any(g is not host for g in routed.groups):
+                    sys.exit(f"{scheme}: route used {routed.groups}, not only the host group")
+                if not moved.groups or any(g is not group for g in moved.groups):
+                    sys.exit(f"{scheme}: rows/gradients used {moved.groups}, not the group")
+            for t, r in zip(tables, rows):
+                if not torch.equal(r, t[unique]):
+                    sys.exit(f"{scheme} (group of {size}) rank {rank}: fetched rows differ")
 
 
 if __name__ == "__main__":
