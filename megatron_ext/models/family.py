@@ -60,6 +60,10 @@ class Family:
     # next one: those five and the tokens' host copy, or None where this rank has them on the GPU
     # only (STEM binds the rows of its managed tables and reads ahead)
     take_batch: Optional[Callable[[Any, Callable[[], tuple], Any, Any], tuple]] = None
+    # whether take_batch routes the tokens' host copy (the same answer on every rank):
+    # host_tokens(args, cfg); with TP > 1 the trainer then sends it to every TP rank over a gloo
+    # copy of the TP group (``training/batch.py``)
+    host_tokens: Optional[Callable[[Any, Any], bool]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None
     # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)

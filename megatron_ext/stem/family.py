@@ -353,5 +353,6 @@ FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 wrap_optimizer=wrap_optimizer, log_report=log_report,
                 check_checkpoint=check_checkpoint, after_training=after_training, reset=reset,
                 take_batch=take_batch,
+                host_tokens=lambda args, stem: stem.managed_tables,
                 estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
                 hf_mlp_tensors={"stem": hf_stem_tensors})

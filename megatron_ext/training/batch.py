@@ -27,9 +27,47 @@ def stage_needs_batch(vp_stage: Optional[int], token_layers_here: bool) -> bool:
     return first or last or token_layers_here
 
 
+# (Megatron's tensor-parallel group, its gloo copy) of this rank, once made: the copy is used only
+# while that group is Megatron's (a later training in the process makes its own).
+_HOST_TP_GROUP: list = [None, None]
+
+
+def make_host_tensor_parallel_group() -> None:
+    """A gloo copy of every tensor-parallel group, over which TP rank 0 sends the tokens' host
+    copy to its peers (``broadcast_batch``), so that no TP rank reads the GPU's copy back (which
+    waits for every queued kernel). Megatron keeps gloo copies of the data-parallel groups only.
+    Collective over every rank: each must call it once per training, after Megatron made its
+    groups and before the first batch (the model provider does, for families that read host
+    tokens). Nothing with one TP rank."""
+    tp_group = mpu.get_tensor_model_parallel_group()
+    if mpu.get_tensor_model_parallel_world_size() == 1 or _HOST_TP_GROUP[0] is tp_group:
+        return
+    reset_host_tensor_parallel_group()
+    dist = torch.distributed
+    mine = dist.get_process_group_ranks(tp_group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    rank = dist.get_rank()
+    for ranks in sorted({tuple(r) for r in every}):  # the same order on every rank
+        group = dist.new_group(list(ranks), backend="gloo")
+        if rank in ranks:
+            _HOST_TP_GROUP[:] = [tp_group, group]
+
+
+def reset_host_tensor_parallel_group() -> None:
+    """Forget the gloo tensor-parallel group (a training's end: the next one makes its own)."""
+    group = _HOST_TP_GROUP[1]
+    _HOST_TP_GROUP[:] = [None, None]
+    if group is not None:
+        torch.distributed.destroy_process_group(group)
+
+
 def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
-                    with_attention_mask: bool) -> Dict[str, torch.Tensor]:
-    """TP rank 0 reads the next sample batch; the other TP ranks receive it."""
+                    with_attention_mask: bool, host_tokens: bool = False
+                    ) -> Dict[str, torch.Tensor]:
+    """TP rank 0 reads the next sample batch; the other TP ranks receive it. ``host_tokens``:
+    every TP rank also gets the tokens on the host (``host_tokens``; over the gloo TP group, or
+    None on TP ranks > 0 without one)."""
     keys = KEYS + (("attention_mask",) if with_attention_mask else ())
     group = mpu.get_tensor_model_parallel_group()
     src = mpu.get_tensor_model_parallel_src_rank()
@@ -41,15 +79,21 @@ def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
         batch = {k: data[k].to(device=device, dtype=_DTYPES[k], non_blocking=True) for k in keys}
         # The ids as the data loader gave them, on the host: what token-indexed tables route
         # without reading the GPU copy back (which would wait for every queued kernel).
-        batch["host_tokens"] = data["tokens"].to(torch.int64)
+        batch["host_tokens"] = data["tokens"].to(torch.int64).contiguous()
     else:
         shapes = {k: (micro_batch_size, seq_length) for k in KEYS}
         shapes["attention_mask"] = (micro_batch_size, 1, seq_length, seq_length)
         batch = {k: torch.empty(shapes[k], dtype=_DTYPES[k], device=device) for k in keys}
-        batch["host_tokens"] = None  # TP ranks > 0 receive the ids on the GPU only
+        batch["host_tokens"] = None  # received below when asked for (over the gloo TP group)
     if mpu.get_tensor_model_parallel_world_size() > 1:
         for k in keys:
             torch.distributed.broadcast(batch[k], src, group=group)
+        host_group = _HOST_TP_GROUP[1] if _HOST_TP_GROUP[0] is group else None
+        if host_tokens and host_group is not None:
+            if batch["host_tokens"] is None:
+                batch["host_tokens"] = torch.empty(micro_batch_size, seq_length,
+                                                   dtype=torch.int64)
+            torch.distributed.broadcast(batch["host_tokens"], src, group=host_group)
     if not with_attention_mask:
         batch["attention_mask"] = None
     return batch
@@ -59,11 +103,12 @@ def get_batch(data_iterator, args, vp_stage: Optional[int] = None,
               token_layers_here: bool = False, host_tokens: bool = False):
     """Returns ``tokens, labels, loss_mask, attention_mask, position_ids`` for this rank, and with
     ``host_tokens`` a sixth item: the tokens on the host where this rank has them without
-    waiting for the GPU (TP rank 0 without context parallelism), else None."""
+    waiting for the GPU (TP rank 0, and the other TP ranks once
+    ``make_host_tensor_parallel_group`` ran; not with context parallelism), else None."""
     if not stage_needs_batch(vp_stage, token_layers_here):
         return (None,) * (6 if host_tokens else 5)
     batch = broadcast_batch(data_iterator, args.micro_batch_size, args.seq_length,
-                            args.create_attention_mask_in_dataloader)
+                            args.create_attention_mask_in_dataloader, host_tokens)
     host = batch.pop("host_tokens")
     batch["cu_seqlens"] = None
     if mpu.get_context_parallel_world_size() > 1:

@@ -15,6 +15,7 @@ from megatron_ext.models.gpt import TokenIdsGPTModel
 from megatron_ext.models.hybrid import TokenIdsHybridModel, stack_has_token_layers
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import stage_has_token_layers, te_available
+from megatron_ext.training.batch import make_host_tensor_parallel_group
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
@@ -39,6 +40,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
     if family.model_state is not None:  # what the family keeps beside the modules
         family.model_state(model, args, config, family.config_from_args(args))
+    if family.host_tokens is not None and family.host_tokens(args, family.config_from_args(args)):
+        make_host_tensor_parallel_group()  # every rank, the first chunk: a collective
     return model
 
 

@@ -23,6 +23,7 @@ from megatron.training.global_vars import get_tensorboard_writer
 
 from megatron_ext.models.registry import families
 from megatron_ext.training import log_hooks, run_report
+from megatron_ext.training.batch import reset_host_tensor_parallel_group
 from megatron_ext.training.checkpoint_hooks import WRITER
 
 
@@ -44,5 +45,6 @@ def destroy_training_state() -> None:
     log_hooks._HOOKS.clear()  # each install registers its hook again
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     destroy_moe_metrics_tracker()
+    reset_host_tensor_parallel_group()
     training.destroy_global_state()
     gc.collect()
