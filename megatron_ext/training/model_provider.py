@@ -40,7 +40,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
     if family.model_state is not None:  # what the family keeps beside the modules
         family.model_state(model, args, config, family.config_from_args(args))
-    if family.host_tokens is not None and family.host_tokens(args, family.config_from_args(args)):
+    if getattr(args, "use_gloo_process_groups", True) and family.host_tokens is not None \
+            and family.host_tokens(args, family.config_from_args(args)):
         make_host_tensor_parallel_group()  # every rank, the first chunk: a collective
     return model
 
