@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -186,14 +188,9 @@ def default_threads() -> int:
     background (a team on every core would stall the launches and starve the GPU)."""
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
     share = affinity_cores() // local
-    if share > 2 and _cuda_available():
+    if share > 2 and torch.cuda.is_available():
         share -= 1
     return max(share, 1)
-
-
-def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def set_threads(threads: int) -> None:

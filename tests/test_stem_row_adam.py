@@ -213,15 +213,16 @@ def test_row_kernels_run_the_threads_asked_and_give_the_same_bits():
         module.set_threads(-1)
 
 
-def test_default_threads_share_the_affinity_mask(monkeypatch):
+@pytest.mark.parametrize("cuda", [False, True])
+def test_default_threads_share_the_affinity_mask(monkeypatch, cuda):
+    """The ranks of a node share its cores; with a GPU each rank leaves one of its share (when it
+    has more than two) to its training thread, which launches the GPU's work."""
     module, _ = _row_kernel()
-    import os
-
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert module.default_threads() == cores
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
-    assert module.default_threads() == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(module, "affinity_cores", lambda: 16)
+    for local, want in ((1, 15 if cuda else 16), (4, 3 if cuda else 4), (8, 2), (32, 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        assert module.default_threads() == want, (local, cuda)
 
 
 def test_threads_ignore_torchruns_omp_setting():
