@@ -128,6 +128,14 @@ def reference_logits(checkpoints: Dict[str, tuple], cases: Dict[str, tuple], wor
     return megatron_logits_many(workdir, items)
 
 
+def trained(checkpoints: Dict[str, tuple], name: str) -> str:
+    """The checkpoint folder of training ``name`` (``{name: (Run, save)}``), which must have
+    succeeded."""
+    run, save = checkpoints[name]
+    require_ok(run)
+    return save
+
+
 def to_hf(load: str, out: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "megatron_ext.convert", "to-hf", "--load", load,
                            "--out", out, "--no-progress", *args], cwd=ROOT, capture_output=True,

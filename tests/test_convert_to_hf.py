@@ -20,8 +20,8 @@ import os
 import pytest
 
 from convert_support import (TIED, hf_logits, hf_model, reference_logits, to_hf,
-                             tokens, train_flags)
-from multirank import Launches, require_ok
+                             tokens, train_flags, trained)
+from multirank import Launches
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -94,12 +94,6 @@ def checkpoints(tmp_path_factory):
     launches.add(SIGMA_EP2, flags)
     runs = launches.run()
     return {name: (runs[name], save) for name, save in saves.items()}
-
-
-def trained(checkpoints, name):
-    run, save = checkpoints[name]
-    require_ok(run)
-    return save
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
-from convert_support import hf_logits, hf_model, reference_logits, to_hf, tokens, train_flags
-from multirank import ROOT, Launches, require_ok
+from convert_support import (hf_logits, hf_model, reference_logits, to_hf, tokens,
+                             train_flags, trained)
+from multirank import ROOT, Launches
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -71,12 +72,6 @@ def checkpoints(tmp_path_factory):
     launches.add(name, flags)
     runs = launches.run()
     return {name: (runs[name], save) for name, save in saves.items()}
-
-
-def trained(checkpoints, name):
-    run, save = checkpoints[name]
-    require_ok(run)
-    return save
 
 
 @pytest.fixture(scope="module")
