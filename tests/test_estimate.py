@@ -207,15 +207,33 @@ BUILT = {
 }
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every ``BUILT`` model in one launch of 4 ranks (``tests/dist/multi_config.py`` running
+    ``tests/dist/estimate_check.py``'s ``main`` for each, Megatron's state torn down between):
+    ``{name: (its output folder, whether every rank finished it, its ranks' logs)}``."""
+    from multirank import MULTI_CONFIG, launch_ranks, plan_item_logs
+
+    tmp = tmp_path_factory.mktemp("estimate_built")
+    plan = [{"name": name, "module": "estimate_check",
+             "argv": ["--estimate-out", str(tmp / name / "out"), *BUILT[name], *CPU],
+             "log_dir": str(tmp / name / "ranks")} for name in sorted(BUILT)]
+    plan_path = tmp / "plan.json"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    status, launch_log = launch_ranks([MULTI_CONFIG, str(plan_path)], 4, timeout=900)
+    result = {}
+    for item in plan:
+        logs, done = plan_item_logs(item, 4)
+        result[item["name"]] = (tmp / item["name"] / "out", done,
+                                "".join(logs)[-4000:] + launch_log[-2000:])
+    return result
+
+
 @pytest.mark.parametrize("name", sorted(BUILT))
 @pytest.mark.multirank
-def test_estimate_matches_the_built_model(name, tmp_path):
-    from multirank import launch_ranks
-
-    out = tmp_path / "ranks"
-    status, log = launch_ranks([os.path.join(ROOT, "tests", "dist", "estimate_check.py"),
-                                "--estimate-out", str(out), *BUILT[name], *CPU], 4, timeout=900)
-    assert status == 0, log[-4000:]
+def test_estimate_matches_the_built_model(name, built):
+    out, done, log = built[name]
+    assert done, log
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(out / "rank*.json")))]
     assert len(ranks) == 4
     for r in ranks:

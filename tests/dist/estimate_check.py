@@ -1,4 +1,5 @@
-"""Run under torchrun like ``launch/pretrain.py`` (same flags) plus ``--estimate-out DIR``: trains
+"""Run under torchrun like ``launch/pretrain.py`` (same flags) plus ``--estimate-out DIR``, or as a
+``"module"`` item of a ``tests/dist/multi_config.py`` plan (several in one launch): trains
 one step and writes, per rank, what the built model, Megatron's buffers and optimizer really hold,
 next to ``tools/estimate.py``'s numbers for this rank's pipeline stage.
 
@@ -28,8 +29,10 @@ from megatron_ext.tools.layout import Layout
 from megatron_ext.tools.model_shape import ModelShape
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv=None) -> None:
+    """``argv``: the flags (default: the command line's), as ``tests/dist/multi_config.py``
+    passes a plan item's to a module's ``main``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     i = argv.index("--estimate-out")
     out_dir = argv[i + 1]
     del argv[i:i + 2]
@@ -87,7 +90,11 @@ def main() -> None:
 
     from megatron_ext.training.entry import main as entry_main
 
-    entry_main(argv)
+    try:
+        entry_main(argv)
+    finally:  # the next item of a shared launch builds its model unobserved
+        training.setup_model_and_optimizer = upstream_setup
+        training.train_step = upstream_step
 
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
