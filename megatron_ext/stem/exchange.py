@@ -33,7 +33,7 @@ stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,12 +55,6 @@ class Route:
     send_counts: List[int]       # ids this rank asks of each owner
     recv_counts: List[int]       # ids each rank asks of this rank
     requested: torch.Tensor      # local shard indices asked of this rank (concatenated by asker)
-    order_on: Optional[torch.Tensor] = None  # ``order`` on the communication device
-
-    def order_at(self, device: torch.device) -> torch.Tensor:
-        if self.order_on is None or self.order_on.device != device:
-            self.order_on = to_device(self.order, device)
-        return self.order_on
 
     @property
     def rows_out(self) -> int:   # rows this rank serves
@@ -146,7 +140,7 @@ class VocabExchange:
                                    output_split_sizes=route.send_counts,
                                    input_split_sizes=route.recv_counts, group=self.group)
             rows = torch.empty_like(received)
-            rows[route.order_at(received.device)] = received
+            rows[to_device(route.order, received.device)] = received
         rows = to_device(rows, out_device).to(dtype)
         return list(torch.split(rows, list(widths), dim=1))
 
@@ -160,7 +154,7 @@ class VocabExchange:
         if self.single:  # one owner, ids in owner order already
             incoming = outgoing
         else:
-            outgoing = outgoing[route.order_at(self.device)]
+            outgoing = outgoing[to_device(route.order, self.device)]
             incoming = torch.empty(route.rows_out, sum(widths), dtype=outgoing.dtype,
                                    device=self.device)
             dist.all_to_all_single(incoming, outgoing.contiguous(),

@@ -65,9 +65,10 @@ def reset_host_tensor_parallel_group() -> None:
 def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
                     with_attention_mask: bool, host_tokens: bool = False
                     ) -> Dict[str, torch.Tensor]:
-    """TP rank 0 reads the next sample batch; the other TP ranks receive it. ``host_tokens``:
-    every TP rank also gets the tokens on the host (``host_tokens``; over the gloo TP group, or
-    None on TP ranks > 0 without one)."""
+    """TP rank 0 reads the next sample batch; the other TP ranks receive it. The batch's
+    ``host_tokens`` are the tokens on the host: TP rank 0's from the data loader; with
+    ``host_tokens`` the other TP ranks receive them over the gloo TP group when there is one
+    (``make_host_tensor_parallel_group``), else they have None."""
     keys = KEYS + (("attention_mask",) if with_attention_mask else ())
     group = mpu.get_tensor_model_parallel_group()
     src = mpu.get_tensor_model_parallel_src_rank()

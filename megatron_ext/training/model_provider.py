@@ -38,10 +38,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
         model = _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage,
                            pg_collection)
     model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
+    family_config = family.config_from_args(args)
     if family.model_state is not None:  # what the family keeps beside the modules
-        family.model_state(model, args, config, family.config_from_args(args))
+        family.model_state(model, args, config, family_config)
     if getattr(args, "use_gloo_process_groups", True) and family.host_tokens is not None \
-            and family.host_tokens(args, family.config_from_args(args)):
+            and family.host_tokens(args, family_config):
         make_host_tensor_parallel_group()  # every rank, the first chunk: a collective
     return model
 
