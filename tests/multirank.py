@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_ext.compat.standalone import free_port
+from rank_server import start_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
@@ -52,20 +54,25 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
     """Run ``python argv`` as ``nproc`` ranks on this machine, as torchrun's static rendezvous
     would start them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent process, whose start-up and
-    shutdown added seconds to every launch. When a rank fails the others are stopped, as torchrun
-    does. Returns the first non-zero exit status (0 if none) and the ranks' output, rank 0 first.
-    A launch past ``timeout`` seconds is stopped and raises ``subprocess.TimeoutExpired``."""
+    shutdown added seconds to every launch, and, unless ``env`` adds to the environment, forked
+    from a process that has imported torch and Megatron (``tests/rank_server.py``). When a rank
+    fails the others are stopped, as torchrun does. Returns the first non-zero exit status (0 if
+    none) and the ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
+    raises ``subprocess.TimeoutExpired``."""
     port = free_port()
-    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+    common = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base = dict(common, **(env or {}))
+    outputs = []
+    for _ in range(nproc):
+        fd, path = tempfile.mkstemp(prefix="rank", suffix=".log")
+        os.close(fd)
+        outputs.append(path)
     procs = []
     for rank in range(nproc):
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_env,
-                                      stdout=outputs[rank], stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(start_rank(argv, rank_env, ROOT, outputs[rank], common))
 
     def stop_all() -> None:
         for p in procs:
@@ -96,10 +103,10 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
     finally:
         stop_all()
     log = ""
-    for rank, out in enumerate(outputs):
-        out.seek(0)
-        log += out.read()
-        out.close()
+    for path in outputs:
+        with open(path) as f:
+            log += f.read()
+        os.unlink(path)
     return status, log
 
 
@@ -142,21 +149,24 @@ def plan_item_logs(item: dict, nproc: int) -> Tuple[List[str], bool]:
     return logs, done
 
 
-def torchrun_many(workdir: str, items: Sequence[Tuple[str, Sequence[str]]], nproc: int = 2,
+def torchrun_many(workdir: str, items: Sequence[tuple], nproc: int = 2,
                   timeout: int = 600, env: Optional[Dict[str, str]] = None) -> Dict[str, Run]:
-    """``torchrun`` of each ``(name, flags)`` in order, all in one launch of ``nproc`` ranks
-    (``tests/dist/multi_config.py``: one start-up, Megatron's state torn down between trainings).
-    Each ``Run`` is what ``torchrun`` would give, its log being its ranks' output; a training
-    after a failed one is not run (return code -1). ``timeout`` is per training."""
+    """``torchrun`` of each ``(name, flags)`` or ``(name, flags, options)`` in order, all in one
+    launch of ``nproc`` ranks (``tests/dist/multi_config.py``: one start-up, Megatron's state torn
+    down between trainings; ``options``: its ``expect_failure`` and ``thread_guard``). Each
+    ``Run`` is what ``torchrun`` would give, its log being its ranks' output; a training after a
+    failed one is not run (return code -1), unless that one was expected to fail.
+    ``timeout`` is per training."""
     from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     plan, dirs = [], {}
-    for name, flags in items:
+    for name, flags, *options in items:
         out_dir = dirs[name] = os.path.join(workdir, name)
         os.makedirs(out_dir, exist_ok=True)
         argv = [*flags, "--tensorboard-dir", os.path.join(out_dir, "tb"),
                 "--tensorboard-log-interval", "1"]
-        plan.append({"name": name, "argv": argv, "log_dir": os.path.join(out_dir, "ranks")})
+        plan.append({"name": name, "argv": argv, "log_dir": os.path.join(out_dir, "ranks"),
+                     **(options[0] if options else {})})
     plan_path = os.path.join(workdir, f"plan_{items[0][0]}.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f, indent=1)
@@ -167,7 +177,11 @@ def torchrun_many(workdir: str, items: Sequence[Tuple[str, Sequence[str]]], npro
         name, out_dir = item["name"], dirs[item["name"]]
         logs, done = plan_item_logs(item, nproc)
         log = "".join(logs)
-        returncode = 0 if done else (status or 1) if logs else -1
+        failed = re.search(rf"MULTI-CONFIG FAILED {re.escape(name)} status (\d+)", log)
+        if failed:  # an expected failure, the launch went on
+            returncode, done = int(failed.group(1)), True
+        else:
+            returncode = 0 if done else (status or 1) if logs else -1
         if not done:
             log += f"\n[launch of {len(plan)} trainings, status {status}]\n" + launch_log
         with open(os.path.join(out_dir, "log.txt"), "w") as f:
@@ -186,8 +200,11 @@ class Launches:
     """The trainings of a test module, added in the order they must run (a resume after the
     run that saves its checkpoint). ``run()`` launches them: consecutive ones with the same rank
     count and environment share one launch (``torchrun_many``); one with another ``entry`` or
-    ``alone=True`` (a training expected to fail, which would end a shared launch) runs by itself
-    (``torchrun``)."""
+    ``alone=True`` runs by itself (``torchrun``). ``fails=True``: a training expected to fail;
+    with one rank it stays in the shared launch, which goes on after it, with several it runs by
+    itself (a rank that fails alone would leave the others waiting in a collective).
+    ``thread_guard=True``: every collective of its launch is wrapped and its log gets each rank's
+    calls (``tests/dist/thread_guard.py``)."""
 
     def __init__(self, workdir: str):
         self.workdir = workdir
@@ -195,8 +212,17 @@ class Launches:
 
     def add(self, name: str, flags: Sequence[str], nproc: int = 2,
             env: Optional[Dict[str, str]] = None, entry: str = PRETRAIN,
-            alone: bool = False) -> None:
-        self.items.append((name, list(flags), nproc, dict(env or {}), entry, alone))
+            alone: bool = False, fails: bool = False, thread_guard: bool = False) -> None:
+        options = {}
+        if fails and nproc == 1:
+            options["expect_failure"] = True
+        elif fails:
+            alone = True
+        if thread_guard:
+            if alone or entry != PRETRAIN:
+                raise ValueError(f"{name}: thread_guard runs in a shared launch of PRETRAIN")
+            options["thread_guard"] = True
+        self.items.append((name, list(flags), nproc, dict(env or {}), entry, alone, options))
 
     def run(self) -> Dict[str, Run]:
         runs: Dict[str, Run] = {}
@@ -204,13 +230,13 @@ class Launches:
 
         def flush():
             if group:
-                _, _, nproc, env, _, _ = group[0]
-                runs.update(torchrun_many(self.workdir, [(g[0], g[1]) for g in group], nproc,
-                                          env=env))
+                nproc, env = group[0][2], group[0][3]
+                runs.update(torchrun_many(self.workdir, [(g[0], g[1], g[6]) for g in group],
+                                          nproc, env=env))
                 group.clear()
 
         for item in self.items:
-            name, flags, nproc, env, entry, alone = item
+            name, flags, nproc, env, entry, alone, _ = item
             if alone or entry != PRETRAIN:
                 flush()
                 runs[name] = torchrun(name, self.workdir, flags, nproc=nproc, env=env or None,

@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
 
 import pytest
 import torch
 
-from multirank import PRETRAIN, TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
-
-# launch/pretrain.py with every torch.distributed collective wrapped: a call from a thread other
-# than the training thread fails the run (tests/dist/thread_guard.py).
-THREAD_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "thread_guard.py")
 
 STEM = TINY_GPT + ["--model-family", "stem", "--stem-layers", "1,3", "--train-iters", "10"]
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
@@ -36,8 +31,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stem_tables")
     launches = Launches(str(tmp))
 
-    def run(name, flags, nproc=2, env=None, entry=PRETRAIN, alone=False):
-        launches.add(name, STEM + flags, nproc=nproc, env=env, entry=entry, alone=alone)
+    def run(name, flags, nproc=2, **options):
+        launches.add(name, STEM + flags, nproc=nproc, **options)
 
     # In the order they run. Trainings of one rank count share a launch (tests/multirank.py,
     # Launches), so those of a count are together, each resume after the run it loads from.
@@ -79,9 +74,9 @@ def runs(tmp_path_factory):
     run("resume_tiered_dp2_from_cpu", TIERED + ["--load", str(tmp / "ck_vocab")] + at5)
     run("tiered_from_ordinary", TIERED + ["--load", str(tmp / "ck_ref"), "--no-load-optim",
                                           "--train-iters", "6"] + at5)
-    # The fused lookup-and-gate kernel on the managed rows (Triton's interpreter on the CPU).
-    run("cpu_vocab_dp2_kernel", CPU_VOCAB + ["--stem-kernel", "triton"],
-        env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
+    # The fused lookup-and-gate kernel on the managed rows (Triton's interpreter on the CPU:
+    # tests/conftest.py sets TRITON_INTERPRET for the suite's processes, the ranks included).
+    run("cpu_vocab_dp2_kernel", CPU_VOCAB + ["--stem-kernel", "triton"])
 
     # Four ranks.
     run("ref_tp2_dp2", tp2, nproc=4)
@@ -109,15 +104,16 @@ def runs(tmp_path_factory):
     run("resume_sparse_pp2_vpp_dp2", CPU_VOCAB + vpp + [
         "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5, nproc=4)
 
-    # These two run with every torch.distributed collective wrapped (THREAD_GUARD), each in its
-    # own launch: two chunks of tables per rank, and sparse with evaluation and a checkpoint;
-    # prefetch and the overlapped table step on in both.
+    # These two report their collectives, and their launches (and so every training in them)
+    # run with every torch.distributed collective wrapped (tests/dist/thread_guard.py): two
+    # chunks of tables per rank, and sparse with evaluation and a checkpoint; prefetch and the
+    # overlapped table step on in both.
     run("tiered_pp2_vpp_dp2_recompute", TIERED + vpp + [
         "--recompute-granularity", "full", "--recompute-method", "uniform",
-        "--recompute-num-layers", "1"], nproc=4, entry=THREAD_GUARD)
+        "--recompute-num-layers", "1"], nproc=4, thread_guard=True)
     run("tiered_sparse_dp2", TIERED + ["--stem-optimizer", "sparse", "--save",
                                        str(tmp / "ck_tiered_sparse"), "--save-interval", "5"]
-        + evals, entry=THREAD_GUARD)
+        + evals, thread_guard=True)
     run("resume_sparse_pp2_dp1", CPU_VOCAB + pp2 + [
         "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5)
 
@@ -136,13 +132,13 @@ def runs(tmp_path_factory):
     run("resume_tiered_sparse_dp1_other_tier", TIERED + [
         "--stem-gpu-tier", "100", "--stem-optimizer", "sparse", "--load",
         str(tmp / "ck_tiered_sparse")] + at5, nproc=1)
-    # Refused checkpoints: each fails, so each has its own launch.
+    # Refused checkpoints: each fails (one rank: in the shared launch, which goes on).
     run("bad_vocab", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--vocab-size", "2000"],
-        nproc=1, alone=True)
+        nproc=1, fails=True)
     run("bad_ffn", CPU_VOCAB + ["--load", str(tmp / "ck_vocab"), "--ffn-hidden-size", "64"],
-        nproc=1, alone=True)
+        nproc=1, fails=True)
     run("resume_sparse_as_dense", CPU_VOCAB + ["--load", str(tmp / "ck_sparse"),
-                                               "--ckpt-step", "5"], nproc=1, alone=True)
+                                               "--ckpt-step", "5"], nproc=1, fails=True)
     out = launches.run()
     out["tmp"] = tmp
     return out

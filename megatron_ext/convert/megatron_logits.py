@@ -26,7 +26,6 @@ from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-from megatron.core.utils import get_attr_wrapped_model
 
 # Modules, not their functions: the CPU layer and the checkpoint hooks replace these functions
 # after this module is imported (compat/cpu.py, training/checkpoint_hooks.py).
@@ -95,8 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for m in model:
         m.eval()
     family = family_of(args)
+    family_config = family.config_from_args(args)
     if family.at_iteration is not None:  # e.g. Sigma's top-k of the loaded step
-        family.at_iteration(model, args, family.config_from_args(args), iteration)
+        family.at_iteration(model, args, family_config, iteration)
 
     tokens = torch.load(tokens_path).to(torch.int64)
     b, s = tokens.shape
@@ -114,12 +114,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return zero, torch.ones((), dtype=torch.int, device=device), {}
 
     def forward_step(data_iterator, model_chunk):
-        # Managed STEM tables (the run's own --stem-table-placement/--stem-table-sharding): the
-        # rows of these tokens are fetched from their owners and bound to the chunk's layers, as
-        # the training forward step does (collective over the data-parallel group).
-        tables = get_attr_wrapped_model(model_chunk, "stem_tables", allow_none=True)
-        if tables is not None:
-            tables.fetch_now(tokens)
+        # What the chunk reads beside its inputs, as the training forward step readies it (STEM's
+        # managed tables under the run's own placement flags: the tokens' rows fetched from their
+        # owners, a collective over the data-parallel group).
+        if family.bind_tokens is not None:
+            family.bind_tokens(model_chunk, tokens, args, family_config)
         # attention_mask None: causal attention (as in training with the default data flags).
         return model_chunk(tokens, position_ids, None), loss_func
 

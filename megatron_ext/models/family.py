@@ -64,6 +64,10 @@ class Family:
     # host_tokens(args, cfg); with TP > 1 the trainer then sends it to every TP rank over a gloo
     # copy of the TP group (``training/batch.py``)
     host_tokens: Optional[Callable[[Any, Any], bool]] = None
+    # a forward outside the trainer (``convert/megatron_logits.py``) of the chunk ``model`` on
+    # ``tokens``: bind_tokens(model, tokens, args, cfg) readies what the chunk reads beside its
+    # inputs (STEM fetches the rows of its managed tables: a collective over data parallelism)
+    bind_tokens: Optional[Callable[[Any, Any, Any, Any], None]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None
     # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.models import hybrid_specs
 from megatron_ext.models.family import Family
@@ -171,7 +172,9 @@ def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None
 
 def model_state(model, args, config, stem: StemConfig) -> None:
     """Managed tables (``--stem-table-placement cpu|tiered`` or vocab sharding): the chunk's
-    ``StemTables``, a plain attribute (the rows are not parameters of the model)."""
+    ``StemTables``, a plain attribute (the rows are not parameters of the model); None for
+    ordinary tables and on a stage without STEM layers."""
+    model.stem_tables = None
     print_rank_0(f"> STEM layers (0-based MLP blocks): {stem.stem_layers(mlp_block_count(args))} "
                  f"variant={stem.variant} init={stem.init} tables: "
                  f"placement={stem.placement} sharding={stem.sharding}")
@@ -187,6 +190,15 @@ def model_state(model, args, config, stem: StemConfig) -> None:
     model.stem_tables = StemTables(
         layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
         hot_mask=hot, host_group=_host_data_parallel_group()) if layers else None
+
+
+def bind_tokens(model, tokens, args, stem: StemConfig) -> None:
+    """A forward outside the trainer: the rows of ``tokens`` fetched from their owners and bound
+    to the chunk's layers, as the forward step's ``take_batch`` does (collective over the
+    data-parallel group; nothing for ordinary tables)."""
+    tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True)
+    if tables is not None:
+        tables.fetch_now(tokens)
 
 
 def _host_data_parallel_group():
@@ -352,7 +364,7 @@ FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 validate_args=validate_args, model_state=model_state,
                 wrap_optimizer=wrap_optimizer, log_report=log_report,
                 check_checkpoint=check_checkpoint, after_training=after_training, reset=reset,
-                take_batch=take_batch,
+                take_batch=take_batch, bind_tokens=bind_tokens,
                 host_tokens=lambda args, stem: stem.managed_tables,
                 estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
                 hf_mlp_tensors={"stem": hf_stem_tensors})

@@ -37,7 +37,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     else:
         model = _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage,
                            pg_collection)
-    model.stem_tables = None  # managed STEM tables of this chunk, if any (the STEM family)
     family_config = family.config_from_args(args)
     if family.model_state is not None:  # what the family keeps beside the modules
         family.model_state(model, args, config, family_config)

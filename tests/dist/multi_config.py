@@ -16,6 +16,14 @@ Each training's output (every rank's, fd 1 and 2) goes to ``log_dir/rank<R>.log`
 that ends is marked there with ``MULTI-CONFIG OK``. A training that raises or exits ends the
 launch (this rank exits with its status; the launcher stops the others): the trainings after it
 are not run, and their logs say so by their absence.
+
+Two options of an item:
+- ``"expect_failure": true`` (one-rank launches only: with several ranks one may fail while the
+  others wait in a collective): a training that fails is marked ``MULTI-CONFIG FAILED <name>
+  status <N>``, the state is torn down and the launch goes on; one that succeeds is marked OK.
+- ``"thread_guard": true``: every ``torch.distributed`` collective of the launch is wrapped
+  (``tests/dist/thread_guard.py``, installed before Megatron is imported; a call from a thread
+  other than the training thread fails the training) and the item's log gets this rank's calls.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 OK = "MULTI-CONFIG OK"
+FAILED = "MULTI-CONFIG FAILED"
 
 
 def teardown() -> None:
@@ -43,7 +52,8 @@ def teardown() -> None:
         torch.distributed.barrier()
 
 
-def run_one(entry_main, name: str, argv, log_dir: str, rank: int) -> None:
+def run_one(entry_main, name: str, argv, log_dir: str, rank: int, expect_failure: bool = False,
+            guard=None) -> None:
     os.makedirs(log_dir, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -64,16 +74,21 @@ def run_one(entry_main, name: str, argv, log_dir: str, rank: int) -> None:
         except BaseException:
             traceback.print_exc()
             status = 1
+        if guard is not None:
+            guard.report()
         if status == 0:
             teardown()
             print(f"{OK} {name}", flush=True)
+        elif expect_failure:
+            teardown()
+            print(f"{FAILED} {name} status {status}", flush=True)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         os.close(log)
-    if status:
+    if status and not expect_failure:
         print(f"multi_config: {name} failed (status {status}); the rest of the launch is not run",
               file=sys.stderr, flush=True)
         os._exit(status)  # the launcher stops the other ranks
@@ -83,6 +98,15 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         plan = json.load(f)
     rank = int(os.environ.get("RANK", "0"))
+    if any(item.get("expect_failure") for item in plan) and \
+            int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("multi_config: expect_failure needs a one-rank launch")
+    guard = None
+    if any(item.get("thread_guard") for item in plan):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import thread_guard as guard
+
+        guard.install()  # before Megatron imports torch.distributed's operations by name
     from megatron_ext.training.entry import main as entry_main
 
     for item in plan:
@@ -90,7 +114,9 @@ def main() -> None:
         if "module" in item:  # another entry point of the package: its main(argv)
             module = importlib.import_module(item["module"])
             entry = functools.partial(module.main, list(item["argv"]))
-        run_one(entry, item["name"], item["argv"], item["log_dir"], rank)
+        run_one(entry, item["name"], item["argv"], item["log_dir"], rank,
+                expect_failure=bool(item.get("expect_failure")),
+                guard=guard if item.get("thread_guard") else None)
 
 
 if __name__ == "__main__":  # the guard matters: torch_dist checkpoint saving starts processes

@@ -1,18 +1,18 @@
-"""``launch/pretrain.py`` with every ``torch.distributed`` collective wrapped: a call from any
-thread but the training (main) thread is reported (``THREAD GUARD: <op> from thread <name>``) and
-raises, and at exit each rank prints how many calls of each operation it saw
-(``THREAD GUARD CALLS {...}``), so a test can tell a clean run from one that made no calls.
+"""Every ``torch.distributed`` collective wrapped: a call from any thread but the training (main)
+thread is reported (``THREAD GUARD: <op> from thread <name>``) and raises, and each rank reports
+how many calls of each operation it saw (``THREAD GUARD CALLS rank R {...}``), so a test can tell a
+clean run from one that made no calls.
 
-Usage (as the test launches it): ``python tests/dist/thread_guard.py <pretrain flags>``."""
+``tests/dist/multi_config.py`` installs it for a launch whose plan has an item with
+``"thread_guard": true`` (every training of that launch is then guarded) and reports each such
+item's calls in its log."""
 
 from __future__ import annotations
 
-import atexit
 import collections
 import functools
 import json
 import os
-import runpy
 import sys
 import threading
 
@@ -28,6 +28,7 @@ OPS = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object"
 
 CALLS = collections.Counter()
 MAIN = threading.main_thread()
+_INSTALLED = False
 
 
 def wrap(name, fn):
@@ -45,18 +46,20 @@ def wrap(name, fn):
     return guarded
 
 
-for op in OPS:
-    if hasattr(dist, op):
-        setattr(dist, op, wrap(op, getattr(dist, op)))
+def install() -> None:
+    """Wrap the operations (once per process). Before anything imports them by name."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    for op in OPS:
+        if hasattr(dist, op):
+            setattr(dist, op, wrap(op, getattr(dist, op)))
+    _INSTALLED = True
 
 
-@atexit.register
 def report() -> None:
+    """This rank's counts since the last report (each of a launch's trainings has its own)."""
     print(f"THREAD GUARD CALLS rank {os.environ.get('RANK', '0')} "
           f"{json.dumps(dict(sorted(CALLS.items())))}", flush=True)
+    CALLS.clear()
 
-
-if __name__ == "__main__":
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.argv = [os.path.join(root, "launch", "pretrain.py")] + sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")

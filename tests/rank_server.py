@@ -1,0 +1,129 @@
+"""Training ranks forked from a server that has imported torch and Megatron once.
+
+A rank started as ``python launch/pretrain.py`` spends about 5 s of CPU importing torch,
+Megatron-Core and the plugin before its first line runs, and the suite starts about a hundred
+ranks. ``start_rank`` forks them instead from a server of Python's ``multiprocessing``
+(``forkserver``: one fresh interpreter per test process that imports ``PRELOAD`` and forks on
+request; nothing has run a thread or a kernel in it, so the fork is safe). A forked rank gets what
+an exec'd one gets: its own session, its environment, the working directory, ``sys.argv``, the
+script's folder first on ``sys.path``, its output in a file, ``__main__`` run by ``runpy``,
+``atexit`` handlers at the end and the script's exit status.
+
+A rank whose environment differs from the server's in anything but the rendezvous variables
+(a test's ``env``, read perhaps at import) is exec'd as before, and so is every rank with
+``TEST_EXEC_RANKS=1`` in the environment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from typing import Dict, Optional, Sequence
+
+# What every rank imports before its first line: launch/pretrain.py and tests/dist/multi_config.py
+# import these.
+PRELOAD = ["torch", "megatron.core", "megatron.training.training", "megatron_ext.training.entry"]
+# Set per rank, as torchrun's static rendezvous sets them; read at run time, not at import.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_SERVER_ENV: Optional[Dict[str, str]] = None
+
+
+def _rank_main(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str) -> None:
+    """In the forked child: become ``python argv`` with ``env`` in ``cwd``, output to
+    ``out_path``."""
+    os.setsid()
+    fd = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path.insert(0, cwd)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if isinstance(exc.code, int):
+            code = exc.code
+        elif exc.code is not None:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # a normal interpreter exit runs them; os._exit below would not
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ForkedRank:
+    """``subprocess.Popen``'s ``pid``, ``poll()`` and ``wait()`` for a forked rank."""
+
+    def __init__(self, process):
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self) -> Optional[int]:
+        return self.process.exitcode
+
+    def wait(self) -> int:
+        self.process.join()
+        return self.process.exitcode
+
+
+def _ensure_server(env: Dict[str, str]) -> None:
+    """The forkserver of this process, started with ``env`` (its environment at import)."""
+    global _SERVER_ENV
+    if _SERVER_ENV is not None:
+        return
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _SERVER_ENV = dict(env)
+
+
+def _without_rank_vars(env: Dict[str, str]) -> Dict[str, str]:
+    return {k: v for k, v in env.items() if k not in RANK_VARS}
+
+
+def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str,
+               base_env: Dict[str, str]):
+    """Start ``python argv`` (``-m module ...`` too) as one rank with ``env`` in ``cwd``, its
+    output appended to ``out_path``: forked from the server when ``env`` is ``base_env`` plus the
+    rendezvous variables (``base_env``: the launches' common environment, the server's at its
+    start), else exec'd. Returns a ``Popen`` or a ``ForkedRank``."""
+    if os.environ.get("TEST_EXEC_RANKS") != "1" and _without_rank_vars(env) == base_env:
+        _ensure_server(base_env)
+        if _SERVER_ENV == base_env:
+            process = multiprocessing.get_context("forkserver").Process(
+                target=_rank_main, args=(list(argv), dict(env), cwd, out_path))
+            process.start()
+            return ForkedRank(process)
+    out = open(out_path, "a")
+    try:
+        return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        out.close()
