@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_ext.compat.standalone import free_port
 from rank_server import start_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,34 @@ TINY_GPT = [
     # gloo, CPU initialization and no fused CUDA kernels: the CPU backend's defaults
     # (megatron_ext/compat/cpu.py, CPU_DEFAULT_FLAGS).
 ]
+
+
+# Rendezvous ports of the launches: below the kernel's ephemeral range (32768-60999 on Linux), so
+# that no socket opened by another launch's ranks (gloo binds its connections to ephemeral ports)
+# can take one between its choice and rank 0's bind, as a port from bind(0) could when test files
+# run in parallel (scripts/test.sh: pytest-xdist). Each xdist worker counts up through a block of
+# its own from a random start (two test sessions on one machine rarely meet), skipping ports in use.
+_PORT_BLOCK = 1500
+_next_port = None
+
+
+def launch_port() -> int:
+    global _next_port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 20000 + (index % 8) * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        if _next_port is None or not low <= _next_port < low + _PORT_BLOCK:
+            _next_port = low + random.randrange(_PORT_BLOCK)
+        port = _next_port
+        _next_port = low + (port + 1 - low) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}..{low + _PORT_BLOCK - 1}")
 
 
 @dataclass
@@ -59,7 +88,7 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
     fails the others are stopped, as torchrun does. Returns the first non-zero exit status (0 if
     none) and the ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
     raises ``subprocess.TimeoutExpired``."""
-    port = free_port()
+    port = launch_port()
     common = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     base = dict(common, **(env or {}))
     outputs = []

@@ -299,12 +299,12 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path):
 
     import psutil
 
-    from megatron_ext.compat.standalone import free_port
+    from multirank import launch_port
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     log = open(tmp_path / "log.txt", "w+")
     launcher = subprocess.Popen(
-        [torchrun, "--nproc_per_node=1", f"--master-port={free_port()}", PRETRAIN, *TINY_GPT,
+        [torchrun, "--nproc_per_node=1", f"--master-port={launch_port()}", PRETRAIN, *TINY_GPT,
          "--train-iters", "100000", "--save", str(tmp_path / "ck"), "--save-interval", "1000"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     workers = []
