@@ -199,6 +199,10 @@ def torchrun_many(workdir: str, items: Sequence[tuple], nproc: int = 2,
     plan_path = os.path.join(workdir, f"plan_{items[0][0]}.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f, indent=1)
+    if any(item.get("thread_guard") for item in plan):
+        # The guard wraps torch.distributed before Megatron imports it: ranks exec'd, not forked
+        # from the server that has imported Megatron (tests/rank_server.py).
+        env = dict(env or {}, MULTI_CONFIG_THREAD_GUARD="1")
     status, launch_log = launch_ranks([MULTI_CONFIG, plan_path], nproc, env,
                                       timeout * len(items))
     runs: Dict[str, Run] = {}

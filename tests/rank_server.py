@@ -5,8 +5,9 @@ Megatron-Core and the plugin before its first line runs, and the suite starts ab
 ranks. ``start_rank`` forks them instead from a server of Python's ``multiprocessing``
 (``forkserver``: one fresh interpreter per test process that imports ``PRELOAD`` and forks on
 request; nothing has run a thread or a kernel in it, so the fork is safe). A forked rank gets what
-an exec'd one gets: its own session, its environment, the working directory, ``sys.argv``, the
-script's folder first on ``sys.path``, its output in a file, ``__main__`` run by ``runpy``,
+an exec'd one gets: its own session, its environment, the working directory, ``sys.argv``, a fresh
+interpreter's ``sys.path`` behind the script's folder, the default start method of
+``multiprocessing``, its output in a file, ``__main__`` run by ``runpy``,
 ``atexit`` handlers at the end and the script's exit status.
 
 A rank whose environment differs from the server's in anything but the rendezvous variables
@@ -32,12 +33,18 @@ PRELOAD = ["torch", "megatron.core", "megatron.training.training", "megatron_ext
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _SERVER_ENV: Optional[Dict[str, str]] = None
+_PATH: Optional[list] = None  # sys.path of a fresh interpreter with the server's environment
 
 
-def _rank_main(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str) -> None:
+def _rank_main(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str,
+               path: Sequence[str]) -> None:
     """In the forked child: become ``python argv`` with ``env`` in ``cwd``, output to
-    ``out_path``."""
+    ``out_path``; ``path``: ``sys.path`` of a fresh interpreter less its first entry."""
     os.setsid()
+    # A forked child of the server inherits its start method (forkserver), under which Megatron's
+    # data-loader workers, whose init function is local, cannot start; an exec'd rank has the
+    # platform's default (fork).
+    multiprocessing.set_start_method(None, force=True)
     fd = os.open(out_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -49,11 +56,11 @@ def _rank_main(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            sys.path.insert(0, cwd)
+            sys.path[:] = [cwd, *path]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *path]
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         if isinstance(exc.code, int):
@@ -87,10 +94,15 @@ class ForkedRank:
 
 def _ensure_server(env: Dict[str, str]) -> None:
     """The forkserver of this process, started with ``env`` (its environment at import)."""
-    global _SERVER_ENV
+    global _SERVER_ENV, _PATH
     if _SERVER_ENV is not None:
         return
+    import json
     from multiprocessing import forkserver
+
+    fresh = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+                           env=env, capture_output=True, text=True, check=True)
+    _PATH = json.loads(fresh.stdout)[1:]  # the first entry is the script's folder ('' for -c)
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     saved = dict(os.environ)
@@ -118,7 +130,7 @@ def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str
         _ensure_server(base_env)
         if _SERVER_ENV == base_env:
             process = multiprocessing.get_context("forkserver").Process(
-                target=_rank_main, args=(list(argv), dict(env), cwd, out_path))
+                target=_rank_main, args=(list(argv), dict(env), cwd, out_path, _PATH))
             process.start()
             return ForkedRank(process)
     out = open(out_path, "a")

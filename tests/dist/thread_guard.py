@@ -5,7 +5,8 @@ clean run from one that made no calls.
 
 ``tests/dist/multi_config.py`` installs it for a launch whose plan has an item with
 ``"thread_guard": true`` (every training of that launch is then guarded) and reports each such
-item's calls in its log."""
+item's calls in its log. It must be installed before Megatron imports, so such launches are
+exec'd, not forked from the preloaded server (``tests/multirank.py``, ``tests/rank_server.py``)."""
 
 from __future__ import annotations
 
@@ -51,9 +52,17 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    from torch.distributed import distributed_c10d
+
     for op in OPS:
         if hasattr(dist, op):
-            setattr(dist, op, wrap(op, getattr(dist, op)))
+            original = getattr(dist, op)
+            guarded = wrap(op, original)
+            setattr(dist, op, guarded)
+            # P2POp accepts only c10d's own isend/irecv (a batched pipeline send passes
+            # torch.distributed.isend), and batch_isend_irecv calls the op it was given.
+            if getattr(distributed_c10d, op, None) is original:
+                setattr(distributed_c10d, op, guarded)
     _INSTALLED = True
 
 
