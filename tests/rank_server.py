@@ -29,8 +29,11 @@ from typing import Dict, Optional, Sequence
 # What every rank imports before its first line: launch/pretrain.py and tests/dist/multi_config.py
 # import these.
 PRELOAD = ["torch", "megatron.core", "megatron.training.training", "megatron_ext.training.entry"]
-# Set per rank, as torchrun's static rendezvous sets them; read at run time, not at import.
-RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Set per rank, as torchrun's static rendezvous sets them, and the test pytest is running (set at
+# every phase of every test): read at run time, not at import, so they may differ from the
+# server's.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PYTEST_CURRENT_TEST")
 
 _SERVER_ENV: Optional[Dict[str, str]] = None
 _PATH: Optional[list] = None  # sys.path of a fresh interpreter with the server's environment
@@ -126,9 +129,10 @@ def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str
     output appended to ``out_path``: forked from the server when ``env`` is ``base_env`` plus the
     rendezvous variables (``base_env``: the launches' common environment, the server's at its
     start), else exec'd. Returns a ``Popen`` or a ``ForkedRank``."""
-    if os.environ.get("TEST_EXEC_RANKS") != "1" and _without_rank_vars(env) == base_env:
-        _ensure_server(base_env)
-        if _SERVER_ENV == base_env:
+    common = _without_rank_vars(base_env)
+    if os.environ.get("TEST_EXEC_RANKS") != "1" and _without_rank_vars(env) == common:
+        _ensure_server(common)
+        if _SERVER_ENV == common:
             process = multiprocessing.get_context("forkserver").Process(
                 target=_rank_main, args=(list(argv), dict(env), cwd, out_path, _PATH))
             process.start()
