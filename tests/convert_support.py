@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -20,6 +18,7 @@ from multirank import (
     require_ok,
     torchrun,
 )
+from rank_server import run_python
 
 VOCAB = 1000  # TINY_GPT's --vocab-size (Megatron pads it to 1024)
 SEQ = 64
@@ -137,9 +136,8 @@ def trained(checkpoints: Dict[str, tuple], name: str) -> str:
 
 
 def to_hf(load: str, out: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext.convert", "to-hf", "--load", load,
-                           "--out", out, "--no-progress", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_python(["-m", "megatron_ext.convert", "to-hf", "--load", load, "--out", out,
+                       "--no-progress", *args], cwd=ROOT)
     assert proc.returncode == 0, f"to-hf failed:\n{proc.stdout}\n{proc.stderr}"
     return out
 

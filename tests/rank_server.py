@@ -10,6 +10,9 @@ interpreter's ``sys.path`` behind the script's folder, the default start method 
 ``multiprocessing``, its output in a file, ``__main__`` run by ``runpy``,
 ``atexit`` handlers at the end and the script's exit status.
 
+``run_python`` runs a command-line tool of the package the same way and returns what
+``subprocess.run`` would.
+
 A rank whose environment differs from the server's in anything but the rendezvous variables
 (a test's ``env``, read perhaps at import) is exec'd as before, and so is every rank with
 ``TEST_EXEC_RANKS=1`` in the environment.
@@ -28,7 +31,8 @@ from typing import Dict, Optional, Sequence
 
 # What every rank imports before its first line: launch/pretrain.py and tests/dist/multi_config.py
 # import these.
-PRELOAD = ["torch", "megatron.core", "megatron.training.training", "megatron_ext.training.entry"]
+PRELOAD = ["torch", "megatron.core", "megatron.training.training", "megatron_ext.training.entry",
+           "megatron_ext.convert.to_hf"]
 # Set per rank, as torchrun's static rendezvous sets them, and the test pytest is running (set at
 # every phase of every test): read at run time, not at import, so they may differ from the
 # server's.
@@ -40,9 +44,10 @@ _PATH: Optional[list] = None  # sys.path of a fresh interpreter with the server'
 
 
 def _rank_main(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str,
-               path: Sequence[str]) -> None:
+               path: Sequence[str], err_path: Optional[str] = None) -> None:
     """In the forked child: become ``python argv`` with ``env`` in ``cwd``, output to
-    ``out_path``; ``path``: ``sys.path`` of a fresh interpreter less its first entry."""
+    ``out_path`` (standard error to ``err_path`` if given); ``path``: ``sys.path`` of a fresh
+    interpreter less its first entry."""
     os.setsid()
     # A forked child of the server inherits its start method (forkserver), under which Megatron's
     # data-loader workers, whose init function is local, cannot start; an exec'd rank has the
@@ -52,6 +57,10 @@ def _rank_main(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if err_path is not None:
+        fd = os.open(err_path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -143,3 +152,47 @@ def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str
                                 stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         out.close()
+
+
+def suite_env() -> Dict[str, str]:
+    """The environment of the suite's launches and CLI runs (the server's, while it lasts)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_python(argv: Sequence[str], cwd: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, *argv], capture_output=True, text=True)`` in ``suite_env()``,
+    forked from the server (a CLI of the package, ``-m megatron_ext.convert to-hf ...``, without
+    its imports); ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    import tempfile
+
+    env = suite_env()
+    common = _without_rank_vars(env)
+    if os.environ.get("TEST_EXEC_RANKS") == "1":
+        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    _ensure_server(common)
+    if _SERVER_ENV != common:
+        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    paths = []
+    for name in ("out", "err"):
+        fd, p = tempfile.mkstemp(prefix=f"run_python_{name}")
+        os.close(fd)
+        paths.append(p)
+    process = multiprocessing.get_context("forkserver").Process(
+        target=_rank_main, args=(list(argv), env, cwd, paths[0], _PATH, paths[1]))
+    process.start()
+    process.join(timeout)
+    try:
+        if process.exitcode is None:
+            os.killpg(process.pid, 9)
+            process.join()
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+        texts = []
+        for p in paths:
+            with open(p) as f:
+                texts.append(f.read())
+        return subprocess.CompletedProcess([sys.executable, *argv], process.exitcode, *texts)
+    finally:
+        for p in paths:
+            os.unlink(p)

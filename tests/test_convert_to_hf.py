@@ -171,10 +171,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoints, tmp_path):
     before) are refused in one line naming the file, with nothing written;
     --no-verify-checkpoint converts the second anyway."""
     import shutil
-    import subprocess
-    import sys
 
     from multirank import ROOT
+    from rank_server import run_python
 
     from megatron_ext import checkpoint_manifest as cm
 
@@ -182,9 +181,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoints, tmp_path):
     folder, _ = cm.resolve_checkpoint_dir(save)
 
     def run(load, out, *extra):
-        return subprocess.run([sys.executable, "-m", "megatron_ext.convert", "to-hf", "--load",
-                               load, "--out", out, "--no-progress", *extra], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
+        return run_python(["-m", "megatron_ext.convert", "to-hf", "--load", load, "--out", out,
+                           "--no-progress", *extra], cwd=ROOT)
 
     ok = run(save, str(tmp_path / "hf_ok"))
     assert ok.returncode == 0, ok.stderr

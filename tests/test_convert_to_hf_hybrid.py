@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from convert_support import (hf_logits, hf_model, reference_logits, to_hf, tokens,
                              train_flags, trained)
 from multirank import ROOT, Launches
+from rank_server import run_python
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -106,9 +105,8 @@ def test_hybrid_checkpoint_logits_match_megatron(case, checkpoints, reference, t
 def test_a_pattern_without_a_hugging_face_layout_is_refused(checkpoints, tmp_path):
     ck = trained(checkpoints, REFUSED[0])
     out = str(tmp_path / "hf")
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext.convert", "to-hf", "--load", ck,
-                           "--out", out, "--no-progress"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_python(["-m", "megatron_ext.convert", "to-hf", "--load", ck, "--out", out,
+                       "--no-progress"], cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("to-hf: error: the checkpoint's --hybrid-layer-pattern '**--' has no "
