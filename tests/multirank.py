@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rank_server import start_rank
+from rank_server import start_rank, suite_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
@@ -89,8 +89,7 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
     none) and the ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
     raises ``subprocess.TimeoutExpired``."""
     port = launch_port()
-    common = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    base = dict(common, **(env or {}))
+    base = dict(suite_env(), **(env or {}))
     outputs = []
     for _ in range(nproc):
         fd, path = tempfile.mkstemp(prefix="rank", suffix=".log")
@@ -101,7 +100,7 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port))
-        procs.append(start_rank(argv, rank_env, ROOT, outputs[rank], common))
+        procs.append(start_rank(argv, rank_env, ROOT, outputs[rank]))
 
     def stop_all() -> None:
         for p in procs:

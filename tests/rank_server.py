@@ -21,11 +21,13 @@ A rank whose environment differs from the server's in anything but the rendezvou
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import os
 import runpy
 import subprocess
 import sys
+import tempfile
 import traceback
 from typing import Dict, Optional, Sequence
 
@@ -109,7 +111,6 @@ def _ensure_server(env: Dict[str, str]) -> None:
     global _SERVER_ENV, _PATH
     if _SERVER_ENV is not None:
         return
-    import json
     from multiprocessing import forkserver
 
     fresh = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
@@ -132,20 +133,31 @@ def _without_rank_vars(env: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k not in RANK_VARS}
 
 
-def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str,
-               base_env: Dict[str, str]):
+def suite_env() -> Dict[str, str]:
+    """The environment of the suite's launches and CLI runs (the server's, while it lasts)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _forks(env: Dict[str, str]) -> bool:
+    """Whether a process with ``env`` is forked from the server (started here on first use):
+    ``env`` is ``suite_env()`` but for the rendezvous variables, and ``TEST_EXEC_RANKS`` is not
+    1."""
+    common = _without_rank_vars(suite_env())
+    if os.environ.get("TEST_EXEC_RANKS") == "1" or _without_rank_vars(env) != common:
+        return False
+    _ensure_server(common)
+    return _SERVER_ENV == common
+
+
+def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str):
     """Start ``python argv`` (``-m module ...`` too) as one rank with ``env`` in ``cwd``, its
-    output appended to ``out_path``: forked from the server when ``env`` is ``base_env`` plus the
-    rendezvous variables (``base_env``: the launches' common environment, the server's at its
-    start), else exec'd. Returns a ``Popen`` or a ``ForkedRank``."""
-    common = _without_rank_vars(base_env)
-    if os.environ.get("TEST_EXEC_RANKS") != "1" and _without_rank_vars(env) == common:
-        _ensure_server(common)
-        if _SERVER_ENV == common:
-            process = multiprocessing.get_context("forkserver").Process(
-                target=_rank_main, args=(list(argv), dict(env), cwd, out_path, _PATH))
-            process.start()
-            return ForkedRank(process)
+    output appended to ``out_path``: forked from the server when ``_forks(env)``, else exec'd.
+    Returns a ``Popen`` or a ``ForkedRank``."""
+    if _forks(env):
+        process = multiprocessing.get_context("forkserver").Process(
+            target=_rank_main, args=(list(argv), dict(env), cwd, out_path, _PATH))
+        process.start()
+        return ForkedRank(process)
     out = open(out_path, "a")
     try:
         return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=out,
@@ -154,24 +166,12 @@ def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str
         out.close()
 
 
-def suite_env() -> Dict[str, str]:
-    """The environment of the suite's launches and CLI runs (the server's, while it lasts)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def run_python(argv: Sequence[str], cwd: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``subprocess.run([python, *argv], capture_output=True, text=True)`` in ``suite_env()``,
     forked from the server (a CLI of the package, ``-m megatron_ext.convert to-hf ...``, without
     its imports); ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
-    import tempfile
-
     env = suite_env()
-    common = _without_rank_vars(env)
-    if os.environ.get("TEST_EXEC_RANKS") == "1":
-        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-    _ensure_server(common)
-    if _SERVER_ENV != common:
+    if not _forks(env):
         return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=timeout)
     paths = []
