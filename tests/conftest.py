@@ -55,7 +55,7 @@ FILE_SECONDS = {
     "test_parallel_sigma_lbl.py": 45, "test_scaling_harness.py": 45, "test_compat.py": 40,
     "test_launch_scripts.py": 40, "test_gpu_evidence.py": 40, "test_stem_exchange.py": 30,
     "test_family_plugin.py": 25, "test_parallel_stem_tables_fp16.py": 25,
-    "test_kernel_structmoe.py": 25, "test_convert_plan.py": 20,
+    "test_kernel_structmoe.py": 25, "test_convert_plan.py": 20, "test_suite_launch.py": 20,
 }
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rank_server import start_rank, suite_env
+from rank_server import clock_ticks, start_rank, suite_env, sweep_sessions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
@@ -85,7 +85,8 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
     ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent process, whose start-up and
     shutdown added seconds to every launch, and, unless ``env`` adds to the environment, forked
     from a process that has imported torch and Megatron (``tests/rank_server.py``). When a rank
-    fails the others are stopped, as torchrun does. Returns the first non-zero exit status (0 if
+    fails the others are stopped, as torchrun does, and once the ranks are done so is every process
+they left in their sessions (``rank_server.sweep_sessions``). Returns the first non-zero exit status (0 if
     none) and the ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
     raises ``subprocess.TimeoutExpired``."""
     port = launch_port()
@@ -96,6 +97,7 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
         os.close(fd)
         outputs.append(path)
     procs = []
+    since = clock_ticks() - 1  # start times in ticks round down: one tick of margin
     for rank in range(nproc):
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
@@ -111,6 +113,9 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
                     pass
         for p in procs:
             p.wait()
+        # What a rank started and left running (its session outlives it): ended too, whether the
+        # rank failed, was stopped or exited cleanly.
+        sweep_sessions([p.pid for p in procs], since)
 
     deadline = time.monotonic() + timeout
     status = 0

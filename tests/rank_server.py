@@ -13,6 +13,11 @@ interpreter's ``sys.path`` behind the script's folder, the default start method 
 ``run_python`` runs a command-line tool of the package the same way and returns what
 ``subprocess.run`` would.
 
+Every rank, forked or exec'd, leads a session of its own. ``sweep_sessions`` ends what is left
+in those sessions once the ranks are done: processes a rank started and did not end (a checkpoint
+writer's spawned worker of a rank stopped midway), which would otherwise outlive the launch,
+orphaned, holding their memory until the machine restarts.
+
 A rank whose environment differs from the server's in anything but the rendezvous variables
 (a test's ``env``, read perhaps at import) is exec'd as before, and so is every rank with
 ``TEST_EXEC_RANKS=1`` in the environment.
@@ -29,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 # What every rank imports before its first line: launch/pretrain.py and tests/dist/multi_config.py
 # import these.
@@ -106,6 +111,40 @@ class ForkedRank:
         return self.process.exitcode
 
 
+def clock_ticks() -> int:
+    """Now, in the clock ticks since boot that ``/proc/PID/stat`` gives start times in."""
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def sweep_sessions(leaders: Sequence[int], since: int) -> List[int]:
+    """SIGKILL every live process in the sessions led by ``leaders`` (ranks' pids) that started at
+    or after ``since`` (``clock_ticks()`` before the leaders started; so a process of a session
+    whose leader's pid was reused by a later one is never touched). Returns the pids signalled.
+    Linux only (``/proc``); elsewhere it does nothing."""
+    if not os.path.isdir("/proc") or not leaders:
+        return []
+    sessions = set(leaders)
+    killed = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+        state, session, started = fields[0], int(fields[3]), int(fields[19])
+        if session in sessions and state not in ("Z", "X") and started >= since:
+            try:
+                os.kill(int(name), 9)
+                killed.append(int(name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def _ensure_server(env: Dict[str, str]) -> None:
     """The forkserver of this process, started with ``env`` (its environment at import)."""
     global _SERVER_ENV, _PATH
@@ -179,6 +218,7 @@ def run_python(argv: Sequence[str], cwd: str, timeout: int = 600) -> subprocess.
         fd, p = tempfile.mkstemp(prefix=f"run_python_{name}")
         os.close(fd)
         paths.append(p)
+    since = clock_ticks() - 1
     process = multiprocessing.get_context("forkserver").Process(
         target=_rank_main, args=(list(argv), env, cwd, paths[0], _PATH, paths[1]))
     process.start()
@@ -194,5 +234,6 @@ def run_python(argv: Sequence[str], cwd: str, timeout: int = 600) -> subprocess.
                 texts.append(f.read())
         return subprocess.CompletedProcess([sys.executable, *argv], process.exitcode, *texts)
     finally:
+        sweep_sessions([process.pid], since)
         for p in paths:
             os.unlink(p)
