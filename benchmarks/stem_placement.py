@@ -142,9 +142,11 @@ def describe(r: dict) -> str:
             f"{1e3 * r['stem/optimizer-seconds-exposed']:.1f}; before the next micro-batch's "
             f"fetch {1e3 * r['stem/optimizer-seconds-before-fetch']:.1f}; "
             f"{stepped_params_per_second(r) / 1e9:.2f} G row params/s), unique rows/step "
-            f"{r['stem/unique-rows-fetched']:.0f}, to GPU "
-            f"{r['stem/fetch-bytes-to-device'] / 2**20:.0f} MiB/step, gradients back "
-            f"{r['stem/grad-bytes-sent'] / 2**20:.0f} MiB/step")
+            f"{r['stem/unique-rows-fetched']:.0f}, rows to the layers "
+            f"{r['stem/fetch-bytes-to-device'] / 2**20:.0f} MiB/step (from host memory "
+            f"{r['stem/fetch-bytes-from-host'] / 2**20:.0f}), row gradients "
+            f"{r['stem/grad-bytes-sent'] / 2**20:.0f} MiB/step (stepped on the CPU "
+            f"{r['stem/grad-bytes-to-host'] / 2**20:.0f})")
 
 
 def main() -> None:
@@ -218,7 +220,8 @@ def main() -> None:
                     "stem/optimizer-seconds-before-fetch",
                     "stem/grad-exchange-seconds",
                     "stem/unique-rows-fetched", "stem/fetch-bytes-to-device",
-                    "stem/grad-bytes-sent", "stem/grad-bytes-received"):
+                    "stem/grad-bytes-sent", "stem/grad-bytes-received",
+                    "stem/fetch-bytes-from-host", "stem/grad-bytes-to-host"):
             r[tag] = mean(tag)
         # Megatron's own timers (--log-timers-to-tensorboard): where the step's time goes.
         r["timers_ms"] = {tag[:-5]: 1e3 * mean(tag) for tag in s

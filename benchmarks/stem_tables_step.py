@@ -92,7 +92,8 @@ def main() -> None:
         if ordinary:
             r["ratio_vs_ordinary"] = r["iteration_ms"] / ordinary
         traffic = (f"; unique rows/step {r['stem/unique-rows-fetched']:.0f}, fetch "
-                   f"{r['stem/fetch-bytes-to-device'] / 2**20:.2f} MiB, optimizer "
+                   f"{r['stem/fetch-bytes-to-device'] / 2**20:.2f} MiB (from host memory "
+                   f"{r.get('stem/fetch-bytes-from-host', float('nan')) / 2**20:.2f}), optimizer "
                    f"{1e3 * r['stem/optimizer-seconds']:.1f} ms (exposed "
                    f"{1e3 * r['stem/optimizer-seconds-exposed']:.1f})"
                    ) if "stem/unique-rows-fetched" in r else ""

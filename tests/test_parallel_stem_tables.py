@@ -282,6 +282,33 @@ def test_traffic_and_optimizer_time_logged(runs):
     assert all(v == 0 for _, v in synchronous["stem/optimizer-seconds-before-fetch"])
 
 
+def test_host_traffic_is_the_host_rows_share(runs):
+    """The bytes the owners read from host memory and the gradient bytes they step there: all of
+    what they serve with host tables, none with device tables, part with tiered ones (a quarter
+    of the rows in the device tier: the mock data's lowest ids)."""
+    for name, share in (("cpu_vocab_dp2", "all"), ("gpu_vocab_tp2_dp2", "none"),
+                        ("tiered_dp2", "part"), ("tiered_sparse_dp2", "part")):
+        scalars = require_ok(runs[name]).scalars
+        served = dict(scalars["stem/fetch-bytes-served"])
+        from_host = dict(scalars["stem/fetch-bytes-from-host"])
+        received = dict(scalars["stem/grad-bytes-received"])
+        to_host = dict(scalars["stem/grad-bytes-to-host"])
+        for step in STEPS:
+            assert served[step] > 0 and received[step] > 0, name
+            # Gradients: each owned row once (the owners sum what several ranks send).
+            if share == "all":
+                assert from_host[step] == served[step], name
+                assert 0 < to_host[step] <= received[step], name
+            elif share == "none":
+                assert from_host[step] == 0 and to_host[step] == 0, name
+            else:  # a step of the mock data's runs of ids may read no tier row, or only those
+                assert 0 <= from_host[step] <= served[step], (name, step)
+                assert 0 <= to_host[step] <= received[step], (name, step)
+        if share == "part":
+            for host, total in ((from_host, served), (to_host, received)):
+                assert 0 < sum(host.values()) < sum(total[step] for step in host), name
+
+
 @pytest.mark.parametrize("on,off", [("cpu_vocab_dp2", "cpu_vocab_dp2_no_prefetch"),
                                     ("sparse_dp2", "sparse_dp2_no_prefetch"),
                                     ("tiered_sparse_dp2", "tiered_sparse_dp2_no_prefetch"),

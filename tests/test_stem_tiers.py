@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.stem.store import gather_rows
+from megatron_ext.stem.store import TableStore, gather_rows
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.tiers import (
@@ -64,6 +64,23 @@ def test_gather_reads_both_tiers():
     shard.assign(fulls[0] * 2)
     assert torch.equal(shard.hot, fulls[0][:4] * 2) and torch.equal(shard.cold, fulls[0][4:] * 2)
     assert shard.host_bytes() == 6 * 3 * 4
+
+
+@pytest.mark.parametrize("placement", ["cpu", "gpu", "tiered"])
+def test_store_counts_the_rows_it_keeps_in_host_memory(placement):
+    """What the traffic report calls host rows: local rows past the GPU tier (tiered), all
+    (cpu), none (gpu), duplicates counted as the reads count them."""
+    vocab, num_hot = 12, 5
+    tables = [torch.randn(vocab, 3), torch.randn(vocab, 2)]
+    owned = torch.tensor([11, 0, 7, 3, 5, 9, 2, 8])  # local order: the first five are hot
+    store = TableStore(iter(tables), owned, placement, torch.device("cpu"),
+                       num_hot if placement == "tiered" else None)
+    rows = torch.tensor([0, 4, 5, 7, 7, 2, 6])
+    expected = {"cpu": 7, "gpu": 0, "tiered": sum(1 for r in rows.tolist() if r >= num_hot)}
+    assert store.host_rows(rows) == expected[placement]
+    assert store.host_rows(torch.tensor([], dtype=torch.long)) == 0
+    # The rows are the drawn table's owned ones, in local order, whatever the placement.
+    assert torch.equal(store.read(1), tables[1][owned])
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])

@@ -51,6 +51,7 @@ class TableStore:
             elif cuda:
                 shard = shard.pin_memory()  # host rows go to the GPU by DMA
             self.shards.append(shard)
+        self.placement = placement
         self.decay = TieredDecay(self.shards) if placement == "tiered" else \
             LazyDecay(self.shards)
         self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
@@ -66,6 +67,17 @@ class TableStore:
     def on_host(self) -> bool:
         """Whether the rows step on the CPU (a tiered store's host tier does)."""
         return all(s.device.type == "cpu" for s in self.shards)
+
+    def host_rows(self, local_rows: torch.Tensor) -> int:
+        """How many of ``local_rows`` (local indices, duplicates counted) the placement keeps in
+        host memory: every row (``cpu``), none (``gpu``), those past the GPU tier (``tiered``).
+        What a fetch of them copies from host memory to the model's device, and what of their
+        gradients steps on the CPU."""
+        if self.placement == "cpu":
+            return local_rows.numel()
+        if self.placement == "tiered":
+            return int((local_rows >= self.shards[0].num_hot).sum()) if self.shards else 0
+        return 0
 
     def host_bytes(self) -> int:
         return sum(s.host_bytes() if isinstance(s, TieredShard) else

@@ -371,7 +371,9 @@ def dump_tables(directory: str) -> None:
 def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
     """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
-    gradient pushes, fetch time the forward step waited for (exposed) and background fetch time
+    gradient pushes, the part of the owners' reads and row gradients that is in host memory (what
+    crosses between host and device: all of it with host tables, the host tier's rows with
+    tiered ones, none with device tables), fetch time the forward step waited for (exposed) and background fetch time
     it did not wait for (hidden, with prefetch), CPU optimizer time and the part of it the
     training thread waited for (exposed; with the overlapped step, the wait of the next step's
     first micro-batch for its rows' step is in the exposed fetch time) and, overlapped, the time
@@ -381,7 +383,8 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     background (overlapped) is logged with the iteration it overlaps, the next one. A
     ``log_report`` of the STEM family; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
-              "stem/grad-bytes-sent", "stem/grad-bytes-received"]
+              "stem/grad-bytes-sent", "stem/grad-bytes-received", "stem/fetch-bytes-from-host",
+              "stem/grad-bytes-to-host"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
              "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
              "stem/grad-exchange-seconds"]
@@ -396,7 +399,8 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
             gb = t.grad_row_bytes
             sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
                                   st["fetch_rows_out"] * rb, st["grad_rows_out"] * gb,
-                                  st["grad_rows_in"] * gb], dtype=torch.float64)
+                                  st["grad_rows_in"] * gb, st["fetch_rows_host"] * rb,
+                                  st["grad_rows_host"] * gb], dtype=torch.float64)
             local += torch.tensor([st["fetch_seconds"], st["fetch_seconds_hidden"],
                                    st["optimizer_seconds"], st["optimizer_seconds_exposed"],
                                    st["optimizer_seconds_before_fetch"], 0.0],

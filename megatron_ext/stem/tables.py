@@ -109,7 +109,8 @@ class StemTables:
     def reset_stats(self) -> None:
         """Counters since the last reset (per iteration: the training-log hook resets them)."""
         self.stats = {"unique_rows": 0, "fetch_rows_in": 0, "fetch_rows_out": 0,
-                      "grad_rows_out": 0, "grad_rows_in": 0, "fetch_seconds": 0.0,
+                      "fetch_rows_host": 0, "grad_rows_out": 0, "grad_rows_in": 0,
+                      "grad_rows_host": 0, "fetch_seconds": 0.0,
                       "fetch_seconds_hidden": 0.0, "optimizer_seconds": 0.0,
                       "optimizer_seconds_exposed": 0.0, "optimizer_seconds_before_fetch": 0.0}
 
@@ -194,6 +195,7 @@ class StemTables:
         self.stats["unique_rows"] += fetch.unique.numel()
         self.stats["fetch_rows_in"] += fetch.route.rows_in
         self.stats["fetch_rows_out"] += fetch.route.rows_out
+        self.stats["fetch_rows_host"] += self.store.host_rows(fetch.route.requested)
         self.stats["fetch_seconds"] += time.perf_counter() - start
         if fetch.ahead:  # the part of the read the training thread did not wait for
             self.stats["fetch_seconds_hidden"] += max(took - waited, 0.0)
@@ -216,7 +218,9 @@ class StemTables:
         route = self.exchange.route(unique)
         self.stats["grad_rows_out"] += route.rows_in
         self.stats["grad_rows_in"] += route.rows_out
-        return self.exchange.push(route, summed)
+        rows, grads = self.exchange.push(route, summed)
+        self.stats["grad_rows_host"] += self.store.host_rows(rows)
+        return rows, grads
 
 
 def chunk_stem_layers(model) -> List:
