@@ -79,12 +79,13 @@ class Run:
 
 
 def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] = None,
-                 timeout: int = 600) -> Tuple[int, str]:
+                 timeout: int = 600, fork: bool = True) -> Tuple[int, str]:
     """Run ``python argv`` as ``nproc`` ranks on this machine, as torchrun's static rendezvous
     would start them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent process, whose start-up and
-    shutdown added seconds to every launch, and, unless ``env`` adds to the environment, forked
-    from a process that has imported torch and Megatron (``tests/rank_server.py``). When a rank
+    shutdown added seconds to every launch, and, unless ``env`` adds to the environment or
+    ``fork`` is False, forked from a process that has imported torch and Megatron
+    (``tests/rank_server.py``). When a rank
     fails the others are stopped, as torchrun does, and once the ranks are done so is every process
 they left in their sessions (``rank_server.sweep_sessions``). Returns the first non-zero exit status (0 if
     none) and the ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
@@ -102,7 +103,7 @@ they left in their sessions (``rank_server.sweep_sessions``). Returns the first 
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port))
-        procs.append(start_rank(argv, rank_env, ROOT, outputs[rank]))
+        procs.append(start_rank(argv, rank_env, ROOT, outputs[rank], fork))
 
     def stop_all() -> None:
         for p in procs:
@@ -203,12 +204,11 @@ def torchrun_many(workdir: str, items: Sequence[tuple], nproc: int = 2,
     plan_path = os.path.join(workdir, f"plan_{items[0][0]}.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f, indent=1)
-    if any(item.get("thread_guard") for item in plan):
-        # The guard wraps torch.distributed before Megatron imports it: ranks exec'd, not forked
-        # from the server that has imported Megatron (tests/rank_server.py).
-        env = dict(env or {}, MULTI_CONFIG_THREAD_GUARD="1")
+    # The guard wraps torch.distributed before Megatron imports it: ranks exec'd, not forked
+    # from the server that has imported Megatron (tests/rank_server.py).
+    fork = not any(item.get("thread_guard") for item in plan)
     status, launch_log = launch_ranks([MULTI_CONFIG, plan_path], nproc, env,
-                                      timeout * len(items))
+                                      timeout * len(items), fork=fork)
     runs: Dict[str, Run] = {}
     for item in plan:
         name, out_dir = item["name"], dirs[item["name"]]

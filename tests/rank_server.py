@@ -188,11 +188,12 @@ def _forks(env: Dict[str, str]) -> bool:
     return _SERVER_ENV == common
 
 
-def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str):
+def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, out_path: str,
+               fork: bool = True):
     """Start ``python argv`` (``-m module ...`` too) as one rank with ``env`` in ``cwd``, its
-    output appended to ``out_path``: forked from the server when ``_forks(env)``, else exec'd.
-    Returns a ``Popen`` or a ``ForkedRank``."""
-    if _forks(env):
+    output appended to ``out_path``: forked from the server when ``fork`` and ``_forks(env)``,
+    else exec'd. Returns a ``Popen`` or a ``ForkedRank``."""
+    if fork and _forks(env):
         process = multiprocessing.get_context("forkserver").Process(
             target=_rank_main, args=(list(argv), dict(env), cwd, out_path, _PATH))
         process.start()

@@ -52,9 +52,8 @@ def wait_gone(pid: int, seconds: float = 5.0) -> bool:
 def test_launch_ends_what_ranks_leave_running(tmp_path, status, start):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    # An environment that adds anything is exec'd (rank_server._forks).
-    env = {"SUITE_LAUNCH_TEST_EXEC": "1"} if start == "exec" else None
-    code, log = launch_ranks([str(script), str(tmp_path), str(status)], 2, env=env, timeout=120)
+    code, log = launch_ranks([str(script), str(tmp_path), str(status)], 2, timeout=120,
+                             fork=start == "forked")
     assert code == status, log
     children = [int((tmp_path / f"child{rank}").read_text()) for rank in range(2)]
     try:
