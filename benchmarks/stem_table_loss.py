@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,9 +64,7 @@ def main() -> None:
     from megatron_ext.tools import data_prep
 
     manifest = data_prep.prepare(data_prep.DataPrepConfig(out=args.data_dir))
-    data_args = data_prep.megatron_data_args(manifest) + [
-        "--ext-data-manifest", os.path.join(os.path.dirname(manifest["data_prefix"]),
-                                            data_prep.MANIFEST)]
+    data_args = main_job.data_flags(manifest)
     tokens_per_iter = main_job.TRAIN["global_batch_size"] * main_job.MODEL["seq_length"]
     results = {m: {} for m in modes}
     for seed in seeds:  # modes in turn within a seed: a slow spell hits every mode alike
@@ -110,22 +107,15 @@ def run(args, main_job, data_args, mode: str, seed: int, tokens_per_iter: int) -
     from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     tables = main_job.STEM_TABLES if MODES[mode] is None else MODES[mode]
-    tb = os.path.join(args.out, f"{mode}_seed{seed}", "tb")
+    run_dir = os.path.join(args.out, f"{mode}_seed{seed}")
+    tb = os.path.join(run_dir, "tb")
     shutil.rmtree(tb, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", os.path.join(ROOT, "launch", "pretrain.py"),
-           *main_job.megatron_flags(args.iters, seed, data_args, tb,
-                                    os.path.join(args.out, "cache")),
-           "--model-family", "stem", "--stem-ratio", "1/3", *tables]
-    log_path = os.path.join(args.out, f"{mode}_seed{seed}", "train.log")
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "w") as logf:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode:
-        with open(log_path) as f:
-            tail = f.read()[-4000:]
-        raise SystemExit(f"{mode} seed {seed} failed (exit {proc.returncode}; {log_path}):\n"
-                         f"{tail}")
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = main_job.pretrain_command(args.nproc, [
+        *main_job.megatron_flags(args.iters, seed, data_args, tb, os.path.join(args.out, "cache")),
+        "--model-family", "stem", "--stem-ratio", "1/3", *tables])
+    main_job.run_training(f"{mode} seed {seed}", cmd, os.path.join(run_dir, "train.log"),
+                          args.iters)
     return main_job.run_metrics(f"{mode} seed {seed}", read_tensorboard_scalars(tb), args.iters,
                                 tokens_per_iter)
 

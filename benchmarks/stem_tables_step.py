@@ -63,9 +63,7 @@ def main() -> None:
     from megatron_ext.tools import data_prep
 
     manifest = data_prep.prepare(data_prep.DataPrepConfig(out=args.data_dir))
-    data_args = data_prep.megatron_data_args(manifest) + [
-        "--ext-data-manifest", os.path.join(os.path.dirname(manifest["data_prefix"]),
-                                            data_prep.MANIFEST)]
+    data_args = main_job.data_flags(manifest)
     chosen = [VARIANTS[int(i)] for i in args.only.split(",")] if args.only else list(VARIANTS)
     if chosen[0][0] != DENSE:
         chosen.insert(0, VARIANTS[0])  # every ratio is against dense, measured in this run
@@ -115,16 +113,15 @@ def run_variant(args, main_job, data_args, name: str, family, repeat: int) -> di
     slug = name.replace(" ", "").replace(",", "_").replace("(", "").replace(")", "")
     tb = os.path.join(args.out, slug, f"tb{repeat}")
     shutil.rmtree(tb, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", os.path.join(ROOT, "launch", "pretrain.py"),
-           *main_job.megatron_flags(args.iters, 1234, data_args, tb,
-                                    os.path.join(args.out, "cache")),
-           # Later flags win: no evaluation inside the timing, and the main job's schedule
-           # (warm-up 20 of 200), whose first iterations are stable enough that the dense
-           # table optimizer's 1e-7 differences stay 1e-7 (with a 6-iteration warm-up an
-           # early loss spike amplifies them to 1e-1 within a few steps).
-           "--eval-interval", str(10 * args.iters),
-           "--lr-warmup-iters", "20", "--lr-decay-iters", "200", *family]
+    cmd = main_job.pretrain_command(args.nproc, [
+        *main_job.megatron_flags(args.iters, 1234, data_args, tb,
+                                 os.path.join(args.out, "cache")),
+        # Later flags win: no evaluation inside the timing, and the main job's schedule
+        # (warm-up 20 of 200), whose first iterations are stable enough that the dense
+        # table optimizer's 1e-7 differences stay 1e-7 (with a 6-iteration warm-up an
+        # early loss spike amplifies them to 1e-1 within a few steps).
+        "--eval-interval", str(10 * args.iters),
+        "--lr-warmup-iters", "20", "--lr-decay-iters", "200", *family])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -66,6 +66,21 @@ def log(msg: str) -> None:
 # training
 
 
+def data_flags(manifest: dict) -> List[str]:
+    """Megatron's data flags for the prepared corpus, with its manifest (``data_prep``)."""
+    from megatron_ext.tools import data_prep
+
+    return data_prep.megatron_data_args(manifest) + [
+        "--ext-data-manifest", os.path.join(os.path.dirname(manifest["data_prefix"]),
+                                            data_prep.MANIFEST)]
+
+
+def pretrain_command(nproc: int, flags: Sequence[str]) -> List[str]:
+    """``torchrun --standalone --nproc_per_node=nproc launch/pretrain.py flags``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", os.path.join(ROOT, "launch", "pretrain.py"), *flags]
+
+
 def megatron_flags(iters: int, seed: int, data_args: Sequence[str], tensorboard_dir: str,
                    cache_dir: str) -> List[str]:
     m, t = MODEL, TRAIN
@@ -328,9 +343,7 @@ def main(argv=None) -> int:
     data_s = time.perf_counter() - t0
     log(f"data ready in {data_s:.0f}s: {manifest['num_tokens']:,} tokens, vocab "
         f"{manifest['tokenizer_vocab_size']}, {manifest['data_prefix']}")
-    data_args = data_prep.megatron_data_args(manifest) + [
-        "--ext-data-manifest", os.path.join(os.path.dirname(manifest["data_prefix"]),
-                                            data_prep.MANIFEST)]
+    data_args = data_flags(manifest)
 
     # 2. analytic shapes (Megatron pads the vocabulary to a multiple of 128)
     vocab = model_shape.padded_vocab_size(manifest["tokenizer_vocab_size"])
@@ -350,11 +363,9 @@ def main(argv=None) -> int:
         tb_dir = os.path.join(run_dir, "tensorboard")
         shutil.rmtree(tb_dir, ignore_errors=True)  # old event files would mix into the curves
         os.makedirs(run_dir, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", os.path.join(ROOT, "launch", "pretrain.py"),
-               *megatron_flags(args.iters, args.seed, data_args, tb_dir,
-                               os.path.join(out, "cache")),
-               *family_args]
+        cmd = pretrain_command(args.nproc, [
+            *megatron_flags(args.iters, args.seed, data_args, tb_dir, os.path.join(out, "cache")),
+            *family_args])
         log_path = os.path.join(run_dir, "train.log")
         log(f"training {name} for {args.iters} iterations ({tokens_per_iter} tokens each), "
             f"log: {log_path}")

@@ -85,10 +85,10 @@ def launch_ranks(argv: Sequence[str], nproc: int, env: Optional[Dict[str, str]] 
     ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent process, whose start-up and
     shutdown added seconds to every launch, and, unless ``env`` adds to the environment or
     ``fork`` is False, forked from a process that has imported torch and Megatron
-    (``tests/rank_server.py``). When a rank
-    fails the others are stopped, as torchrun does, and once the ranks are done so is every process
-they left in their sessions (``rank_server.sweep_sessions``). Returns the first non-zero exit status (0 if
-    none) and the ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
+    (``tests/rank_server.py``). When a rank fails the others are stopped, as torchrun does, and
+    once the ranks are done so is every process they left in their sessions
+    (``rank_server.sweep_sessions``). Returns the first non-zero exit status (0 if none) and the
+    ranks' output, rank 0 first. A launch past ``timeout`` seconds is stopped and
     raises ``subprocess.TimeoutExpired``."""
     port = launch_port()
     base = dict(suite_env(), **(env or {}))

@@ -373,13 +373,13 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
     gradient pushes, the part of the owners' reads and row gradients that is in host memory (what
     crosses between host and device: all of it with host tables, the host tier's rows with
-    tiered ones, none with device tables), fetch time the forward step waited for (exposed) and background fetch time
-    it did not wait for (hidden, with prefetch), CPU optimizer time and the part of it the
-    training thread waited for (exposed; with the overlapped step, the wait of the next step's
-    first micro-batch for its rows' step is in the exposed fetch time) and, overlapped, the time
-    from the start of the step to the start of that micro-batch's fetch (routing its ids and
-    stepping the rows it reads), and the time to collect
-    the row gradients and exchange them with their owners. A table step that runs in the
+    tiered ones, none with device tables), fetch time the forward step waited for (exposed) and
+    background fetch time it did not wait for (hidden, with prefetch), CPU optimizer time and the
+    part of it the training thread waited for (exposed; with the overlapped step, the wait of the
+    next step's first micro-batch for its rows' step is in the exposed fetch time) and, overlapped,
+    the time from the start of the step to the start of that micro-batch's fetch (routing its ids
+    and stepping the rows it reads), and the time to collect the row gradients and exchange them
+    with their owners. A table step that runs in the
     background (overlapped) is logged with the iteration it overlaps, the next one. A
     ``log_report`` of the STEM family; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
