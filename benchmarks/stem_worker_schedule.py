@@ -60,7 +60,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
     layers = [Layer(torch.randn(a.rows, a.width, generator=g) * 0.02) for _ in range(a.tables)]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab", prefetch=True),
                         a.rows, parallel_state.get_data_parallel_group())
-    adam = RowAdamW(tables.store.shards, mode="sparse", decay=tables.store.decay)
+    adam = RowAdamW(tables.store.shards, mode="sparse", lazy=tables.store.lazy)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # its table step only
     optimizer.mode, optimizer._step_tasks = "sparse", []

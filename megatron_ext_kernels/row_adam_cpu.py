@@ -1,23 +1,26 @@
 """Row-wise AdamW on the CPU, in place, for the rows a batch touched (the ``sparse`` STEM optimizer).
 
-DeepSpeed's ``cpu_adam`` kernel updates one contiguous tensor with one step count; touched table
-rows are scattered over the shard and each has its own step count, so using it means gathering
-rows into buffers and scattering them back (six copies of the touched rows) and one call per
-distinct step count: about 0.04x of its own dense throughput on the development machine. This
-kernel instead walks the touched rows in place (an OpenMP loop over rows, a vectorisable
-loop over columns), with per-row bias correction and the per-row owed weight-decay factor.
+DeepSpeed's ``cpu_adam`` kernel updates one contiguous tensor; touched table rows are scattered
+over the shard, so using it means gathering rows into buffers and scattering them back (six copies
+of the touched rows). This kernel instead walks the touched rows in place (an OpenMP loop over
+rows, a vectorisable loop over columns) and, in the same pass, first brings each row from the
+iteration it was last current at to the previous one (``megatron_ext/stem/row_adam.py``: the
+sparse optimizer's catch-up, per-row float64 factors computed there).
 
-Per row ``r = rows[j]`` with new step count ``k = steps[j]``::
+Per row ``r = rows[j]``, with the iteration's ``step = lr / (1 - b1^t)``,
+``inv_bc2_sqrt = 1 / sqrt(1 - b2^t)``, ``decay = 1 - lr wd``::
 
-    p[r] *= owed[j] * (1 - lr wd)                   # missed decay, then this step's decay
+    p[r]  = p[r] * owed[j] - move[j] * m[r] / sqrt(v[r])   # catch-up (0 where v[r] = 0)
+    m[r] *= m_scale[j];  v[r] *= v_scale[j]
+    p[r] *= decay                                          # this iteration's AdamW step
     m[r]  = b1 m[r] + (1 - b1) g[j]
     v[r]  = b2 v[r] + (1 - b2) g[j]^2
-    p[r] -= lr / (1 - b1^k) * m[r] / (sqrt(v[r]) / sqrt(1 - b2^k) + eps)
+    p[r] -= step * m[r] / (sqrt(v[r]) * inv_bc2_sqrt + eps)
 
-Two helpers for host-resident rows share the module: ``scale_rows_`` (the owed weight decay
-applied in place when a row is read) and ``gather_rows_`` (rows gathered and cast to the wire
-dtype straight into a staging buffer, with no temporaries: each large temporary costs page
-faults, which dominated the fetch time on a GPU machine).
+Two helpers for host-resident rows share the module: ``catch_up_rows_`` (the catch-up alone, in
+place, when a row is read) and ``gather_rows_`` (rows gathered and cast to the wire dtype straight
+into a staging buffer, with no temporaries: each large temporary costs page faults, which
+dominated the fetch time on a GPU machine).
 
 Threads and the GIL: each call runs an OpenMP team of ``threads()`` threads (``set_threads``;
 ``--stem-cpu-threads``; by default the cores of this process's affinity mask shared among the
@@ -44,21 +47,47 @@ _SOURCE = r"""
 #include <cmath>
 #include <omp.h>
 
+static void check_rows(const char* name, torch::Tensor p, torch::Tensor m, torch::Tensor v,
+                       torch::Tensor rows, std::initializer_list<torch::Tensor> factors) {
+  TORCH_CHECK(p.is_contiguous() && m.is_contiguous() && v.is_contiguous() &&
+              p.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat &&
+              v.scalar_type() == torch::kFloat && p.dim() == 2 &&
+              m.sizes() == p.sizes() && v.sizes() == p.sizes(),
+              name, ": contiguous fp32 rows and moments of one shape");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.is_contiguous(),
+              name, ": contiguous int64 rows");
+  for (const auto& f : factors)
+    TORCH_CHECK(f.scalar_type() == torch::kDouble && f.is_contiguous() &&
+                f.numel() == rows.numel(), name, ": one contiguous float64 factor per row");
+}
+
+// The catch-up of one row, in place: p = p owed - move m/sqrt(v) (0 where v = 0); m, v scaled.
+static inline void catch_up_row(float* __restrict__ pr, float* __restrict__ mr,
+                                float* __restrict__ vr, int64_t width, float owed, float move,
+                                float ms, float vs) {
+  #pragma omp simd
+  for (int64_t c = 0; c < width; ++c) {
+    const float mc = mr[c], vc = vr[c];
+    const float ratio = vc > 0.0f ? mc / std::sqrt(vc) : 0.0f;
+    pr[c] = pr[c] * owed - move * ratio;
+    mr[c] = mc * ms;
+    vr[c] = vc * vs;
+  }
+}
+
+static inline bool owes(double owed, double move, double ms, double vs) {
+  return owed != 1.0 || move != 0.0 || ms != 1.0 || vs != 1.0;
+}
+
 void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
-                   torch::Tensor g, torch::Tensor steps, torch::Tensor owed,
-                   double lr, double b1, double b2, double eps, double wd, int64_t threads) {
-  TORCH_CHECK(p.is_contiguous() && m.is_contiguous() && v.is_contiguous() && g.is_contiguous(),
-              "sparse_adamw_: tensors must be contiguous");
-  TORCH_CHECK(p.scalar_type() == torch::kFloat && g.scalar_type() == torch::kFloat,
-              "sparse_adamw_: fp32 only");
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && steps.scalar_type() == torch::kLong &&
-              owed.scalar_type() == torch::kDouble && rows.is_contiguous() &&
-              steps.is_contiguous() && owed.is_contiguous(),
-              "sparse_adamw_: contiguous int64 rows and steps, float64 owed decay");
-  TORCH_CHECK(m.sizes() == p.sizes() && v.sizes() == p.sizes() && g.dim() == 2 &&
-              g.size(0) == rows.numel() && g.size(1) == p.size(1) &&
-              steps.numel() == rows.numel() && owed.numel() == rows.numel(),
-              "sparse_adamw_: shapes");
+                   torch::Tensor g, torch::Tensor owed, torch::Tensor move,
+                   torch::Tensor m_scale, torch::Tensor v_scale, double step,
+                   double inv_bc2_sqrt, double decay, double b1, double b2, double eps,
+                   int64_t threads) {
+  check_rows("sparse_adamw_", p, m, v, rows, {owed, move, m_scale, v_scale});
+  TORCH_CHECK(g.is_contiguous() && g.scalar_type() == torch::kFloat && g.dim() == 2 &&
+              g.size(0) == rows.numel() && g.size(1) == p.size(1),
+              "sparse_adamw_: contiguous fp32 gradients [rows, width]");
   const int64_t n = rows.numel();
   const int64_t width = p.size(1);
   float* P = p.data_ptr<float>();
@@ -66,17 +95,14 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
   float* V = v.data_ptr<float>();
   const float* G = g.data_ptr<float>();
   const int64_t* R = rows.data_ptr<int64_t>();
-  const int64_t* K = steps.data_ptr<int64_t>();
-  const double* O = owed.data_ptr<double>();
+  const double *O = owed.data_ptr<double>(), *MV = move.data_ptr<double>();
+  const double *MS = m_scale.data_ptr<double>(), *VS = v_scale.data_ptr<double>();
   const float fb1 = (float)b1, fb2 = (float)b2, c1 = (float)(1.0 - b1), c2 = (float)(1.0 - b2);
-  const float feps = (float)eps;
+  const float feps = (float)eps, fstep = (float)step, fbc2 = (float)inv_bc2_sqrt;
+  const float fdecay = (float)decay;
   #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
-    const double k = (double)K[j];
-    const float step = (float)(lr / (1.0 - std::pow(b1, k)));
-    const float inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(b2, k)));
-    const float decay = (float)(O[j] * (1.0 - lr * wd));
     // No aliasing between a row's parameter, moments and gradient: without this promise the
     // compiler keeps the loop scalar (2.5x slower on the development machine).
     float* __restrict__ pr = P + r * width;
@@ -91,6 +117,8 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
         __builtin_prefetch(V + nr + c, 1);
       }
     }
+    if (owes(O[j], MV[j], MS[j], VS[j]))
+      catch_up_row(pr, mr, vr, width, (float)O[j], (float)MV[j], (float)MS[j], (float)VS[j]);
     #pragma omp simd
     for (int64_t c = 0; c < width; ++c) {
       const float gc = gr[c];
@@ -98,25 +126,29 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
       const float vc = fb2 * vr[c] + c2 * gc * gc;
       mr[c] = mc;
       vr[c] = vc;
-      pr[c] = pr[c] * decay - step * mc / (std::sqrt(vc) * inv_bc2_sqrt + feps);
+      pr[c] = pr[c] * fdecay - fstep * mc / (std::sqrt(vc) * fbc2 + feps);
     }
   }
 }
 
-// shard[rows[j]] *= factors[j], in place (the sparse optimizer's weight-decay catch-up).
-void scale_rows_(torch::Tensor p, torch::Tensor rows, torch::Tensor factors, int64_t threads) {
-  TORCH_CHECK(p.is_contiguous() && p.scalar_type() == torch::kFloat, "scale_rows_: fp32 rows");
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && factors.scalar_type() == torch::kDouble &&
-              rows.numel() == factors.numel(), "scale_rows_: int64 rows, float64 factors");
+// The sparse optimizer's catch-up of rows[j], in place (a read of rows untouched for a while).
+void catch_up_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
+                    torch::Tensor owed, torch::Tensor move, torch::Tensor m_scale,
+                    torch::Tensor v_scale, int64_t threads) {
+  check_rows("catch_up_rows_", p, m, v, rows, {owed, move, m_scale, v_scale});
   const int64_t n = rows.numel(), width = p.size(1);
   float* P = p.data_ptr<float>();
+  float* M = m.data_ptr<float>();
+  float* V = v.data_ptr<float>();
   const int64_t* R = rows.data_ptr<int64_t>();
-  const double* F = factors.data_ptr<double>();
+  const double *O = owed.data_ptr<double>(), *MV = move.data_ptr<double>();
+  const double *MS = m_scale.data_ptr<double>(), *VS = v_scale.data_ptr<double>();
   #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
   for (int64_t j = 0; j < n; ++j) {
-    const float f = (float)F[j];
-    float* pr = P + R[j] * width;
-    for (int64_t c = 0; c < width; ++c) pr[c] *= f;
+    const int64_t r = R[j];
+    if (owes(O[j], MV[j], MS[j], VS[j]))
+      catch_up_row(P + r * width, M + r * width, V + r * width, width, (float)O[j],
+                   (float)MV[j], (float)MS[j], (float)VS[j]);
   }
 }
 
@@ -165,7 +197,7 @@ int64_t team_size(int64_t threads) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("sparse_adamw_", &sparse_adamw_, nogil);
-  m.def("scale_rows_", &scale_rows_, nogil);
+  m.def("catch_up_rows_", &catch_up_rows_, nogil);
   m.def("gather_rows_", &gather_rows_, nogil);
   m.def("team_size", &team_size, nogil);
 }
@@ -211,11 +243,13 @@ class _Kernels:
     def __init__(self, module):
         self.module = module
 
-    def sparse_adamw_(self, p, m, v, rows, g, steps, owed, lr, b1, b2, eps, wd) -> None:
-        self.module.sparse_adamw_(p, m, v, rows, g, steps, owed, lr, b1, b2, eps, wd, threads())
+    def sparse_adamw_(self, p, m, v, rows, g, owed, move, m_scale, v_scale, step, inv_bc2_sqrt,
+                      decay, b1, b2, eps) -> None:
+        self.module.sparse_adamw_(p, m, v, rows, g, owed, move, m_scale, v_scale, step,
+                                  inv_bc2_sqrt, decay, b1, b2, eps, threads())
 
-    def scale_rows_(self, p, rows, factors) -> None:
-        self.module.scale_rows_(p, rows, factors, threads())
+    def catch_up_rows_(self, p, m, v, rows, owed, move, m_scale, v_scale) -> None:
+        self.module.catch_up_rows_(p, m, v, rows, owed, move, m_scale, v_scale, threads())
 
     def gather_rows_(self, src, index, out) -> None:
         self.module.gather_rows_(src, index, out, threads())
@@ -232,7 +266,7 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             _MODULE = _Kernels(load_inline(
-                name="megatron_ext_row_adam_v4", cpp_sources=[_SOURCE],
+                name="megatron_ext_row_adam_v5", cpp_sources=[_SOURCE],
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain

@@ -1,13 +1,16 @@
 """CPU AdamW for STEM table rows against independent plain-PyTorch references: ``dense`` equals
-torch.optim.AdamW on the whole table; ``sparse`` follows its documented semantics row by row,
-including rows left untouched for several iterations and rows never touched."""
+torch.optim.AdamW on the whole table; ``sparse`` follows its documented semantics (AdamW, with
+``eps`` neglected in the steps of a row while it is untouched), checked against a float64
+iteration-by-iteration reference that steps every row at every iteration, including rows left
+untouched for several iterations, for longer than the catch-up's horizon, and rows never touched;
+and it equals torch.optim.AdamW where ``eps`` is negligible."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, deepspeed_op
+from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, catch_up_rows, deepspeed_op
 
 ROWS, WIDTH = 12, 20
 # Touched rows per iteration: row 3 every time, row 7 at iterations 1 and 5 only, row 11 never.
@@ -19,7 +22,9 @@ BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 def kernels(mode):
     from megatron_ext_kernels import row_adam_cpu
 
-    found = ["torch"] + (["deepspeed"] if deepspeed_op() is not None else [])
+    found = ["torch"]
+    if mode == "dense" and deepspeed_op() is not None:
+        found.append("deepspeed")
     if mode == "sparse" and row_adam_cpu.load() is not None:
         found.append("rowwise")
     return found
@@ -57,61 +62,137 @@ def test_dense_equals_torch_adamw(kernel):
     assert not torch.equal(shard[11], initial()[11])  # untouched rows move (momentum, decay)
 
 
-def sparse_reference(steps):
-    """Documented sparse semantics, one row at a time: every row decays by (1 - lr wd) each
-    iteration; a touched row takes an AdamW step with its own step count; untouched rows keep
-    their moments."""
-    p = initial().double()
+def sparse_reference(steps, eps=EPS, betas=BETAS, lrs=LRS, grads=None, init=None,
+                     reads=None):
+    """The documented sparse semantics, in float64, every row at every iteration: AdamW with the
+    iteration's bias correction; a row without a gradient at an iteration takes the step AdamW
+    gives a zero gradient, with ``eps`` left out (0 where ``v`` is). ``reads``: iteration ->
+    rows whose values to record after it. Returns p, m, v (fp32) and the recorded reads."""
+    grads = grads or grads_for
+    p = (initial() if init is None else init).double()
     m = torch.zeros_like(p)
     v = torch.zeros_like(p)
-    count = [0] * ROWS
+    seen = {}
+    b1, b2 = betas
     for step in range(steps):
-        lr = LRS[step]
-        rows, g = grads_for(step)
+        t, lr = step + 1, lrs[step]
+        rows, g = grads(step)
+        full = torch.zeros_like(p)
+        full[rows] = g.double()
+        touched = torch.zeros(p.shape[0], dtype=torch.bool)
+        touched[rows] = True
         p *= 1 - lr * WD
-        for j, row in enumerate(rows.tolist()):
-            count[row] += 1
-            k = count[row]
-            m[row] = BETAS[0] * m[row] + (1 - BETAS[0]) * g[j].double()
-            v[row] = BETAS[1] * v[row] + (1 - BETAS[1]) * g[j].double() ** 2
-            mhat = m[row] / (1 - BETAS[0] ** k)
-            vhat = v[row] / (1 - BETAS[1] ** k)
-            p[row] -= lr * mhat / (vhat.sqrt() + EPS)
-    return p.float(), m.float(), v.float(), count
+        m = b1 * m + (1 - b1) * full
+        v = b2 * v + (1 - b2) * full ** 2
+        mhat, vhat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        for row in range(p.shape[0]):
+            if touched[row]:
+                p[row] -= lr * mhat[row] / (vhat[row].sqrt() + eps)
+            else:
+                ratio = torch.where(v[row] > 0, mhat[row] / vhat[row].sqrt(),
+                                    torch.zeros_like(p[row]))
+                p[row] -= lr * ratio
+        for row in (reads or {}).get(step, []):
+            seen[(step, row)] = p[row].float().clone()
+    return p.float(), m.float(), v.float(), seen
 
 
 @pytest.mark.parametrize("kernel", kernels("sparse"))
-def test_sparse_matches_documented_semantics(kernel):
+@pytest.mark.parametrize("eps", [EPS, 0.3])
+def test_sparse_matches_documented_semantics(kernel, eps):
+    """With a large ``eps`` too (0.3, against |g| ~ 1): the only place the semantics leave AdamW
+    is there, so the reference must leave it in the same way."""
     shard = initial()
     opt = RowAdamW([shard], mode="sparse", kernel=kernel)
     for step, lr in enumerate(LRS):
         rows, g = grads_for(step)
-        opt.step([(rows, g)], hyper(lr))
-    p_ref, m_ref, v_ref, count = sparse_reference(len(LRS))
-    assert opt.row_steps[0].tolist() == count
+        opt.step([(rows, g)], AdamHyper(lr, *BETAS, eps, WD))
+    p_ref, m_ref, v_ref, _ = sparse_reference(len(LRS), eps=eps)
+    # Rows touched at the last iteration are current; the others are brought up to date when read.
+    last = TOUCHED[-1]
+    torch.testing.assert_close(shard[last], p_ref[last], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(shard[11], p_ref[11])
+    assert not torch.allclose(opt.exp_avg_sq[0][7], v_ref[7])
+    opt.materialize()
+    torch.testing.assert_close(shard, p_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(opt.exp_avg[0], m_ref, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(opt.exp_avg_sq[0], v_ref, rtol=1e-6, atol=1e-9)
-    # Rows touched at the last iteration are current; the others still owe decay until read.
-    last = TOUCHED[-1]
-    torch.testing.assert_close(shard[last], p_ref[last], rtol=1e-6, atol=1e-7)
-    assert not torch.allclose(shard[11], p_ref[11])
-    opt.materialize()
-    torch.testing.assert_close(shard, p_ref, rtol=1e-6, atol=1e-7)
-    # Row 11 was never touched: only decay, no Adam update.
+    # Row 11 was never touched: only decay, no momentum to move it.
     decay = torch.prod(torch.tensor([1 - lr * WD for lr in LRS], dtype=torch.float64))
     torch.testing.assert_close(shard[11], (initial()[11].double() * decay).float())
 
 
-def test_sparse_differs_from_dense():
-    """The two semantics are different optimizers (the tests above cannot both pass trivially)."""
-    a, b = initial(), initial()
-    dense, sparse = RowAdamW([a], "dense", "torch"), RowAdamW([b], "sparse", "torch")
-    for step, lr in enumerate(LRS):
-        rows, g = grads_for(step)
-        dense.step([(rows, g)], hyper(lr))
-        sparse.step([(rows, g)], hyper(lr))
-    sparse.materialize()
-    assert (a - b).abs().max() > 1e-3
+@pytest.mark.parametrize("kernel", kernels("sparse"))
+def test_sparse_is_adamw_where_eps_is_negligible(kernel):
+    """The sparse optimizer computes only touched rows, yet its rows and moments are
+    torch.optim.AdamW's on the whole table (eps 1e-8 against |g| ~ 1); with eps comparable to
+    sqrt(v) the two part (the one documented difference)."""
+    for eps, same in ((EPS, True), (0.3, False)):
+        shard = initial()
+        opt = RowAdamW([shard], mode="sparse", kernel=kernel)
+        ref = torch.nn.Parameter(initial())
+        ref_opt = torch.optim.AdamW([ref], lr=LRS[0], betas=BETAS, eps=eps, weight_decay=WD)
+        for step, lr in enumerate(LRS):
+            rows, g = grads_for(step)
+            opt.step([(rows, g)], AdamHyper(lr, *BETAS, eps, WD))
+            dense = torch.zeros(ROWS, WIDTH)
+            dense[rows] = g
+            ref.grad = dense
+            ref_opt.param_groups[0]["lr"] = lr
+            ref_opt.step()
+        opt.materialize()
+        close = torch.allclose(shard, ref.detach(), rtol=1e-5, atol=1e-6)
+        assert close == same, (eps, (shard - ref.detach()).abs().max())
+        if same:
+            state = ref_opt.state[ref]
+            torch.testing.assert_close(opt.exp_avg[0], state["exp_avg"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(opt.exp_avg_sq[0], state["exp_avg_sq"], rtol=1e-6,
+                                       atol=1e-9)
+
+
+@pytest.mark.parametrize("kernel", kernels("sparse"))
+def test_sparse_rows_untouched_past_the_horizon(kernel):
+    """A long run (betas 0.5, 0.9: a catch-up horizon of 47 iterations) where rows stay untouched
+    for 1 to over 100 iterations, a warm-up from lr 0 and reads at random iterations: each read
+    sees the reference's row of that iteration, and the end state is the reference's. Row 5 is
+    touched once, at iteration 3, and caught up only at the end, 157 iterations later."""
+    betas, rows_n, steps = (0.5, 0.9), 24, 160
+    lrs = [1e-2 * min(1.0, s / 20) for s in range(steps)]
+    gen = torch.Generator().manual_seed(7)
+    schedule, reads = [], {}
+    for step in range(steps):
+        hot = [0] if step % 3 else [0, 1]
+        rare = (6 + torch.randperm(rows_n - 6, generator=gen)[:2]).tolist() \
+            if step % 37 == 5 else []
+        rows = torch.tensor(sorted(set(hot + rare + ([5] if step == 2 else []))))
+        schedule.append((rows, torch.randn(rows.numel(), WIDTH, generator=gen)))
+        if step % 11 == 10:
+            reads[step] = [r for r in torch.randperm(rows_n, generator=gen)[:6].tolist()
+                           if r != 5]
+    init = torch.randn(rows_n, WIDTH, generator=gen)
+    p_ref, m_ref, v_ref, seen = sparse_reference(steps, betas=betas, lrs=lrs,
+                                                 grads=lambda s: schedule[s], init=init,
+                                                 reads=reads)
+    shard = init.clone()
+    opt = RowAdamW([shard], mode="sparse", kernel=kernel)
+    for step in range(steps):
+        opt.step([schedule[step]], AdamHyper(lrs[step], *betas, EPS, WD))
+        for row in reads.get(step, []):
+            opt.catch_up(0, torch.tensor([row]))
+            torch.testing.assert_close(shard[row], seen[(step, row)], rtol=1e-5, atol=1e-6)
+    assert opt.lazy.clock.horizon == 47
+    assert int(opt.lazy.last[0][5]) == 3 and float(opt.exp_avg[0][5].abs().max()) > 0.1
+    opt.materialize()
+    torch.testing.assert_close(shard, p_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.exp_avg[0], m_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(opt.exp_avg_sq[0], v_ref, rtol=1e-5, atol=1e-9)
+
+
+def test_sparse_needs_a_converging_momentum():
+    opt = RowAdamW([initial()], mode="sparse", kernel="torch")
+    with pytest.raises(ValueError, match="adam_beta1 < sqrt\\(adam_beta2\\); got --adam-beta1 "
+                                         "0.99, --adam-beta2 0.95"):
+        opt.step([grads_for(0)], AdamHyper(1e-3, 0.99, 0.95, EPS, WD))
 
 
 def test_bad_input():
@@ -119,14 +200,17 @@ def test_bad_input():
         RowAdamW([initial()], mode="lazy")
     with pytest.raises(ValueError, match="2-D fp32 tensors, got torch.float64"):
         RowAdamW([initial().double()])
+    with pytest.raises(ValueError, match="the deepspeed kernel is for the dense optimizer"):
+        RowAdamW([initial()], mode="sparse", kernel="deepspeed")
     with pytest.raises(ValueError, match="2 gradients for 1 table shards"):
         RowAdamW([initial()], kernel="torch").step([grads_for(0)] * 2, hyper(1e-3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_row_kernels_match_torch(dtype):
-    """The compiled gather-with-cast and in-place row scaling equal the torch ops they replace
-    (bitwise: same fp32 products, round-to-nearest-even casts)."""
+    """The compiled gather-with-cast equals the torch ops it replaces (bitwise: round-to-nearest-
+    even casts), and the compiled catch-up the torch formula (``row_adam.catch_up_rows``; a row
+    never stepped, ``v`` = 0, has no momentum to move it)."""
     _, kernel = _row_kernel()
     g = torch.Generator().manual_seed(3)
     shard = torch.randn(40, 33, generator=g) * 100
@@ -135,17 +219,25 @@ def test_host_row_kernels_match_torch(dtype):
     kernel.gather_rows_(shard, index, out)
     assert torch.equal(out, shard[index].to(dtype))
     rows = torch.unique(index)
-    factors = torch.rand(rows.numel(), dtype=torch.float64, generator=g) + 0.5
-    want = shard.clone()
-    want[rows] *= factors.to(torch.float32).unsqueeze(1)
-    kernel.scale_rows_(shard, rows, factors)
-    assert torch.equal(shard, want)
+    m, v = torch.randn(40, 33, generator=g), torch.rand(40, 33, generator=g)
+    m[rows[0]], v[rows[0]] = 0.0, 0.0
+    factors = [torch.rand(rows.numel(), dtype=torch.float64, generator=g) + 0.5
+               for _ in range(4)]
+    want = [x.clone() for x in (shard, m, v)]
+    got = catch_up_rows(*(x[rows] for x in want),
+                        *(f.to(torch.float32).unsqueeze(1) for f in factors))
+    for x, y in zip(want, got):
+        x[rows] = y
+    kernel.catch_up_rows_(shard, m, v, rows, *factors)
+    for x, y in zip((shard, m, v), want):
+        torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-5)
+    assert torch.isfinite(shard).all()
 
 
 @pytest.mark.parametrize("kernel", kernels("sparse"))
 def test_sparse_step_in_parts_with_reads_between(kernel):
     """The overlapped table step (``StemTablesOptimizer._step_table``): an iteration's rows step
-    in two parts, and rows outside the second part are read (owed decay applied) between them. The
+    in two parts, and rows outside the second part are read (brought up to date) between them. The
     result is bitwise that of the one-call step followed by the same reads, and the
     reference's."""
     parts_shard, whole_shard = initial(), initial()
@@ -183,9 +275,10 @@ def _adamw_inputs(rows: int, width: int, touched: int, seed: int = 0):
     v = torch.rand(rows, width, generator=g)
     index = torch.randperm(rows, generator=g)[:touched]
     grad = torch.randn(touched, width, generator=g)
-    steps = torch.randint(1, 50, (touched,), generator=g)
-    owed = torch.rand(touched, dtype=torch.float64, generator=g) * 0.1 + 0.9
-    return [p, m, v, index, grad, steps, owed, 1e-3, 0.9, 0.95, 1e-8, 0.1]
+    factors = [torch.rand(touched, dtype=torch.float64, generator=g) * 0.1 + 0.9
+               for _ in range(4)]
+    return [p, m, v, index, grad, *factors, 1e-3 / 0.1, 1.0 / 0.05 ** 0.5, 1 - 1e-4, 0.9, 0.95,
+            1e-8]
 
 
 def test_row_kernels_run_the_threads_asked_and_give_the_same_bits():

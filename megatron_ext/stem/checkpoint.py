@@ -15,10 +15,11 @@ with one DP size, ownership, sharding or placement loads into any other.
 
 Optimizer state (``StemTablesOptimizer``): the Adam moments use the same blocks under
 ``optimizer.state.exp_avg.<key>`` / ``optimizer.state.exp_avg_sq.<key>`` (the names Megatron's
-optimizer gives a parameter's moments); the sparse optimizer adds its per-row step counts
-(``optimizer.state.stem_row_steps.<key>``, ``[vocab]``) and, in the common state, the mode, the
-iteration count and the running weight-decay product. Rows are saved with all the decay they owe
-applied, so on load every row's decay mark is the saved product.
+optimizer gives a parameter's moments), with, in the common state, the mode, the iteration count
+and the running weight-decay product. The sparse optimizer's rows and moments are saved brought up
+to date (``row_adam.LazyRows``), so on load every row is current at the saved iteration. (Earlier
+checkpoints also hold ``optimizer.state.stem_row_steps.<key>``, the per-row step counts of the
+lazy-Adam semantics the sparse optimizer had then; they are not read.)
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
 # -- the model's tables (StemMLP.sharded_state_dict / _load_from_state_dict) ---------------------
 def table_blocks(tables, index: int) -> List[Tuple[int, torch.Tensor]]:
     """``[(block, rows)]``: layer ``index``'s rows of this rank's checkpoint blocks, with every
-    update and every owed decay applied. Collective over the data-parallel group."""
+    update applied and every row brought up to date. Collective over the data-parallel group."""
     WORKER.wait()
     return [(block, rows) for block, (rows,) in gather_blocks(tables, [tables.store.read(index)])]
 
@@ -145,18 +146,15 @@ def _optimizer_sources(optimizer):
         sources = {"exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq}
         if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
             sources["fp32_param"] = t.store.shards  # the master copy of a 16-bit model
-        if optimizer.mode == "sparse":
-            sources["stem_row_steps"] = adam.row_steps
         out.append((t, sources))
     return out
 
 
 def optimizer_state(optimizer) -> dict:
-    """The tables' moments (and the sparse optimizer's row steps, and the fp32 rows of a 16-bit
-    model) in the table checkpoint's row blocks, keyed ``optimizer.state.<name>.<table key>``,
-    with the mode, the iteration count and the decay product as common state. Needs the model's
-    ``sharded_state_dict`` built first (its blocks' keys). Collective over the data-parallel
-    group."""
+    """The tables' moments (and the fp32 rows of a 16-bit model) in the table checkpoint's row
+    blocks, keyed ``optimizer.state.<name>.<table key>``, with the mode, the iteration count and
+    the decay product as common state. Needs the model's ``sharded_state_dict`` built first (its
+    blocks' keys). Collective over the data-parallel group."""
     # The scalars are common state, which torch_dist saves from global rank 0 alone; that rank
     # may hold no tables (a pipeline stage, or an interleaved chunk set, without STEM layers), so
     # every rank gives them: the iteration clock runs on every rank alike.
@@ -173,17 +171,14 @@ def optimizer_state(optimizer) -> dict:
                 raise RuntimeError("the model's sharded_state_dict must be built before the "
                                    "STEM table optimizer's")
         for name in sources:
-            dtype = torch.float64 if name == "stem_row_steps" else torch.float32
             # Tiered shards are read as one host copy of their two halves (full_tensor).
-            whole = [full_tensor(x).to(dtype) for x in sources[name]]
-            whole = [x.unsqueeze(1) if x.dim() == 1 else x for x in whole]
+            whole = [full_tensor(x).to(torch.float32) for x in sources[name]]
             for block, per_layer in gather_blocks(t, whole):
                 for layer, rows in zip(t.layers, per_layer):
                     model_block = layer.checkpoint_blocks[block]
                     key = f"optimizer.state.{name}.{model_block.key}"
-                    data = rows[:, 0].clone() if name == "stem_row_steps" else rows
                     tensors[f"{key}.block{block}"] = block_sharded_tensor(
-                        key, data, block, layer.vocab_size, _prepend_offsets(model_block),
+                        key, rows, block, layer.vocab_size, _prepend_offsets(model_block),
                         layer.tp_rank, layer.tp_size)
     common["tensors"] = tensors
     return common
@@ -197,9 +192,8 @@ def load_optimizer_state(optimizer, saved: dict) -> None:
     optimizer.drain()
     if saved.get("mode") != optimizer.mode:
         raise ValueError(f"the checkpoint's STEM table optimizer is --stem-optimizer "
-                         f"{saved.get('mode')}, this run's is {optimizer.mode}: the moments and "
-                         "step counts mean different things; resume with the same mode or pass "
-                         "--no-load-optim")
+                         f"{saved.get('mode')}, this run's is {optimizer.mode}: resume with the "
+                         "same mode or pass --no-load-optim")
     optimizer.step_count = int(saved["step_count"])
     tensors = saved["tensors"]
     for t, sources in _optimizer_sources(optimizer):
@@ -214,9 +208,9 @@ def load_optimizer_state(optimizer, saved: dict) -> None:
             scatter_blocks(t, per_block, whole)
             for x, w in zip(targets, whole):
                 write_back(x, w)
-    if optimizer.mode == "sparse":  # rows were saved with their decay applied
+    if optimizer.mode == "sparse":  # rows were saved up to date
         for t in optimizer.tables:
-            t.store.decay.reset(float(saved["decay_product"]))
+            t.store.lazy.reset(optimizer.step_count, float(saved["decay_product"]))
 
 
 def _prepend_offsets(sharded_tensor) -> tuple:

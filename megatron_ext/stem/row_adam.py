@@ -1,26 +1,29 @@
-"""AdamW on the CPU for the rows of STEM tables a rank owns: ``dense`` and ``sparse`` semantics.
+"""AdamW for the rows of STEM tables a rank owns: ``dense`` and ``sparse`` semantics.
 
 Both are AdamW as Megatron configures it for the rest of the model (``lr`` from the schedule,
-``betas``, ``eps``, decoupled ``weight_decay``); they differ in which rows step:
+``betas``, ``eps``, decoupled ``weight_decay``, one bias correction from the iteration count);
+they differ in which rows are computed at each iteration:
 
-* ``dense``: every owned row steps every iteration, untouched rows with a zero gradient (their
-  moments decay and they keep moving with their momentum). This *is* AdamW on a GPU-resident table
-  (torch.optim.AdamW), computed by DeepSpeed's CPU Adam kernel over the whole shard.
-* ``sparse``: only the rows the global batch touched step. Each row has its own step count, used
-  for its bias correction; its moments are left unchanged while it is not touched (lazy Adam, as
-  FBGEMM's row-wise and TF's LazyAdam). Decoupled weight decay is still applied for every
-  iteration: a row's missed decay factors ``prod_s (1 - lr_s wd)`` are applied when it is next
-  touched (and before it is read for a checkpoint), from a running product kept in float64, so a
-  row touched at iterations i and j ends where decaying it at every iteration would put it.
+* ``dense``: every owned row steps every iteration, untouched rows with a zero gradient. This *is*
+  torch.optim.AdamW on the whole table, computed by DeepSpeed's CPU Adam kernel over the shard
+  (host) or torch ops (device).
+* ``sparse``: only the rows the global batch touched are computed at an iteration. A row untouched
+  since iteration ``s`` is brought to iteration ``u`` when it is next read or stepped, in O(1),
+  where AdamW with zero gradients would have put it (``LazyRows.settle``): its moments decay,
+  ``m <- b1^(u-s) m``, ``v <- b2^(u-s) v``, and the row keeps moving with its momentum and decays,
+  ``p <- p D_u/D_s - F_u(s) m/sqrt(v)``, with ``D`` the running product of ``1 - lr_j wd`` and
+  ``F_u(s) = sum_{s<j<=u} c_j r^(j-s) D_u/D_j``, ``c_j = lr_j sqrt(1-b2^j)/(1-b1^j)``,
+  ``r = b1/sqrt(b2)`` (``RowClock``). The one difference from AdamW: while a row is untouched, its
+  steps neglect ``eps`` against ``sqrt(v_hat)`` (exact for ``eps = 0``). So a row's values, seen
+  by any read, are AdamW's up to that; lazy Adam (moments frozen while untouched, FBGEMM's row-wise
+  and TF's LazyAdam) moves a row 1 lr per gradient impulse where AdamW moves it about
+  ``sum r^j`` lr (13 with betas 0.9, 0.95), and cost this project's main job 0.014 of validation
+  loss (docs/benchmarks.md). Needs ``b1 < sqrt(b2)`` (the momentum's move converges).
 
-Kernels: ``deepspeed`` (DeepSpeed's ``cpu_adam`` op: SIMD + OpenMP, about 5x torch on the
-development machine; its first use JIT-compiles it) and ``torch`` (vectorised torch ops; used when
-the op cannot be built). Per-row bias correction is mapped onto DeepSpeed's op, whose bias
-correction takes one step count per call, by calling it without bias correction on groups of rows
-with equal step counts ``k`` and rescaled scalars:
-``lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) = lr' * m / (sqrt(v) + eps')`` with
-``lr' = lr sqrt(bc2) / bc1``, ``eps' = eps sqrt(bc2)``, and ``wd' = wd lr / lr'`` so that the
-decoupled decay ``lr' wd'`` stays ``lr wd``.
+Kernels: ``deepspeed`` (dense on the host: DeepSpeed's ``cpu_adam`` op over the whole shard, SIMD +
+OpenMP; its first use JIT-compiles it), ``rowwise`` (sparse on the host:
+``megatron_ext_kernels/row_adam_cpu.py``, catch-up and step fused, in place, per touched row) and
+``torch`` (vectorised torch ops: device shards, and the fallback where nothing compiles).
 """
 
 from __future__ import annotations
@@ -73,42 +76,35 @@ def deepspeed_op():
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One iteration of ``RowAdamW`` (``begin_step``): its hyper-parameters, its step count (every
-    row's, dense) and, sparse, the running decay product before and after it."""
+    """One iteration of ``RowAdamW`` (``begin_step``): its hyper-parameters, its step count and,
+    sparse, the running decay product before and after it."""
     hyper: AdamHyper
     step: int
     decay_before: float
     decay_after: float
 
 
-class OwedDecayView:
-    """The sparse optimizer's owed-decay state (``self.decay``, a ``LazyDecay`` or a tiered one)
-    under the names checkpoints and tests use."""
+class LazyView:
+    """The sparse optimizer's lazy-row state (``self.lazy``, a ``LazyRows`` or a tiered one) under
+    the names checkpoints and tests use."""
 
     @property
     def decay_product(self) -> float:
         """Sparse: the running product of ``(1 - lr_s wd)`` over the iterations stepped."""
-        return self.decay.clock.product
-
-    @decay_product.setter
-    def decay_product(self, value: float) -> None:
-        self.decay.clock.product = value
-
-    @property
-    def row_marks(self) -> List[torch.Tensor]:
-        return self.decay.marks
+        return self.lazy.clock.product
 
 
-class RowAdamW(OwedDecayView):
+class RowAdamW(LazyView):
     """Optimizer state and step for a list of row shards (one per STEM layer) held by this rank.
 
-    ``shards``: fp32 CPU tensors ``[rows, width]``, updated in place. ``step()`` takes, per shard,
-    the local indices of the touched rows (unique) and their gradients. ``decay`` (sparse): the
-    ``LazyDecay`` of these shards that whoever reads them settles (default: a private one).
+    ``shards``: fp32 tensors ``[rows, width]`` (host or device), updated in place. ``step()``
+    takes, per shard, the local indices of the touched rows (unique) and their gradients.
+    ``lazy`` (sparse): the ``LazyRows`` of these shards that whoever reads them settles (default:
+    a private one); this optimizer gives it the moments.
     """
 
     def __init__(self, shards: Sequence[torch.Tensor], mode: str = "dense", kernel: str = "auto",
-                 decay: Optional["LazyDecay"] = None):
+                 lazy: Optional["LazyRows"] = None):
         if mode not in MODES:
             raise ValueError(f"--stem-optimizer={mode!r}: allowed {', '.join(MODES)}")
         if kernel not in KERNELS:
@@ -124,29 +120,34 @@ class RowAdamW(OwedDecayView):
             raise ValueError("the deepspeed CPU Adam kernel needs host-resident shards")
         if kernel == "rowwise" and (not on_host or mode != "sparse"):
             raise ValueError("the rowwise kernel is for the sparse optimizer on host shards")
-        # Device-resident shards (--stem-table-placement gpu with vocab sharding) step with the
-        # torch kernel where they are. Sparse on the host: the in-place row-wise kernel
-        # (megatron_ext_kernels/row_adam_cpu.py), else DeepSpeed's grouped by step count.
+        if kernel == "deepspeed" and mode != "dense":
+            # Its SIMD loop's tail depends on how many rows a call takes, so a step in parts (the
+            # overlapped step) would not give the bits of the whole step.
+            raise ValueError("the deepspeed kernel is for the dense optimizer")
+        # Device-resident shards (--stem-table-placement gpu with vocab sharding, the GPU tier)
+        # step with the torch kernel where they are. Sparse on the host: the in-place row-wise
+        # kernel (megatron_ext_kernels/row_adam_cpu.py); dense: DeepSpeed's over the shard.
         self.rowwise = None
         if mode == "sparse" and on_host and kernel in ("auto", "rowwise"):
             self.rowwise = row_adam_cpu.load()
             if kernel == "rowwise" and self.rowwise is None:
                 raise RuntimeError("the rowwise kernel was requested but cannot be built")
         self.op = deepspeed_op() if (kernel in ("auto", "deepspeed") and on_host
-                                     and self.rowwise is None) else None
+                                     and mode == "dense") else None
         if kernel == "deepspeed" and self.op is None:
             raise RuntimeError("the deepspeed kernel was requested but cpu_adam cannot be built")
-        self.exp_avg = [torch.zeros_like(s) for s in self.shards]
-        self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
-        self.step_count = 0  # iterations stepped (dense: every row's step; sparse: the clock)
+        self.step_count = 0  # iterations stepped (every row's step count; sparse: the clock's)
         if mode == "sparse":
-            self.row_steps = [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
-            # The decay rows owe: the store of the rows may hold it (``stem/store.py``: its row
-            # reads settle it), else this optimizer keeps its own.
-            if decay is not None and [d.shape for d in decay.shards] != \
+            # The rows' lazy state: the store of the rows may hold it (``stem/store.py``: its
+            # row reads settle it), else this optimizer keeps its own.
+            if lazy is not None and [d.shape for d in lazy.shards] != \
                     [s.shape for s in self.shards]:
-                raise ValueError("the owed-decay state is for other shards")
-            self.decay = decay if decay is not None else LazyDecay(self.shards)
+                raise ValueError("the lazy-row state is for other shards")
+            self.lazy = lazy if lazy is not None else LazyRows(self.shards)
+            self.exp_avg, self.exp_avg_sq = self.lazy.bind_moments()
+        else:
+            self.exp_avg = [torch.zeros_like(s) for s in self.shards]
+            self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
 
     @property
@@ -166,15 +167,14 @@ class RowAdamW(OwedDecayView):
     def begin_step(self, hyper: AdamHyper) -> "StepPlan":
         """Advance the iteration clock; the rows then step with ``step_rows`` (possibly later, in
         another thread, in parts: ``stem/table_optimizer.py`` steps first the rows the next
-        micro-batch reads). Sparse: the running decay product moves on now, so a row read after
-        this call owes this iteration's decay unless it is stepped."""
+        micro-batch reads). Sparse: the clock moves on now, so a row read after this call is
+        brought to this iteration (with a zero gradient) unless it is stepped first."""
         self.step_count += 1
         if self.mode != "sparse":
             return StepPlan(hyper, self.step_count, 1.0, 1.0)
-        plan = StepPlan(hyper, self.step_count, self.decay_product,
-                        self.decay_product * (1.0 - hyper.lr * hyper.weight_decay))
-        self.decay_product = plan.decay_after
-        return plan
+        before = self.lazy.clock.product
+        self.lazy.clock.advance(self.step_count, hyper)
+        return StepPlan(hyper, self.step_count, before, self.lazy.clock.product)
 
     def step_rows(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
                   plan: "StepPlan") -> None:
@@ -201,121 +201,246 @@ class RowAdamW(OwedDecayView):
                                 hyper.beta2, hyper.eps, hyper.weight_decay, True, shard, grad,
                                 self.exp_avg[i], self.exp_avg_sq[i])
         else:
-            _torch_adamw(shard, grad, self.exp_avg[i], self.exp_avg_sq[i], hyper,
-                         torch.full((1, 1), float(plan.step), device=shard.device))
+            _torch_adamw(shard, grad, self.exp_avg[i], self.exp_avg_sq[i], hyper, plan.step)
 
     def _sparse_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
                      plan: "StepPlan") -> None:
+        """The touched ``rows`` are brought to the previous iteration (``LazyRows``), then take
+        this iteration's AdamW step with their gradients."""
         hyper = plan.hyper
         if rows.numel() == 0:
             return
-        if self.rowwise is not None:
-            rows = rows.to(torch.long).contiguous()
-            steps = self.row_steps[i][rows] + 1
-            self.row_steps[i][rows] = steps
-            owed = plan.decay_before / self.row_marks[i][rows]
+        rows = rows.cpu().to(torch.long)  # the per-row state (last steps) is on the host
+        lazy = self.lazy
+        if self.rowwise is not None:  # catch-up and step in one pass over each row
+            rows = rows.contiguous()
+            owed, move, m_scale, v_scale = lazy.clock.coefficients(lazy.last[i][rows],
+                                                                   plan.step - 1)
+            bc1 = 1.0 - hyper.beta1 ** plan.step
+            bc2 = 1.0 - hyper.beta2 ** plan.step
             self.rowwise.sparse_adamw_(
                 self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows,
-                rows_grad.to(torch.float32).contiguous(), steps, owed.contiguous(), hyper.lr,
-                hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
-            self.row_marks[i][rows] = plan.decay_after
+                rows_grad.to(torch.float32).contiguous(), owed, move, m_scale, v_scale,
+                hyper.lr / bc1, 1.0 / math.sqrt(bc2), 1.0 - hyper.lr * hyper.weight_decay,
+                hyper.beta1, hyper.beta2, hyper.eps)
+            lazy.last[i][rows] = plan.step
             return
-        rows = rows.cpu()  # the per-row state (step counts, decay marks) is on the host
-        self.catch_up(i, rows, plan.decay_before)
-        steps = self.row_steps[i][rows] + 1
-        self.row_steps[i][rows] = steps
+        lazy.settle(i, rows, plan.step - 1)
         # Gather, step, scatter back: touched rows are few against the shard.
-        order = torch.argsort(steps, stable=True)
-        rows, steps = rows[order], steps[order]
-        p = self.shards[i][rows]
-        g = rows_grad[order].to(torch.float32).contiguous()
-        m = self.exp_avg[i][rows]
-        v = self.exp_avg_sq[i][rows]
-        if self.op is not None:
-            values, counts = torch.unique_consecutive(steps, return_counts=True)
-            start = 0
-            for k, n in zip(values.tolist(), counts.tolist()):
-                bc1 = 1.0 - hyper.beta1 ** k
-                sqrt_bc2 = math.sqrt(1.0 - hyper.beta2 ** k)
-                lr = hyper.lr * sqrt_bc2 / bc1
-                wd = hyper.weight_decay * hyper.lr / lr if lr > 0 else 0.0
-                sl = slice(start, start + n)
-                self.op.adam_update(DEEPSPEED_OPTIMIZER_ID, k, lr, hyper.beta1, hyper.beta2,
-                                    hyper.eps * sqrt_bc2, wd, False, p[sl], g[sl], m[sl], v[sl])
-                start += n
-        else:
-            _torch_adamw(p, g, m, v, hyper, steps.to(p.device, torch.float32).unsqueeze(1))
-        self.shards[i][rows] = p
-        self.exp_avg[i][rows] = m
-        self.exp_avg_sq[i][rows] = v
-        self.row_marks[i][rows] = plan.decay_after
+        dev = self.shards[i].device
+        index = rows.to(dev)
+        p = self.shards[i][index]
+        g = rows_grad.to(dev, torch.float32).contiguous()
+        m = self.exp_avg[i][index]
+        v = self.exp_avg_sq[i][index]
+        _torch_adamw(p, g, m, v, hyper, plan.step)
+        self.shards[i][index] = p
+        self.exp_avg[i][index] = m
+        self.exp_avg_sq[i][index] = v
+        lazy.last[i][rows] = plan.step
 
-    def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
-        """Sparse mode: apply the decay rows of shard ``i`` missed since their last update
-        (iterations they were not touched), up to the running ``product`` (default: now).
-        Called before rows are read or stepped."""
+    def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
+        """Sparse: bring rows of shard ``i`` to iteration ``upto`` (default: now), as AdamW
+        would have moved them untouched. What every read of rows does first."""
         if self.mode == "sparse":
-            self.decay.settle(i, rows, product)
+            self.lazy.settle(i, rows, upto)
 
     def materialize(self) -> None:
-        """Sparse mode: apply every row's outstanding decay, so the shards hold the values AdamW
-        would (before saving or reading them whole)."""
+        """Sparse: bring every row to now, so the shards and moments hold AdamW's values (before
+        saving or reading them whole)."""
         if self.mode == "sparse":
-            self.decay.settle_all()
+            self.lazy.settle_all()
 
 
-class DecayClock:
-    """The running product of ``(1 - lr_s wd)`` over the iterations a sparse AdamW stepped."""
-
-    def __init__(self, product: float = 1.0):
-        self.product = product
+# Rows untouched for longer than the horizon H of a clock are past their momentum's move: the
+# part of F_u(s) after s + H is below this fraction of it.
+_HORIZON_TAIL = 1e-13
 
 
-class LazyDecay:
-    """The decoupled weight decay that rows of ``shards`` owe (sparse AdamW): a row last decayed
-    when the clock stood at ``marks[i][row]`` still owes ``clock.product / mark``; ``settle``
-    applies it in place. Every read of a row's value settles it first (the rows' store does, for
-    fetches and checkpoints), and the sparse step settles and re-marks the rows it steps, so the
-    values anyone sees are those of decaying every row at every iteration. With the clock never
-    moved (the dense optimizer) nothing is owed and ``settle`` returns at once."""
+class RowClock:
+    """The iteration clock of a sparse AdamW and the per-iteration history its catch-up needs.
 
-    def __init__(self, shards: Sequence[torch.Tensor], clock: Optional[DecayClock] = None,
-                 marks: Optional[List[torch.Tensor]] = None):
+    ``step``: iterations stepped; ``product``: ``D_step``, the running product of ``1 - lr_j wd``.
+    For the catch-up of a row from iteration ``s`` to ``u`` (``LazyRows``) it keeps, from its
+    ``base`` (the start, or the last ``reset``) on, ``D_j`` and ``c_j = lr_j sqrt(bc2_j)/bc1_j``
+    per iteration, in float64; ``F_u(s)`` is summed over at most ``H`` iterations (the horizon,
+    ``r^H < 1e-13``): for rows untouched longer, ``F_u(s) = G_s D_u / D_(s+H)`` with
+    ``G_s = F_(s+H)(s)`` kept per iteration once it is complete. Positive terms only: no
+    cancellation, whatever the run's length (24 bytes per iteration)."""
+
+    def __init__(self, step: int = 0, product: float = 1.0):
+        self.reset(step, product)
+
+    def reset(self, step: int, product: float) -> None:
+        """Every row is current at iteration ``step`` (the start, a checkpoint load)."""
+        self.step, self.product, self.base = int(step), float(product), int(step)
+        self._d = _Series([self.product])  # D_j, j = base..step
+        self._c = _Series([0.0])           # c_j, j = base..step (c_base unused)
+        self._g = _Series([])              # G_s, s = base..step - H
+        self._windows = {}         # u -> F_u(s) for s in [max(base, u - H), u]
+        self.betas: Optional[Tuple[float, float]] = None
+        self.r = 0.0
+        self.horizon = 1
+
+    def advance(self, step: int, hyper: AdamHyper) -> None:
+        """Iteration ``step`` (the next one) steps with ``hyper``."""
+        if step != self.step + 1:
+            raise RuntimeError(f"sparse STEM optimizer clock at {self.step} asked to step "
+                               f"iteration {step}")
+        betas = (hyper.beta1, hyper.beta2)
+        if self.betas is None:
+            self._set_betas(betas)
+        elif betas != self.betas:
+            raise ValueError(f"the sparse STEM optimizer's betas changed from {self.betas} to "
+                             f"{betas} during training")
+        self.step = step
+        self.product *= 1.0 - hyper.lr * hyper.weight_decay
+        bc1 = 1.0 - hyper.beta1 ** step
+        bc2 = 1.0 - hyper.beta2 ** step
+        self._d.append(self.product)
+        self._c.append(hyper.lr * math.sqrt(bc2) / bc1)
+        for u in [u for u in self._windows if u < step - 1]:
+            del self._windows[u]
+        s = step - self.horizon
+        if s >= self.base:  # G_s is complete: F_step(s)
+            self._g.append(float(self._window(step)[0]))
+
+    def _set_betas(self, betas: Tuple[float, float]) -> None:
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0) or b1 >= math.sqrt(b2):
+            raise ValueError(
+                f"--stem-optimizer sparse brings untouched rows up to date as AdamW moves them "
+                f"with their momentum, which converges only for adam_beta1 < sqrt(adam_beta2); "
+                f"got --adam-beta1 {b1}, --adam-beta2 {b2} (use --stem-optimizer dense)")
+        self.betas = betas
+        self.r = b1 / math.sqrt(b2)
+        self.horizon = 1 if self.r == 0.0 else \
+            max(1, math.ceil(math.log(_HORIZON_TAIL) / math.log(self.r)))
+
+    def _window(self, u: int) -> torch.Tensor:
+        """``F_u(s)`` for ``s`` in ``[max(base, u - H), u]`` (float64), cached per ``u``."""
+        window = self._windows.get(u)
+        if window is None:
+            lo = max(self.base, u - self.horizon)
+            d = self._d.values[lo - self.base: u - self.base + 1]
+            c = self._c.values[lo - self.base: u - self.base + 1]
+            window = torch.zeros(u - lo + 1, dtype=torch.float64)
+            if u > lo and self.r > 0.0:
+                # x_j = c_j D_u/D_j r^(j-u) for j in (lo, u]; F_u(s) = r^(u-s) sum_{j>s} x_j:
+                # suffix sums of positive terms (r^(j-u) <= r^-H, far from overflow).
+                k = torch.arange(u - lo - 1, -1, -1, dtype=torch.float64)  # u - j, j = lo+1..u
+                x = c[1:] * (d[-1] / d[1:]) * self.r ** (-k)
+                suffix = torch.flip(torch.cumsum(torch.flip(x, (0,)), 0), (0,))
+                window[:-1] = self.r ** torch.arange(u - lo, 0, -1, dtype=torch.float64) * suffix
+            self._windows[u] = window
+        return window
+
+    def coefficients(self, last: torch.Tensor, u: int):
+        """For rows current at iterations ``last`` (int64, each at most ``u``), brought to ``u``:
+        ``(owed decay D_u/D_s, momentum move F_u(s), b1^(u-s), b2^(u-s))``, float64 tensors."""
+        if u < self.base or u > self.step:
+            raise RuntimeError(f"sparse STEM rows asked up to iteration {u}; the clock knows "
+                               f"{self.base}..{self.step}")
+        s = last.to(torch.long)
+        d = self._d.values
+        owed = d[u - self.base] / d[s - self.base]
+        lag = (u - s).to(torch.float64)
+        move = torch.zeros_like(owed)
+        if self.r > 0.0:
+            window = self._window(u)
+            near = (u - s) <= self.horizon
+            move[near] = window[s[near] - (u - window.numel() + 1)]
+            far = ~near
+            if bool(far.any()):
+                sf = s[far]
+                g = self._g.values
+                move[far] = g[sf - self.base] * d[u - self.base] / d[sf + self.horizon - self.base]
+        b1, b2 = self.betas if self.betas is not None else (0.0, 0.0)
+        return owed, move, torch.pow(b1, lag), torch.pow(b2, lag)
+
+
+class _Series:
+    """A float64 series that grows by one value per iteration (doubling its storage)."""
+
+    def __init__(self, values: Sequence[float]):
+        self._data = torch.zeros(max(len(values), 64), dtype=torch.float64)
+        self._data[: len(values)] = torch.tensor(list(values), dtype=torch.float64)
+        self._n = len(values)
+
+    def append(self, value: float) -> None:
+        if self._n == self._data.numel():
+            grown = torch.zeros(2 * self._n, dtype=torch.float64)
+            grown[: self._n] = self._data
+            self._data = grown
+        self._data[self._n] = value
+        self._n += 1
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._data[: self._n]
+
+
+class LazyRows:
+    """What rows of ``shards`` owe under the sparse AdamW: a row current at iteration
+    ``last[i][row]`` is brought to a later one by ``settle`` (its decay, its momentum's move, its
+    moments' decay; ``RowClock`` has the coefficients). Every read of a row settles it first (the
+    rows' store does, for fetches and checkpoints), and the sparse step settles and steps the rows
+    it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse optimizer)
+    allocates the moments; with the clock never moved (the dense optimizer) nothing is owed and
+    ``settle`` returns at once."""
+
+    def __init__(self, shards: Sequence, clock: Optional[RowClock] = None,
+                 last: Optional[List[torch.Tensor]] = None):
         self.shards = list(shards)
-        self.clock = clock if clock is not None else DecayClock()
-        self.marks = marks if marks is not None else \
-            [torch.ones(s.shape[0], dtype=torch.float64) for s in self.shards]
+        self.clock = clock if clock is not None else RowClock()
+        self.last = last if last is not None else \
+            [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
+        self.exp_avg: Optional[List[torch.Tensor]] = None
+        self.exp_avg_sq: Optional[List[torch.Tensor]] = None
         self._kernel = None
 
-    def settle(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
-        """Apply the decay rows ``rows`` (local indices) of shard ``i`` owe, up to ``product``
-        (default: the clock's)."""
-        product = self.clock.product if product is None else product
-        if product == 1.0 or rows.numel() == 0:  # never decayed: nothing owed
+    def bind_moments(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The Adam moments of the shards (zeros, allocated on first call), which the catch-up
+        reads and the sparse optimizer steps."""
+        if self.exp_avg is None:
+            self.exp_avg = [torch.zeros_like(s) for s in self.shards]
+            self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
+        return self.exp_avg, self.exp_avg_sq
+
+    def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
+        """Bring rows ``rows`` (local indices) of shard ``i`` to iteration ``upto`` (default: the
+        clock's)."""
+        upto = self.clock.step if upto is None else upto
+        if upto == self.clock.base or rows.numel() == 0 or self.exp_avg is None:
+            return  # nothing stepped since every row was current
+        rows = rows.cpu().to(torch.long)  # the last steps live on the host
+        last = self.last[i][rows]
+        late = last < upto
+        if not bool(late.any()):
             return
-        rows = rows.cpu()  # the marks live on the host, whatever the shard's device
-        owed = product / self.marks[i][rows]
-        pending = owed != 1.0
-        if bool(pending.any()):
-            late = rows[pending]
-            shard = self.shards[i]
-            kernel = self._row_kernel(shard)
-            if kernel is not None:  # in place; the same fp32 products as below
-                kernel.scale_rows_(shard, late.to(torch.long).contiguous(),
-                                   owed[pending].contiguous())
-            else:
-                shard[late] *= owed[pending].to(shard.device, torch.float32).unsqueeze(1)
-            self.marks[i][late] = product
+        rows, last = rows[late], last[late]
+        owed, move, m_scale, v_scale = self.clock.coefficients(last, upto)
+        p, m, v = self.shards[i], self.exp_avg[i], self.exp_avg_sq[i]
+        kernel = self._row_kernel(p)
+        if kernel is not None:
+            kernel.catch_up_rows_(p, m, v, rows.contiguous(), owed, move, m_scale, v_scale)
+        else:
+            index = rows.to(p.device)
+            f = [x.to(p.device, torch.float32).unsqueeze(1)
+                 for x in (owed, move, m_scale, v_scale)]
+            pr, mr, vr = catch_up_rows(p[index], m[index], v[index], *f)
+            p[index], m[index], v[index] = pr, mr, vr
+        self.last[i][rows] = upto
 
     def settle_all(self) -> None:
         for i, shard in enumerate(self.shards):
             self.settle(i, torch.arange(shard.shape[0]))
 
-    def reset(self, product: float) -> None:
-        """Every row holds its value at clock ``product`` (a checkpoint load)."""
-        self.clock.product = product
-        for marks in self.marks:
-            marks.fill_(product)
+    def reset(self, step: int, product: float) -> None:
+        """Every row holds its values at iteration ``step`` (a checkpoint load)."""
+        self.clock.reset(step, product)
+        for last in self.last:
+            last.fill_(step)
 
     def _row_kernel(self, shard: torch.Tensor):
         if shard.device.type != "cpu" or shard.dtype != torch.float32 or \
@@ -326,12 +451,20 @@ class LazyDecay:
         return self._kernel or None
 
 
-def _torch_adamw(p, g, m, v, hyper: AdamHyper, steps: torch.Tensor) -> None:
-    """AdamW (torch.optim.AdamW's formula) on rows, with per-row step counts ``steps [rows, 1]``."""
+def catch_up_rows(p, m, v, owed, move, m_scale, v_scale):
+    """Rows ``p``, moments ``m``, ``v`` brought forward with fp32 factors ``[rows, 1]``: the
+    formula of ``LazyRows`` (and of the compiled ``catch_up_rows_``); ``m/sqrt(v)`` is 0 where
+    ``v`` is (a row never stepped)."""
+    ratio = torch.where(v > 0, m / v.sqrt(), torch.zeros_like(m))
+    return p * owed - move * ratio, m * m_scale, v * v_scale
+
+
+def _torch_adamw(p, g, m, v, hyper: AdamHyper, step: int) -> None:
+    """AdamW (torch.optim.AdamW's formula) on rows at iteration ``step``."""
     p.mul_(1.0 - hyper.lr * hyper.weight_decay)
     m.mul_(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
     v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
-    bc1 = 1.0 - torch.pow(hyper.beta1, steps)
-    bc2_sqrt = torch.sqrt(1.0 - torch.pow(hyper.beta2, steps))
+    bc1 = 1.0 - hyper.beta1 ** step
+    bc2_sqrt = math.sqrt(1.0 - hyper.beta2 ** step)
     denom = v.sqrt() / bc2_sqrt + hyper.eps
-    p.addcdiv_(m, denom * bc1 / hyper.lr, value=-1.0)
+    p.addcdiv_(m, denom, value=-hyper.lr / bc1)

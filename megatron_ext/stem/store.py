@@ -3,12 +3,12 @@
 
 A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory, pinned when
 CUDA exists; the model's device; or a ``TieredShard``'s two halves), in the local row order of the
-rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and the decoupled weight decay its rows
-still owe under the sparse optimizer (``row_adam.LazyDecay``: the optimizer moves its clock and
-steps rows in place; every read here settles the rows it reads first). It knows nothing of other
+rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and what its rows still owe under the
+sparse optimizer (``row_adam.LazyRows``: the optimizer binds the moments, moves the clock and steps
+rows in place; every read here first brings the rows it reads up to date). It knows nothing of other
 ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
 (``stem/table_optimizer.py``) writes them, and leaves here the part of a sparse step it has not
-run yet (``owed_step``): a read steps the rows it needs of it first, as it settles their decay.
+run yet (``owed_step``): a read steps the rows it needs of it first, then settles them.
 Reads and writes of the shards are host work: they run on the process's worker thread
 (``stem/worker.py``) or, for checkpoints and dumps, on the training thread once the worker is
 idle.
@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from megatron_ext.stem.row_adam import LazyDecay
-from megatron_ext.stem.tiers import TieredDecay, TieredShard, full_tensor, write_back
+from megatron_ext.stem.row_adam import LazyRows
+from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
 from megatron_ext_kernels import row_adam_cpu
 
 
@@ -52,8 +52,8 @@ class TableStore:
                 shard = shard.pin_memory()  # host rows go to the GPU by DMA
             self.shards.append(shard)
         self.placement = placement
-        self.decay = TieredDecay(self.shards) if placement == "tiered" else \
-            LazyDecay(self.shards)
+        self.lazy = TieredLazyRows(self.shards) if placement == "tiered" else \
+            LazyRows(self.shards)
         self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
         # The part of a sparse table step still to run (``table_optimizer.OwedStep``): rows a
         # read needs are stepped first. Set and cleared by the optimizer; used on the worker.
@@ -86,12 +86,12 @@ class TableStore:
     def gather(self, local_rows: torch.Tensor, device: torch.device,
                dtype: torch.dtype) -> torch.Tensor:
         """The rows ``local_rows`` of every shard, side by side, as ``dtype`` on ``device``, with
-        the decay they owe settled first. On a GPU, what is copied from host memory is queued on
+        what they owe settled first. On a GPU, what is copied from host memory is queued on
         the current stream (the worker's side stream when the worker runs it)."""
-        if self.owed_step is not None:  # before the decay: the step applies what the row owes
+        if self.owed_step is not None:  # first: the step brings its rows up to date itself
             self.owed_step.settle(local_rows)
         for i in range(len(self.shards)):
-            self.decay.settle(i, local_rows)
+            self.lazy.settle(i, local_rows)
         return gather_rows(self.shards, local_rows, device, dtype, self.staging)
 
     def read(self, i: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ class TableStore:
         host copy of a tiered one's two halves."""
         if self.owed_step is not None:
             self.owed_step.finish()
-        self.decay.settle_all()
+        self.lazy.settle_all()
         return full_tensor(self.shards[i])
 
     def write(self, i: int, whole: torch.Tensor) -> None:

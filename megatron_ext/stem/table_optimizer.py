@@ -18,7 +18,7 @@ built them; this class adds the tables to each step:
   micro-batch reads, then that micro-batch's read is released (``StemTables.release``), then the
   other rows. Every later read of the rows is queued behind the step, so it sees it.
 
-Checkpoint state (the tables' moments, step counts, fp32 rows) is laid out by
+Checkpoint state (the tables' moments, fp32 rows) is laid out by
 ``stem/checkpoint.py``. ``install()`` wraps ``megatron.training.training.get_megatron_optimizer``
 so ``pretrain`` builds this optimizer whenever the model has managed tables.
 """
@@ -52,8 +52,8 @@ class OwedStep:
     gradients. A read of the store first steps the rows it reads (``settle``); the worker runs
     the rest in chunks of about ``CHUNK_ELEMENTS`` row elements (``run_chunk``), so a read
     queued meanwhile waits for one chunk, not for the whole step. Every row is stepped once,
-    whichever comes first: rows step independently (per-row step counts and owed decay), so the
-    numbers are those of one step of every row. Used on the worker thread only."""
+    whichever comes first: rows step independently (each is brought up to date from its own last
+    step), so the numbers are those of one step of every row. Used on the worker thread only."""
 
     CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 rows: a few milliseconds of CPU AdamW
 
@@ -124,11 +124,11 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.mode = mode
         self.shards = [s for t in tables for s in t.store.shards]
         self.tiered = any(t.tiered for t in tables)
-        # One row optimizer per chunk, over its store's shards and owed-decay state; all advance
-        # the same clocks at every step.
-        decay = (lambda t: t.store.decay) if mode == "sparse" else (lambda t: None)
-        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, decay=decay(t)) if t.tiered
-                          else RowAdamW(t.store.shards, mode=mode, decay=decay(t))
+        # One row optimizer per chunk, over its store's shards and lazy-row state; all advance
+        # their clocks alike at every step.
+        lazy = (lambda t: t.store.lazy) if mode == "sparse" else (lambda t: None)
+        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, lazy=lazy(t)) if t.tiered
+                          else RowAdamW(t.store.shards, mode=mode, lazy=lazy(t))
                           for t in tables]
         self.dp_size = tables[0].dp_size if tables else 1
         self.replicated = bool(tables) and tables[0].ownership is None
@@ -159,7 +159,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         return self.row_adams[0].kernel if self.row_adams else "none"
 
     def materialize(self) -> None:
-        """Sparse: apply every row's owed decay (before the rows are read whole)."""
+        """Sparse: bring every row up to date (before the rows are read whole)."""
         for adam in self.row_adams:
             adam.materialize()
 
@@ -354,7 +354,7 @@ def reset() -> None:
 def dump_tables(directory: str) -> None:
     """Write this rank's table rows after training, for inspection and tests:
     ``directory/tables_tp{t}_pp{p}_dp{d}.pt`` = {"layers": [layer numbers], "ids": [owned global
-    ids per chunk], "rows": [[rows per layer]]} (sparse: with all owed decay applied)."""
+    ids per chunk], "rows": [[rows per layer]]} (sparse: every row brought up to date)."""
     for optimizer in _ACTIVE:
         optimizer.drain()
         payload = {"chunks": [{

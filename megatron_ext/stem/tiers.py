@@ -7,8 +7,8 @@ Both tiers are sharded by vocabulary over the data-parallel ranks with the owner
 where an owner keeps a row: ``TieredOwnership`` numbers the rows a rank owns hot first (its local
 indices ``[0, num_hot)`` are its GPU-tier rows, the rest its host rows), and ``TieredShard`` holds
 the two halves of one layer's owned rows. ``TieredRowAdamW`` steps each half with the same
-``RowAdamW`` semantics (``dense``: every owned row every iteration; ``sparse``: touched rows, per-row
-step counts, owed decay) where it lives: the GPU tier with the torch kernel on the model's device,
+``RowAdamW`` semantics (``dense``: every owned row every iteration; ``sparse``: touched rows, the
+others brought up to date when read) where it lives: the GPU tier with the torch kernel on the model's device,
 the host tier with the CPU kernels. Without CUDA the GPU tier lives on the model's device, the CPU.
 
 The hot rows are the most frequent token ids of the training data (``stem/hot_rows.py``), counted
@@ -29,8 +29,8 @@ from megatron_ext.stem import hot_rows
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import (
     AdamHyper,
-    LazyDecay,
-    OwedDecayView,
+    LazyRows,
+    LazyView,
     RowAdamW,
     StepPlan,
 )
@@ -127,42 +127,46 @@ class TieredShard:
         return hot_pos, rows[hot_pos], cold_pos, rows[cold_pos] - self.num_hot
 
 
-class TieredDecay(LazyDecay):
-    """``LazyDecay`` of tiered shards: one clock, the marks of all owned rows (host, local order),
-    viewed as the marks of each tier (``hot``, ``cold``: what each tier's optimizer uses)."""
+class TieredLazyRows(LazyRows):
+    """``LazyRows`` of tiered shards: one clock, the last steps of all owned rows (host, local
+    order), viewed as those of each tier (``hot``, ``cold``: what each tier's optimizer uses); each
+    tier's moments live with its rows."""
 
     def __init__(self, shards: Sequence[TieredShard]):
         super().__init__(shards)
-        self.hot = LazyDecay([s.hot for s in self.shards], self.clock,
-                             [m[: s.num_hot] for m, s in zip(self.marks, self.shards)])
-        self.cold = LazyDecay([s.cold for s in self.shards], self.clock,
-                              [m[s.num_hot:] for m, s in zip(self.marks, self.shards)])
+        self.hot = LazyRows([s.hot for s in self.shards], self.clock,
+                            [m[: s.num_hot] for m, s in zip(self.last, self.shards)])
+        self.cold = LazyRows([s.cold for s in self.shards], self.clock,
+                             [m[s.num_hot:] for m, s in zip(self.last, self.shards)])
 
-    def settle(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
+    def bind_moments(self):
+        raise TypeError("a tiered store's moments are bound per tier (hot, cold)")
+
+    def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         """Each tier settles its own rows of ``rows`` (local indices)."""
-        if (self.clock.product if product is None else product) == 1.0 or rows.numel() == 0:
+        if (self.clock.step if upto is None else upto) == self.clock.base or rows.numel() == 0:
             return
         _, hot_rows, _, cold_rows = self.shards[i].split(rows)
-        self.hot.settle(i, hot_rows, product)
-        self.cold.settle(i, cold_rows, product)
+        self.hot.settle(i, hot_rows, upto)
+        self.cold.settle(i, cold_rows, upto)
 
 
-class TieredRowAdamW(OwedDecayView):
+class TieredRowAdamW(LazyView):
     """``RowAdamW``'s interface over tiered shards: one ``RowAdamW`` for the GPU tier (torch
     kernel, on the model's device) and one for the host tier (CPU kernels), advanced together
-    (one iteration clock and decay clock, the same learning rate), each stepping its own rows.
-    ``decay`` (sparse): the shards' ``TieredDecay`` (default: a private one)."""
+    (one iteration clock, the same learning rate), each stepping its own rows.
+    ``lazy`` (sparse): the shards' ``TieredLazyRows`` (default: a private one)."""
 
     def __init__(self, shards: Sequence[TieredShard], mode: str = "dense",
-                 decay: Optional[TieredDecay] = None):
+                 lazy: Optional[TieredLazyRows] = None):
         self.shards = list(shards)
         self.mode = mode
-        self.decay = decay if decay is not None else TieredDecay(self.shards)
+        self.lazy = lazy if lazy is not None else TieredLazyRows(self.shards)
         sparse = mode == "sparse"
         self.hot = RowAdamW([s.hot for s in self.shards], mode=mode,
-                            decay=self.decay.hot if sparse else None)
+                            lazy=self.lazy.hot if sparse else None)
         self.cold = RowAdamW([s.cold for s in self.shards], mode=mode,
-                             decay=self.decay.cold if sparse else None)
+                             lazy=self.lazy.cold if sparse else None)
 
     @property
     def kernel(self) -> str:
@@ -188,12 +192,8 @@ class TieredRowAdamW(OwedDecayView):
     def exp_avg_sq(self) -> List[TieredShard]:
         return self._pair("exp_avg_sq")
 
-    @property
-    def row_steps(self) -> List[TieredShard]:
-        return self._pair("row_steps")
-
     def begin_step(self, hyper: AdamHyper) -> StepPlan:
-        plan = self.hot.begin_step(hyper)  # moves the shared decay clock once
+        plan = self.hot.begin_step(hyper)  # moves the shared clock once
         self.cold.step_count = plan.step
         return plan
 
@@ -208,19 +208,19 @@ class TieredRowAdamW(OwedDecayView):
             if tier.shape[0] and (pos.numel() or self.mode == "dense"):
                 grad = rows_grad.index_select(0, pos.to(rows_grad.device)).to(tier.device)
                 # Dense zero-fills a tier-sized gradient on the tier's device and writes the rows
-                # there (their indices go along); sparse keeps its per-row state on the host and
-                # takes host indices.
+                # there (their indices go along); sparse keeps its per-row last steps on the host
+                # and takes host indices.
                 local = local.to(torch.long)
                 opt.step_rows(i, local.to(tier.device) if self.mode == "dense" else local, grad,
                               plan)
 
-    def catch_up(self, i: int, rows: torch.Tensor, product: Optional[float] = None) -> None:
+    def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         if self.mode == "sparse":
-            self.decay.settle(i, rows, product)
+            self.lazy.settle(i, rows, upto)
 
     def materialize(self) -> None:
         if self.mode == "sparse":
-            self.decay.settle_all()
+            self.lazy.settle_all()
 
 
 def write_back(x, whole: torch.Tensor) -> None:
