@@ -5,10 +5,10 @@ row optimizer), over several seeds, paired by seed.
     .venv/bin/python benchmarks/stem_table_loss.py                       # seeds 1234,1,2
     .venv/bin/python benchmarks/stem_table_loss.py --seeds 1234 --modes ordinary,main
 
-The sparse optimizer (lazy Adam: untouched rows keep their moments and do not move with their
-momentum; decoupled decay still applied every iteration) is not AdamW over the whole table, so
-its loss differs from the ordinary table's; ``tiered-dense`` (every row steps every iteration)
-reproduces the ordinary table and shows the mode's numbers are not the difference. Each run is
+The sparse optimizer computes only the rows a batch touched and brings the others up to date when
+they are read (``stem/row_adam.py``): AdamW up to ``eps``, so its loss should be the ordinary
+table's up to that and to the order of floating-point operations; ``tiered-dense`` (every row
+steps every iteration) reproduces the ordinary table exactly. Each run is
 the main job's STEM training (its model, data, 200-iteration schedule and evaluations) with only
 ``--seed`` and the table flags changed. Reports each run's final validation loss (as the main
 job's summary computes it), per mode the mean and spread over seeds, and per seed the difference

@@ -10,7 +10,7 @@ sparse optimizer's catch-up, per-row float64 factors computed there).
 Per row ``r = rows[j]``, with the iteration's ``step = lr / (1 - b1^t)``,
 ``inv_bc2_sqrt = 1 / sqrt(1 - b2^t)``, ``decay = 1 - lr wd``::
 
-    p[r]  = p[r] * owed[j] - move[j] * m[r] / sqrt(v[r])   # catch-up (0 where v[r] = 0)
+    p[r]  = p[r] * owed[j] - move[j] * m[r] / (sqrt(v[r]) + e[j])   # catch-up (0 where v = 0)
     m[r] *= m_scale[j];  v[r] *= v_scale[j]
     p[r] *= decay                                          # this iteration's AdamW step
     m[r]  = b1 m[r] + (1 - b1) g[j]
@@ -61,14 +61,15 @@ static void check_rows(const char* name, torch::Tensor p, torch::Tensor m, torch
                 f.numel() == rows.numel(), name, ": one contiguous float64 factor per row");
 }
 
-// The catch-up of one row, in place: p = p owed - move m/sqrt(v) (0 where v = 0); m, v scaled.
+// The catch-up of one row, in place: p = p owed - move m/(sqrt(v) + e) (0 where v = 0); m, v
+// scaled.
 static inline void catch_up_row(float* __restrict__ pr, float* __restrict__ mr,
                                 float* __restrict__ vr, int64_t width, float owed, float move,
-                                float ms, float vs) {
+                                float ms, float vs, float e) {
   #pragma omp simd
   for (int64_t c = 0; c < width; ++c) {
     const float mc = mr[c], vc = vr[c];
-    const float ratio = vc > 0.0f ? mc / std::sqrt(vc) : 0.0f;
+    const float ratio = vc > 0.0f ? mc / (std::sqrt(vc) + e) : 0.0f;
     pr[c] = pr[c] * owed - move * ratio;
     mr[c] = mc * ms;
     vr[c] = vc * vs;
@@ -81,10 +82,10 @@ static inline bool owes(double owed, double move, double ms, double vs) {
 
 void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
                    torch::Tensor g, torch::Tensor owed, torch::Tensor move,
-                   torch::Tensor m_scale, torch::Tensor v_scale, double step,
+                   torch::Tensor m_scale, torch::Tensor v_scale, torch::Tensor e, double step,
                    double inv_bc2_sqrt, double decay, double b1, double b2, double eps,
                    int64_t threads) {
-  check_rows("sparse_adamw_", p, m, v, rows, {owed, move, m_scale, v_scale});
+  check_rows("sparse_adamw_", p, m, v, rows, {owed, move, m_scale, v_scale, e});
   TORCH_CHECK(g.is_contiguous() && g.scalar_type() == torch::kFloat && g.dim() == 2 &&
               g.size(0) == rows.numel() && g.size(1) == p.size(1),
               "sparse_adamw_: contiguous fp32 gradients [rows, width]");
@@ -97,6 +98,7 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
   const int64_t* R = rows.data_ptr<int64_t>();
   const double *O = owed.data_ptr<double>(), *MV = move.data_ptr<double>();
   const double *MS = m_scale.data_ptr<double>(), *VS = v_scale.data_ptr<double>();
+  const double* E = e.data_ptr<double>();
   const float fb1 = (float)b1, fb2 = (float)b2, c1 = (float)(1.0 - b1), c2 = (float)(1.0 - b2);
   const float feps = (float)eps, fstep = (float)step, fbc2 = (float)inv_bc2_sqrt;
   const float fdecay = (float)decay;
@@ -118,7 +120,8 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
       }
     }
     if (owes(O[j], MV[j], MS[j], VS[j]))
-      catch_up_row(pr, mr, vr, width, (float)O[j], (float)MV[j], (float)MS[j], (float)VS[j]);
+      catch_up_row(pr, mr, vr, width, (float)O[j], (float)MV[j], (float)MS[j], (float)VS[j],
+                   (float)E[j]);
     #pragma omp simd
     for (int64_t c = 0; c < width; ++c) {
       const float gc = gr[c];
@@ -134,8 +137,8 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
 // The sparse optimizer's catch-up of rows[j], in place (a read of rows untouched for a while).
 void catch_up_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
                     torch::Tensor owed, torch::Tensor move, torch::Tensor m_scale,
-                    torch::Tensor v_scale, int64_t threads) {
-  check_rows("catch_up_rows_", p, m, v, rows, {owed, move, m_scale, v_scale});
+                    torch::Tensor v_scale, torch::Tensor e, int64_t threads) {
+  check_rows("catch_up_rows_", p, m, v, rows, {owed, move, m_scale, v_scale, e});
   const int64_t n = rows.numel(), width = p.size(1);
   float* P = p.data_ptr<float>();
   float* M = m.data_ptr<float>();
@@ -143,12 +146,13 @@ void catch_up_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Te
   const int64_t* R = rows.data_ptr<int64_t>();
   const double *O = owed.data_ptr<double>(), *MV = move.data_ptr<double>();
   const double *MS = m_scale.data_ptr<double>(), *VS = v_scale.data_ptr<double>();
+  const double* E = e.data_ptr<double>();
   #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
     if (owes(O[j], MV[j], MS[j], VS[j]))
       catch_up_row(P + r * width, M + r * width, V + r * width, width, (float)O[j],
-                   (float)MV[j], (float)MS[j], (float)VS[j]);
+                   (float)MV[j], (float)MS[j], (float)VS[j], (float)E[j]);
   }
 }
 
@@ -243,13 +247,13 @@ class _Kernels:
     def __init__(self, module):
         self.module = module
 
-    def sparse_adamw_(self, p, m, v, rows, g, owed, move, m_scale, v_scale, step, inv_bc2_sqrt,
-                      decay, b1, b2, eps) -> None:
-        self.module.sparse_adamw_(p, m, v, rows, g, owed, move, m_scale, v_scale, step,
+    def sparse_adamw_(self, p, m, v, rows, g, owed, move, m_scale, v_scale, e, step,
+                      inv_bc2_sqrt, decay, b1, b2, eps) -> None:
+        self.module.sparse_adamw_(p, m, v, rows, g, owed, move, m_scale, v_scale, e, step,
                                   inv_bc2_sqrt, decay, b1, b2, eps, threads())
 
-    def catch_up_rows_(self, p, m, v, rows, owed, move, m_scale, v_scale) -> None:
-        self.module.catch_up_rows_(p, m, v, rows, owed, move, m_scale, v_scale, threads())
+    def catch_up_rows_(self, p, m, v, rows, owed, move, m_scale, v_scale, e) -> None:
+        self.module.catch_up_rows_(p, m, v, rows, owed, move, m_scale, v_scale, e, threads())
 
     def gather_rows_(self, src, index, out) -> None:
         self.module.gather_rows_(src, index, out, threads())
@@ -266,7 +270,7 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             _MODULE = _Kernels(load_inline(
-                name="megatron_ext_row_adam_v5", cpp_sources=[_SOURCE],
+                name="megatron_ext_row_adam_v6", cpp_sources=[_SOURCE],
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain

@@ -17,9 +17,11 @@ Optimizer state (``StemTablesOptimizer``): the Adam moments use the same blocks 
 ``optimizer.state.exp_avg.<key>`` / ``optimizer.state.exp_avg_sq.<key>`` (the names Megatron's
 optimizer gives a parameter's moments), with, in the common state, the mode, the iteration count
 and the running weight-decay product. The sparse optimizer's rows and moments are saved brought up
-to date (``row_adam.LazyRows``), so on load every row is current at the saved iteration. (Earlier
-checkpoints also hold ``optimizer.state.stem_row_steps.<key>``, the per-row step counts of the
-lazy-Adam semantics the sparse optimizer had then; they are not read.)
+to date (``row_adam.LazyRows``), so on load every row is current at the saved iteration, with the
+iteration each row last had a gradient (``optimizer.state.stem_row_touched.<key>``, ``[vocab]``:
+its catch-up's eps depends on it). Sparse states of the earlier lazy-Adam semantics (per-row step
+counts, ``stem_row_steps``) lack that tensor and do not load: resume them with
+``--no-load-optim``.
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ def load_table(tables, index: int, loaded: Dict[int, torch.Tensor]) -> None:
 
 
 # -- the tables' optimizer state (StemTablesOptimizer) ---------------------------------------------
+TOUCHED = "stem_row_touched"
+
+
 def _optimizer_sources(optimizer):
     """Per chunk: its tables and, per name, the per-shard tensors saved under that name."""
     out = []
@@ -146,6 +151,8 @@ def _optimizer_sources(optimizer):
         sources = {"exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq}
         if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
             sources["fp32_param"] = t.store.shards  # the master copy of a 16-bit model
+        if optimizer.mode == "sparse":
+            sources[TOUCHED] = adam.lazy.touched
         out.append((t, sources))
     return out
 
@@ -171,14 +178,18 @@ def optimizer_state(optimizer) -> dict:
                 raise RuntimeError("the model's sharded_state_dict must be built before the "
                                    "STEM table optimizer's")
         for name in sources:
-            # Tiered shards are read as one host copy of their two halves (full_tensor).
-            whole = [full_tensor(x).to(torch.float32) for x in sources[name]]
+            # Tiered shards are read as one host copy of their two halves (full_tensor). The
+            # per-row iterations travel as a float64 column (exact up to 2^53).
+            dtype = torch.float64 if name == TOUCHED else torch.float32
+            whole = [full_tensor(x).to(dtype) for x in sources[name]]
+            whole = [x.unsqueeze(1) if x.dim() == 1 else x for x in whole]
             for block, per_layer in gather_blocks(t, whole):
                 for layer, rows in zip(t.layers, per_layer):
                     model_block = layer.checkpoint_blocks[block]
                     key = f"optimizer.state.{name}.{model_block.key}"
+                    data = rows[:, 0].clone() if name == TOUCHED else rows
                     tensors[f"{key}.block{block}"] = block_sharded_tensor(
-                        key, rows, block, layer.vocab_size, _prepend_offsets(model_block),
+                        key, data, block, layer.vocab_size, _prepend_offsets(model_block),
                         layer.tp_rank, layer.tp_size)
     common["tensors"] = tensors
     return common

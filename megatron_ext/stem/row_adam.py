@@ -11,12 +11,16 @@ they differ in which rows are computed at each iteration:
   since iteration ``s`` is brought to iteration ``u`` when it is next read or stepped, in O(1),
   where AdamW with zero gradients would have put it (``LazyRows.settle``): its moments decay,
   ``m <- b1^(u-s) m``, ``v <- b2^(u-s) v``, and the row keeps moving with its momentum and decays,
-  ``p <- p D_u/D_s - F_u(s) m/sqrt(v)``, with ``D`` the running product of ``1 - lr_j wd`` and
-  ``F_u(s) = sum_{s<j<=u} c_j r^(j-s) D_u/D_j``, ``c_j = lr_j sqrt(1-b2^j)/(1-b1^j)``,
-  ``r = b1/sqrt(b2)`` (``RowClock``). The one difference from AdamW: while a row is untouched, its
-  steps neglect ``eps`` against ``sqrt(v_hat)`` (exact for ``eps = 0``). So a row's values, seen
-  by any read, are AdamW's up to that; lazy Adam (moments frozen while untouched, FBGEMM's row-wise
-  and TF's LazyAdam) moves a row 1 lr per gradient impulse where AdamW moves it about
+  ``p <- p D_u/D_s - F_u(s) m/(sqrt(v) + e)``, with ``D`` the running product of
+  ``1 - lr_j wd``, ``F_u(s) = sum_{s<j<=u} c_j r^(j-s) D_u/D_j``,
+  ``c_j = lr_j sqrt(1-b2^j)/(1-b1^j)``, ``r = b1/sqrt(b2)`` (``RowClock``), and
+  ``e = eps b2^((s-s0)/2)``, ``s0`` the row's last iteration with a gradient.
+  The one difference from AdamW: an untouched step ``j`` of a row uses, in place of ``eps``,
+  ``eps b2^((j-s0)/2) / sqrt(1-b2^j)``: eps shrinks with ``sqrt(v)`` while the row is untouched
+  (what makes the move O(1); the same order as ``eps`` for a few dozen iterations, when the
+  momentum moves the row). So every read of a row sees AdamW's values up to that, whenever and
+  however often the row was read before. Lazy Adam (moments frozen while untouched, FBGEMM's
+  row-wise and TF's LazyAdam) moves a row 1 lr per gradient impulse where AdamW moves it about
   ``sum r^j`` lr (13 with betas 0.9, 0.95), and cost this project's main job 0.014 of validation
   loss (docs/benchmarks.md). Needs ``b1 < sqrt(b2)`` (the momentum's move converges).
 
@@ -214,16 +218,16 @@ class RowAdamW(LazyView):
         lazy = self.lazy
         if self.rowwise is not None:  # catch-up and step in one pass over each row
             rows = rows.contiguous()
-            owed, move, m_scale, v_scale = lazy.clock.coefficients(lazy.last[i][rows],
-                                                                   plan.step - 1)
+            factors = lazy.clock.coefficients(lazy.last[i][rows], lazy.touched[i][rows],
+                                              plan.step - 1)
             bc1 = 1.0 - hyper.beta1 ** plan.step
             bc2 = 1.0 - hyper.beta2 ** plan.step
             self.rowwise.sparse_adamw_(
                 self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows,
-                rows_grad.to(torch.float32).contiguous(), owed, move, m_scale, v_scale,
+                rows_grad.to(torch.float32).contiguous(), *factors,
                 hyper.lr / bc1, 1.0 / math.sqrt(bc2), 1.0 - hyper.lr * hyper.weight_decay,
                 hyper.beta1, hyper.beta2, hyper.eps)
-            lazy.last[i][rows] = plan.step
+            lazy.last[i][rows] = lazy.touched[i][rows] = plan.step
             return
         lazy.settle(i, rows, plan.step - 1)
         # Gather, step, scatter back: touched rows are few against the shard.
@@ -237,7 +241,7 @@ class RowAdamW(LazyView):
         self.shards[i][index] = p
         self.exp_avg[i][index] = m
         self.exp_avg_sq[i][index] = v
-        lazy.last[i][rows] = plan.step
+        lazy.last[i][rows] = lazy.touched[i][rows] = plan.step
 
     def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         """Sparse: bring rows of shard ``i`` to iteration ``upto`` (default: now), as AdamW
@@ -279,6 +283,7 @@ class RowClock:
         self._g = _Series([])              # G_s, s = base..step - H
         self._windows = {}         # u -> F_u(s) for s in [max(base, u - H), u]
         self.betas: Optional[Tuple[float, float]] = None
+        self.eps = 0.0
         self.r = 0.0
         self.horizon = 1
 
@@ -290,9 +295,10 @@ class RowClock:
         betas = (hyper.beta1, hyper.beta2)
         if self.betas is None:
             self._set_betas(betas)
-        elif betas != self.betas:
-            raise ValueError(f"the sparse STEM optimizer's betas changed from {self.betas} to "
-                             f"{betas} during training")
+            self.eps = hyper.eps
+        elif betas != self.betas or hyper.eps != self.eps:
+            raise ValueError(f"the sparse STEM optimizer's betas and eps changed from "
+                             f"{self.betas}, {self.eps} to {betas}, {hyper.eps} during training")
         self.step = step
         self.product *= 1.0 - hyper.lr * hyper.weight_decay
         bc1 = 1.0 - hyper.beta1 ** step
@@ -335,9 +341,10 @@ class RowClock:
             self._windows[u] = window
         return window
 
-    def coefficients(self, last: torch.Tensor, u: int):
-        """For rows current at iterations ``last`` (int64, each at most ``u``), brought to ``u``:
-        ``(owed decay D_u/D_s, momentum move F_u(s), b1^(u-s), b2^(u-s))``, float64 tensors."""
+    def coefficients(self, last: torch.Tensor, touched: torch.Tensor, u: int):
+        """For rows current at iterations ``last`` (int64, each at most ``u``) and last touched at
+        ``touched``, brought to ``u``: ``(owed decay D_u/D_s, momentum move F_u(s), b1^(u-s),
+        b2^(u-s), eps of their moments e = eps b2^((s-s0)/2))``, float64 tensors."""
         if u < self.base or u > self.step:
             raise RuntimeError(f"sparse STEM rows asked up to iteration {u}; the clock knows "
                                f"{self.base}..{self.step}")
@@ -356,7 +363,9 @@ class RowClock:
                 g = self._g.values
                 move[far] = g[sf - self.base] * d[u - self.base] / d[sf + self.horizon - self.base]
         b1, b2 = self.betas if self.betas is not None else (0.0, 0.0)
-        return owed, move, torch.pow(b1, lag), torch.pow(b2, lag)
+        since = (s - touched.to(torch.long)).to(torch.float64)
+        return (owed, move, torch.pow(b1, lag), torch.pow(b2, lag),
+                self.eps * torch.pow(b2, since / 2))
 
 
 class _Series:
@@ -382,18 +391,22 @@ class _Series:
 
 class LazyRows:
     """What rows of ``shards`` owe under the sparse AdamW: a row current at iteration
-    ``last[i][row]`` is brought to a later one by ``settle`` (its decay, its momentum's move, its
-    moments' decay; ``RowClock`` has the coefficients). Every read of a row settles it first (the
+    ``last[i][row]`` (and last touched, given a gradient, at ``touched[i][row]``) is brought to a
+    later one by ``settle`` (its decay, its momentum's move, its moments' decay; ``RowClock`` has
+    the coefficients). Every read of a row settles it first (the
     rows' store does, for fetches and checkpoints), and the sparse step settles and steps the rows
     it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse optimizer)
     allocates the moments; with the clock never moved (the dense optimizer) nothing is owed and
     ``settle`` returns at once."""
 
     def __init__(self, shards: Sequence, clock: Optional[RowClock] = None,
-                 last: Optional[List[torch.Tensor]] = None):
+                 last: Optional[List[torch.Tensor]] = None,
+                 touched: Optional[List[torch.Tensor]] = None):
         self.shards = list(shards)
         self.clock = clock if clock is not None else RowClock()
         self.last = last if last is not None else \
+            [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
+        self.touched = touched if touched is not None else \
             [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
         self.exp_avg: Optional[List[torch.Tensor]] = None
         self.exp_avg_sq: Optional[List[torch.Tensor]] = None
@@ -419,15 +432,14 @@ class LazyRows:
         if not bool(late.any()):
             return
         rows, last = rows[late], last[late]
-        owed, move, m_scale, v_scale = self.clock.coefficients(last, upto)
+        factors = self.clock.coefficients(last, self.touched[i][rows], upto)
         p, m, v = self.shards[i], self.exp_avg[i], self.exp_avg_sq[i]
         kernel = self._row_kernel(p)
         if kernel is not None:
-            kernel.catch_up_rows_(p, m, v, rows.contiguous(), owed, move, m_scale, v_scale)
+            kernel.catch_up_rows_(p, m, v, rows.contiguous(), *factors)
         else:
             index = rows.to(p.device)
-            f = [x.to(p.device, torch.float32).unsqueeze(1)
-                 for x in (owed, move, m_scale, v_scale)]
+            f = [x.to(p.device, torch.float32).unsqueeze(1) for x in factors]
             pr, mr, vr = catch_up_rows(p[index], m[index], v[index], *f)
             p[index], m[index], v[index] = pr, mr, vr
         self.last[i][rows] = upto
@@ -437,7 +449,8 @@ class LazyRows:
             self.settle(i, torch.arange(shard.shape[0]))
 
     def reset(self, step: int, product: float) -> None:
-        """Every row holds its values at iteration ``step`` (a checkpoint load)."""
+        """Every row holds its values at iteration ``step`` (a checkpoint load; ``touched`` is
+        loaded with them)."""
         self.clock.reset(step, product)
         for last in self.last:
             last.fill_(step)
@@ -451,11 +464,11 @@ class LazyRows:
         return self._kernel or None
 
 
-def catch_up_rows(p, m, v, owed, move, m_scale, v_scale):
+def catch_up_rows(p, m, v, owed, move, m_scale, v_scale, eps):
     """Rows ``p``, moments ``m``, ``v`` brought forward with fp32 factors ``[rows, 1]``: the
-    formula of ``LazyRows`` (and of the compiled ``catch_up_rows_``); ``m/sqrt(v)`` is 0 where
-    ``v`` is (a row never stepped)."""
-    ratio = torch.where(v > 0, m / v.sqrt(), torch.zeros_like(m))
+    formula of ``LazyRows`` (and of the compiled ``catch_up_rows_``); ``m/(sqrt(v) + eps)`` is 0
+    where ``v`` is (a row never stepped)."""
+    ratio = torch.where(v > 0, m / (v.sqrt() + eps), torch.zeros_like(m))
     return p * owed - move * ratio, m * m_scale, v * v_scale
 
 

@@ -128,16 +128,18 @@ class TieredShard:
 
 
 class TieredLazyRows(LazyRows):
-    """``LazyRows`` of tiered shards: one clock, the last steps of all owned rows (host, local
-    order), viewed as those of each tier (``hot``, ``cold``: what each tier's optimizer uses); each
+    """``LazyRows`` of tiered shards: one clock, the last and touched steps of all owned rows
+    (host, local order), viewed as those of each tier (``hot``, ``cold``: what each tier's optimizer uses); each
     tier's moments live with its rows."""
 
     def __init__(self, shards: Sequence[TieredShard]):
         super().__init__(shards)
         self.hot = LazyRows([s.hot for s in self.shards], self.clock,
-                            [m[: s.num_hot] for m, s in zip(self.last, self.shards)])
+                            [m[: s.num_hot] for m, s in zip(self.last, self.shards)],
+                            [m[: s.num_hot] for m, s in zip(self.touched, self.shards)])
         self.cold = LazyRows([s.cold for s in self.shards], self.clock,
-                             [m[s.num_hot:] for m, s in zip(self.last, self.shards)])
+                             [m[s.num_hot:] for m, s in zip(self.last, self.shards)],
+                             [m[s.num_hot:] for m, s in zip(self.touched, self.shards)])
 
     def bind_moments(self):
         raise TypeError("a tiered store's moments are bound per tier (hot, cold)")
