@@ -421,12 +421,14 @@ class LazyRows:
         return self.exp_avg, self.exp_avg_sq
 
     def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
-        """Bring rows ``rows`` (local indices) of shard ``i`` to iteration ``upto`` (default: the
-        clock's)."""
+        """Bring rows ``rows`` (local indices, repeats allowed) of shard ``i`` to iteration
+        ``upto`` (default: the clock's)."""
         upto = self.clock.step if upto is None else upto
         if upto == self.clock.base or rows.numel() == 0 or self.exp_avg is None:
             return  # nothing stepped since every row was current
-        rows = rows.cpu().to(torch.long)  # the last steps live on the host
+        # The last steps live on the host. A read may ask for a row more than once (rows two
+        # ranks ask an owner for): each row is brought up to date once.
+        rows = torch.unique(rows.cpu().to(torch.long))
         last = self.last[i][rows]
         late = last < upto
         if not bool(late.any()):
