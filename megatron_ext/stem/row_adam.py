@@ -229,14 +229,16 @@ class RowAdamW(LazyView):
                 hyper.beta1, hyper.beta2, hyper.eps)
             lazy.last[i][rows] = lazy.touched[i][rows] = plan.step
             return
-        lazy.settle(i, rows, plan.step - 1)
-        # Gather, step, scatter back: touched rows are few against the shard.
+        # Gather, catch up and step, scatter back: touched rows are few against the shard. One
+        # gather and one scatter of the rows and moments, one copy of the factors to the shard's
+        # device (the GPU tier): a row already current has factors that leave it as it is.
+        factors = lazy.clock.coefficients(lazy.last[i][rows], lazy.touched[i][rows],
+                                          plan.step - 1)
         dev = self.shards[i].device
         index = rows.to(dev)
-        p = self.shards[i][index]
         g = rows_grad.to(dev, torch.float32).contiguous()
-        m = self.exp_avg[i][index]
-        v = self.exp_avg_sq[i][index]
+        p, m, v = catch_up_rows(self.shards[i][index], self.exp_avg[i][index],
+                                self.exp_avg_sq[i][index], *factor_columns(factors, dev))
         _torch_adamw(p, g, m, v, hyper, plan.step)
         self.shards[i][index] = p
         self.exp_avg[i][index] = m
@@ -441,8 +443,8 @@ class LazyRows:
             kernel.catch_up_rows_(p, m, v, rows.contiguous(), *factors)
         else:
             index = rows.to(p.device)
-            f = [x.to(p.device, torch.float32).unsqueeze(1) for x in factors]
-            pr, mr, vr = catch_up_rows(p[index], m[index], v[index], *f)
+            pr, mr, vr = catch_up_rows(p[index], m[index], v[index],
+                                       *factor_columns(factors, p.device))
             p[index], m[index], v[index] = pr, mr, vr
         self.last[i][rows] = upto
 
@@ -464,6 +466,13 @@ class LazyRows:
         if self._kernel is None:
             self._kernel = row_adam_cpu.load() or False
         return self._kernel or None
+
+
+def factor_columns(factors: Sequence[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    """``RowClock.coefficients``' float64 factors as fp32 columns ``[rows, 1]`` on ``device``,
+    rounded as the compiled kernel rounds them, in one copy (a device shard: one host-to-device
+    transfer, not one per factor)."""
+    return list(torch.stack(factors).to(torch.float32).to(device).unsqueeze(2).unbind(0))
 
 
 def catch_up_rows(p, m, v, owed, move, m_scale, v_scale, eps):
