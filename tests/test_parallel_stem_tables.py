@@ -343,7 +343,7 @@ RESUMED = list(range(6, 11))
 @pytest.mark.parametrize("resumed,original", [
     ("resume_gpu_vocab_dp1", "cpu_vocab_dp2"),           # DP 2 -> 1, placement cpu -> gpu
     ("resume_cpu_replicated_dp2", "cpu_vocab_dp2"),      # vocab -> replicated sharding
-    ("resume_sparse_replicated_dp1", "sparse_dp2"),      # sparse: row steps and owed decay
+    ("resume_sparse_replicated_dp1", "sparse_dp2"),      # sparse: rows brought up to date
     ("resume_sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2"),  # rank 0 without tables
     ("resume_sparse_pp2_dp1", "sparse_pp2_vpp_dp2"),      # interleaved -> not, DP 2 -> 1
     ("resume_tiered_dp2_from_cpu", "cpu_vocab_dp2"),      # placement cpu -> tiered
@@ -351,11 +351,27 @@ RESUMED = list(range(6, 11))
     ("resume_tiered_sparse_dp1_other_tier", "tiered_sparse_dp2"),  # tier 25% -> 100 rows
 ])
 def test_resume_continues_the_loss_curve(runs, resumed, original):
-    """A managed-table checkpoint of step 5 (tables, moments, step counts) resumed with another
-    DP size, sharding or placement gives the original run's losses at steps 6..10."""
+    """A managed-table checkpoint of step 5 (tables, moments, sparse: each row's last iteration
+    with a gradient) resumed with another DP size, sharding or placement gives the original run's
+    losses at steps 6..10."""
     new, old = require_ok(runs[resumed]), require_ok(runs[original])
     assert min(new.losses) == 6
     assert_close_curves(new, old, RESUMED)
+
+
+@pytest.mark.parametrize("checkpoint,row_state", [("ck_sparse", {"stem_row_touched"}),
+                                                  ("ck_tiered_sparse", {"stem_row_touched"}),
+                                                  ("ck_vocab", set())])
+def test_checkpoints_name_their_row_state(runs, checkpoint, row_state):
+    """What the start-up check of a resume reads (``stem/checkpoint.py``, ``saved_tables``): a
+    sparse table optimizer's checkpoint holds each row's last iteration with a gradient, a dense
+    one no per-row state (a lazy-Adam state, ``stem_row_steps``, is refused for a sparse resume:
+    tests/test_stem_checkpoint_check.py)."""
+    from megatron_ext.stem.checkpoint import saved_tables
+
+    saved = saved_tables(str(runs["tmp"] / checkpoint), 5)
+    assert saved is not None and sorted(saved.shapes) == [1, 3]
+    assert saved.row_state == row_state
 
 
 @pytest.mark.parametrize("run_name,reference", [("managed_from_ordinary", "ref"),

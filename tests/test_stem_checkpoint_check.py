@@ -60,20 +60,28 @@ def _hybrid_model(stem_layers, ffn=FFN):
                                position_embedding_type="rope")
 
 
-def _args(stem_layers, pattern):
+def _args(stem_layers, pattern, no_load_optim=False):
     return argparse.Namespace(
         model_family="stem", hybrid_layer_pattern=pattern, num_layers=8 if pattern else 4,
-        stem_layers=",".join(map(str, stem_layers)), stem_ratio="1/3")
+        stem_layers=",".join(map(str, stem_layers)), stem_ratio="1/3",
+        no_load_optim=no_load_optim, finetune=False)
 
 
-def _save(model, directory, pattern=None):
-    """``model`` as Megatron saves it (iteration 1, the run's args in the common state)."""
+def _save(model, directory, pattern=None, row_state=None):
+    """``model`` as Megatron saves it (iteration 1, the run's args in the common state), with
+    ``row_state`` (a name): a per-row tensor of the tables' optimizer state under that name, as
+    the sparse table optimizer saves it (``stem/checkpoint.py``)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
 
     folder = os.path.join(directory, "iter_0000001")
     os.makedirs(folder)
     state = {"model": model.sharded_state_dict(), "iteration": 1,
              "args": _args([], pattern)}
+    if row_state is not None:
+        key = f"optimizer.state.{row_state}.decoder.layers.1.mlp.table"
+        state["optimizer"] = {"stem": ShardedTensor.from_rank_offsets(
+            key, torch.zeros(VOCAB, dtype=torch.float64))}
     dist_checkpointing.save(state, folder)
     with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("1")
@@ -89,15 +97,22 @@ def checkpoints(mcore_single_rank, tmp_path_factory):
         "gpt_13": _save(_gpt_model((1, 3)), str(root / "gpt_13")),
         "gpt_12_wide": _save(_gpt_model((1, 2), ffn=2 * FFN), str(root / "gpt_12_wide")),
         "hybrid_13": _save(_hybrid_model((1, 3)), str(root / "hybrid_13"), PATTERN),
+        # Sparse table optimizer states: today's (each row's last iteration with a gradient)
+        # and the earlier lazy-Adam one's (per-row step counts).
+        "gpt_13_sparse": _save(_gpt_model((1, 3)), str(root / "gpt_13_sparse"),
+                               row_state="stem_row_touched"),
+        "gpt_13_lazy": _save(_gpt_model((1, 3)), str(root / "gpt_13_lazy"),
+                             row_state="stem_row_steps"),
     }
 
 
-def _check(model, stem_layers, load, pattern=PATTERN):
+def _check(model, stem_layers, load, pattern=PATTERN, no_load_optim=False, **stem):
     from megatron_ext.models.registry import get_family
     from megatron_ext.stem.config import StemConfig
 
-    get_family("stem").check_checkpoint([model], _args(stem_layers, pattern),
-                                        StemConfig(layers=stem_layers), load, None, VOCAB)
+    get_family("stem").check_checkpoint([model], _args(stem_layers, pattern, no_load_optim),
+                                        StemConfig(layers=stem_layers, **stem), load, None,
+                                        VOCAB)
 
 
 def test_the_paired_checkpoint_is_accepted(checkpoints):
@@ -121,3 +136,22 @@ def test_other_stem_layers_are_refused(checkpoints, load, where):
                        r"this model's STEM layers \(MLP blocks \[1, 2\] from "
                        r"--stem-layers/--stem-ratio\)"):
         _check(_hybrid_model((1, 2)), (1, 2), checkpoints[load])
+
+
+SPARSE = {"placement": "cpu", "sharding": "vocab", "optimizer": "sparse"}
+
+
+def test_a_lazy_adam_sparse_state_is_refused_for_a_sparse_resume(checkpoints):
+    """A sparse table optimizer state of the earlier lazy-Adam semantics has no per-row
+    last-gradient iteration, which the sparse optimizer's catch-up needs: a sparse run that loads
+    the optimizer is refused, naming --no-load-optim; without the optimizer state, or with a
+    dense table optimizer (refused later, by mode), or today's sparse state, the check passes."""
+    model = _gpt_model((1, 3))
+    with pytest.raises(ValueError, match=r"gpt_13_lazy.*earlier lazy-Adam semantics \(per-row "
+                       r"step counts, optimizer\.state\.stem_row_steps\).*Resume with "
+                       r"--no-load-optim"):
+        _check(model, (1, 3), checkpoints["gpt_13_lazy"], pattern=None, **SPARSE)
+    _check(model, (1, 3), checkpoints["gpt_13_lazy"], pattern=None, no_load_optim=True, **SPARSE)
+    _check(model, (1, 3), checkpoints["gpt_13_lazy"], pattern=None,
+           **{**SPARSE, "optimizer": "dense"})
+    _check(model, (1, 3), checkpoints["gpt_13_sparse"], pattern=None, **SPARSE)

@@ -20,8 +20,8 @@ and the running weight-decay product. The sparse optimizer's rows and moments ar
 to date (``row_adam.LazyRows``), so on load every row is current at the saved iteration, with the
 iteration each row last had a gradient (``optimizer.state.stem_row_touched.<key>``, ``[vocab]``:
 its catch-up's eps depends on it). Sparse states of the earlier lazy-Adam semantics (per-row step
-counts, ``stem_row_steps``) lack that tensor and do not load: resume them with
-``--no-load-optim``.
+counts, ``stem_row_steps``) lack that tensor and are refused before loading
+(``check_optimizer_state``): resume them with ``--no-load-optim``.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ def load_table(tables, index: int, loaded: Dict[int, torch.Tensor]) -> None:
 
 # -- the tables' optimizer state (StemTablesOptimizer) ---------------------------------------------
 TOUCHED = "stem_row_touched"
+LAZY_ADAM_STEPS = "stem_row_steps"  # the lazy-Adam sparse state's per-row step counts (not read)
 
 
 def _optimizer_sources(optimizer):
@@ -232,6 +233,7 @@ def _prepend_offsets(sharded_tensor) -> tuple:
 
 
 _TABLE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.table$")
+_ROW_STATE = re.compile(rf"^optimizer\.state\.({TOUCHED}|{LAZY_ADAM_STEPS})\.decoder\.layers\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +245,9 @@ class SavedTables:
     path: str
     shapes: Dict[int, Tuple[int, ...]]
     hybrid_layer_pattern: Optional[str]
+    # The per-row tensors of the tables' optimizer state it holds (``TOUCHED``, or the earlier
+    # lazy-Adam ``stem_row_steps``); empty for a dense or ordinary table's state.
+    row_state: frozenset = frozenset()
 
 
 def saved_tables(load_dir: str, step: Optional[int] = None) -> Optional[SavedTables]:
@@ -256,7 +261,26 @@ def saved_tables(load_dir: str, step: Optional[int] = None) -> Optional[SavedTab
         return None
     shapes = {int(m.group(1)): ck.shape(key) for key in ck.tensor_keys()
               for m in [_TABLE.match(key)] if m}
-    return SavedTables(ck.dir, shapes, getattr(ck.args, "hybrid_layer_pattern", None) or None)
+    row_state = frozenset(m.group(1) for key in ck.metadata.state_dict_metadata
+                          for m in [_ROW_STATE.match(key)] if m)
+    return SavedTables(ck.dir, shapes, getattr(ck.args, "hybrid_layer_pattern", None) or None,
+                       row_state)
+
+
+def check_optimizer_state(saved: SavedTables, mode: str, load_optim: bool) -> None:
+    """Refuse, before upstream's loader runs, a sparse optimizer state of the earlier lazy-Adam
+    semantics (per-row step counts, no per-row last-gradient iteration) for a sparse run that
+    loads the optimizer: its moments mean something else and the tensor the catch-up needs is
+    not there."""
+    if mode == "sparse" and load_optim and LAZY_ADAM_STEPS in saved.row_state and \
+            TOUCHED not in saved.row_state:
+        raise ValueError(
+            f"STEM table checkpoint {saved.path}: its sparse table optimizer state is of the "
+            "earlier lazy-Adam semantics (per-row step counts, optimizer.state."
+            f"{LAZY_ADAM_STEPS}); --stem-optimizer sparse now brings untouched rows up to date "
+            "as AdamW does and needs each row's last iteration with a gradient "
+            f"(optimizer.state.{TOUCHED}). Resume with --no-load-optim (the tables' rows load, "
+            "their moments start anew)")
 
 
 def check_table_shapes(saved: SavedTables, expected: Dict[int, Tuple[int, int]],

@@ -21,7 +21,12 @@ from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import with_mlp
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem import table_optimizer
-from megatron_ext.stem.checkpoint import SavedTables, check_table_shapes, saved_tables
+from megatron_ext.stem.checkpoint import (
+    SavedTables,
+    check_optimizer_state,
+    check_table_shapes,
+    saved_tables,
+)
 from megatron_ext.stem.config import (
     INITS,
     KERNELS,
@@ -234,6 +239,9 @@ def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Option
     where upstream's loader reads them (a GPT-path checkpoint into the hybrid path: the paired
     GPT layers)."""
     saved = saved_tables(load_dir, step)
+    if saved is not None:
+        check_optimizer_state(saved, stem.optimizer if stem.managed_tables else "ordinary",
+                              not (args.no_load_optim or args.finetune))
     saved_layer = _saved_layer(args, saved) if saved is not None else None
     if saved_layer is None:
         return
