@@ -210,6 +210,34 @@ def test_worker_runs_tasks_before_the_rest_of_a_background_job():
     assert failing.exception() is not None and after.result() == "still runs"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_side_stream_work_is_seen_after_wait():
+    """GPU work a task queues on the worker's side stream (the GPU tier's step) is seen by the
+    current stream's work after ``wait()``, however long it runs on the GPU; a tensor handed
+    over from the current stream is not reused while the side stream may still read it."""
+    from megatron_ext.stem.worker import HostWorker
+
+    worker = HostWorker()
+    rows = torch.zeros(1 << 20, device="cuda")
+    held = [torch.ones(1 << 20, device="cuda")]
+    worker.hand_over(held)
+
+    def step(grad=held[0]):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the add
+        rows.add_(grad)
+
+    worker.submit(step).result()  # queued on the side stream; the GPU is still sleeping
+    del step
+    held.clear()
+    # The worker drops the finished task when it takes the next: the gradient's last reference
+    # goes while the side stream has yet to read it.
+    worker.submit(lambda: None).result()
+    reuse = torch.full((1 << 20,), 5.0, device="cuda")  # the same size, on the current stream
+    worker.wait()
+    assert float(rows.sum()) == float(1 << 20)  # the add of ones, seen, and not of fives
+    assert float(reuse.sum()) == 5.0 * (1 << 20)
+
+
 def test_owed_step_steps_every_row_once_in_reads_and_chunks(monkeypatch):
     """Reads step the owed rows they need (and no other); the chunks the rest, in budget-sized
     pieces; every position once."""

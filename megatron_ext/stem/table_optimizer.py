@@ -314,6 +314,7 @@ class StemTablesOptimizer(ChainedOptimizer):
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_exposed"] += took
             return
+        WORKER.hand_over(g for _, g in grads)  # read on the worker's side stream
         if self.mode != "sparse":
             def whole():
                 took = step()

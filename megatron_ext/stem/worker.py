@@ -111,15 +111,29 @@ class HostWorker:
                 else:
                     future.set_result(result)
 
+    def hand_over(self, tensors) -> None:
+        """``tensors``, made on the current stream, are read by work submitted next, on the side
+        stream: their memory is not reused before that work has run on the GPU (the caching
+        allocator frees a block for its own stream only; ``Tensor.record_stream``)."""
+        if self.stream is None:
+            return
+        for x in tensors:
+            if x.is_cuda:
+                x.record_stream(self.stream)
+
     def wait(self) -> float:
         """Wait for every task and job submitted so far; re-raises the first error among them.
-        Returns the seconds waited."""
+        On a GPU, the current stream's later work also waits for what they queued on the side
+        stream (a read of the GPU tier after ``wait`` sees its last step). Returns the seconds
+        waited."""
         start = time.perf_counter()
         pending, self._pending = self._pending, []
         for future in pending:
             error = future.exception()
             if error is not None:
                 raise error
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
         return time.perf_counter() - start
 
 
