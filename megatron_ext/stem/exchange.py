@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.store import to_device
+from megatron_ext.stem.transfer import to_device
 
 
 def comm_device(group) -> torch.device:

@@ -39,6 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext.stem.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class RowAdamW(LazyView):
         factors = lazy.clock.coefficients(lazy.last[i][rows], lazy.touched[i][rows],
                                           plan.step - 1)
         dev = self.shards[i].device
-        index = rows.to(dev)
+        index = to_device(rows, dev)
         g = rows_grad.to(dev, torch.float32).contiguous()
         p, m, v = catch_up_rows(self.shards[i][index], self.exp_avg[i][index],
                                 self.exp_avg_sq[i][index], *factor_columns(factors, dev))
@@ -442,7 +443,7 @@ class LazyRows:
         if kernel is not None:
             kernel.catch_up_rows_(p, m, v, rows.contiguous(), *factors)
         else:
-            index = rows.to(p.device)
+            index = to_device(rows, p.device)
             pr, mr, vr = catch_up_rows(p[index], m[index], v[index],
                                        *factor_columns(factors, p.device))
             p[index], m[index], v[index] = pr, mr, vr
@@ -472,7 +473,7 @@ def factor_columns(factors: Sequence[torch.Tensor], device: torch.device) -> Lis
     """``RowClock.coefficients``' float64 factors as fp32 columns ``[rows, 1]`` on ``device``,
     rounded as the compiled kernel rounds them, in one copy (a device shard: one host-to-device
     transfer, not one per factor)."""
-    return list(torch.stack(factors).to(torch.float32).to(device).unsqueeze(2).unbind(0))
+    return list(to_device(torch.stack(factors).to(torch.float32), device).unsqueeze(2).unbind(0))
 
 
 def catch_up_rows(p, m, v, owed, move, m_scale, v_scale, eps):

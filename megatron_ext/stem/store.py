@@ -25,6 +25,7 @@ import torch
 
 from megatron_ext.stem.row_adam import LazyRows
 from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
+from megatron_ext.stem.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
 
 
@@ -105,16 +106,6 @@ class TableStore:
     def write(self, i: int, whole: torch.Tensor) -> None:
         """After ``whole = read(i)`` was written in place: a tiered shard takes it back."""
         write_back(self.shards[i], whole)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; a host tensor goes to a GPU through pinned memory without blocking
-    the host (PyTorch's pinned-memory allocator keeps the staging block until the copy ends)."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class PinnedStaging:

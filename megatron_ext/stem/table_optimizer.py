@@ -41,6 +41,7 @@ from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
 from megatron_ext.stem.tiers import TieredRowAdamW
+from megatron_ext.stem.transfer import to_device
 from megatron_ext.stem.worker import WORKER
 from megatron_ext_kernels import row_adam_cpu
 
@@ -302,7 +303,7 @@ class StemTablesOptimizer(ChainedOptimizer):
             for i, (rows, grad) in enumerate(grads):
                 if positions is not None:
                     keep = positions[i]
-                    rows, grad = rows[keep], grad.index_select(0, keep.to(grad.device))
+                    rows, grad = rows[keep], grad.index_select(0, to_device(keep, grad.device))
                 if rows.numel() or self.mode != "sparse":
                     adam.step_rows(i, rows, grad, plan)
             return time.perf_counter() - start

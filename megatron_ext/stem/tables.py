@@ -46,7 +46,8 @@ from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.exchange import ReplicatedExchange, Route, VocabExchange
 from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.store import TableStore, to_device
+from megatron_ext.stem.store import TableStore
+from megatron_ext.stem.transfer import to_device
 from megatron_ext.stem.tiers import TieredOwnership
 from megatron_ext.stem.worker import WORKER
 

@@ -34,6 +34,7 @@ from megatron_ext.stem.row_adam import (
     RowAdamW,
     StepPlan,
 )
+from megatron_ext.stem.transfer import to_device
 
 
 class TieredOwnership:
@@ -208,12 +209,12 @@ class TieredRowAdamW(LazyView):
         for opt, pos, local, tier in ((self.hot, hot_pos, hot_rows, shard.hot),
                                       (self.cold, cold_pos, cold_rows, shard.cold)):
             if tier.shape[0] and (pos.numel() or self.mode == "dense"):
-                grad = rows_grad.index_select(0, pos.to(rows_grad.device)).to(tier.device)
+                grad = rows_grad.index_select(0, to_device(pos, rows_grad.device)).to(tier.device)
                 # Dense zero-fills a tier-sized gradient on the tier's device and writes the rows
                 # there (their indices go along); sparse keeps its per-row last steps on the host
                 # and takes host indices.
                 local = local.to(torch.long)
-                opt.step_rows(i, local.to(tier.device) if self.mode == "dense" else local, grad,
+                opt.step_rows(i, to_device(local, tier.device) if self.mode == "dense" else local, grad,
                               plan)
 
     def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
