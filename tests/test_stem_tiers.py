@@ -140,3 +140,54 @@ def test_hot_rows_from_token_counts(tmp_path):
     mock = argparse.Namespace(data_path=None, train_data_path=None, mock_data=True)
     mask, how = choose_hot_mask(mock, 16, "25%")
     assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3] and "mock data" in how
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_gpu_tier_step_queues_without_waiting_for_the_gpu(mode):
+    """On a GPU, the GPU tier's step (what the worker runs on its side stream while the next
+    micro-batch computes) and, sparse, a read's catch-up of its rows, queue their work without
+    one synchronisation (CUDA's sync debug mode "error" raises on any, implicit copies
+    included), behind kernels queued ahead; the rows, moments and last steps are those of the
+    same optimizer on the host. Dense: every owned row hot (the host tier's dense step copies
+    its gradients to the host)."""
+    g = torch.Generator().manual_seed(4)
+    rows, width = 12, 6
+    num_hot = rows if mode == "dense" else 5
+    init = torch.randn(rows, width, generator=g)
+    host = TieredRowAdamW([_tiered(init, num_hot)], mode=mode)
+    gpu_shard = TieredShard(init[:num_hot].clone().cuda(), init[num_hot:].clone())
+    gpu = TieredRowAdamW([gpu_shard], mode=mode)
+    for opt in (host.hot, host.cold, gpu.cold):  # the torch kernel on both sides
+        opt.rowwise, opt.op = None, None
+    touched = [torch.tensor([0, 2, 4]), torch.tensor([1, 4]), torch.tensor([0, 3])]
+    busy = torch.randn(2048, 2048, device="cuda")
+    for step, ids in enumerate(touched):
+        hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        grad = torch.randn(ids.numel(), width, generator=g)
+        host.step_rows(0, ids, grad, host.begin_step(hyper))
+        plan = gpu.begin_step(hyper)
+        grad_gpu = grad.cuda()
+        if step == 0:  # warm-up: pinned blocks, kernels loaded
+            gpu.step_rows(0, ids, grad_gpu, plan)
+            gpu.catch_up(0, torch.tensor([1, 3]))
+            host.catch_up(0, torch.tensor([1, 3]))
+            torch.cuda.synchronize()
+            continue
+        for _ in range(10):  # kernels queued ahead, as the next micro-batch's would be
+            busy = busy @ busy.t() / 2048
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            gpu.step_rows(0, ids, grad_gpu, plan)
+            gpu.catch_up(0, torch.tensor([1, 3]))
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        host.catch_up(0, torch.tensor([1, 3]))
+    host.materialize()
+    gpu.materialize()
+    torch.testing.assert_close(gpu_shard.full(), host.shards[0].full())
+    torch.testing.assert_close(gpu.exp_avg[0].full(), host.exp_avg[0].full())
+    torch.testing.assert_close(gpu.exp_avg_sq[0].full(), host.exp_avg_sq[0].full())
+    if mode == "sparse":
+        assert torch.equal(gpu.lazy.last[0], host.lazy.last[0])
