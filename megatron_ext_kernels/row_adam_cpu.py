@@ -3,19 +3,23 @@
 DeepSpeed's ``cpu_adam`` kernel updates one contiguous tensor; touched table rows are scattered
 over the shard, so using it means gathering rows into buffers and scattering them back (six copies
 of the touched rows). This kernel instead walks the touched rows in place (an OpenMP loop over
-rows, a vectorisable loop over columns) and, in the same pass, first brings each row from the
-iteration it was last current at to the previous one (``megatron_ext/stem/row_adam.py``: the
-sparse optimizer's catch-up, per-row float64 factors computed there).
+rows, a vectorisable loop over columns) and, in the same pass over each row's columns, first
+brings the row from the iteration it was last current at to the previous one (the sparse
+optimizer's catch-up, ``megatron_ext/stem/row_adam.py``). The per-row catch-up factors are
+computed here, from the iteration clock's float64 series (``RowClock.kernel_state``) and each
+row's last iterations (``last``, ``touched``, updated in place), with the formulas of
+``RowClock.coefficients``, which the torch path uses.
 
 Per row ``r = rows[j]``, with the iteration's ``step = lr / (1 - b1^t)``,
 ``inv_bc2_sqrt = 1 / sqrt(1 - b2^t)``, ``decay = 1 - lr wd``::
 
-    p[r]  = p[r] * owed[j] - move[j] * m[r] / (sqrt(v[r]) + e[j])   # catch-up (0 where v = 0)
-    m[r] *= m_scale[j];  v[r] *= v_scale[j]
+    p[r]  = p[r] * owed - move * m[r] / (sqrt(v[r]) + e)   # catch-up (0 where v = 0), if owed
+    m[r] *= b1^lag;  v[r] *= b2^lag
     p[r] *= decay                                          # this iteration's AdamW step
     m[r]  = b1 m[r] + (1 - b1) g[j]
     v[r]  = b2 v[r] + (1 - b2) g[j]^2
     p[r] -= step * m[r] / (sqrt(v[r]) * inv_bc2_sqrt + eps)
+    last[r] = touched[r] = t
 
 Two helpers for host-resident rows share the module: ``catch_up_rows_`` (the catch-up alone, in
 place, when a row is read) and ``gather_rows_`` (rows gathered and cast to the wire dtype straight
@@ -48,7 +52,7 @@ _SOURCE = r"""
 #include <omp.h>
 
 static void check_rows(const char* name, torch::Tensor p, torch::Tensor m, torch::Tensor v,
-                       torch::Tensor rows, std::initializer_list<torch::Tensor> factors) {
+                       torch::Tensor rows, torch::Tensor last, torch::Tensor touched) {
   TORCH_CHECK(p.is_contiguous() && m.is_contiguous() && v.is_contiguous() &&
               p.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat &&
               v.scalar_type() == torch::kFloat && p.dim() == 2 &&
@@ -56,103 +60,166 @@ static void check_rows(const char* name, torch::Tensor p, torch::Tensor m, torch
               name, ": contiguous fp32 rows and moments of one shape");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.is_contiguous(),
               name, ": contiguous int64 rows");
-  for (const auto& f : factors)
-    TORCH_CHECK(f.scalar_type() == torch::kDouble && f.is_contiguous() &&
-                f.numel() == rows.numel(), name, ": one contiguous float64 factor per row");
+  for (const auto& t : {last, touched})
+    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous() && t.dim() == 1 &&
+                t.numel() == p.size(0), name, ": contiguous int64 per-row iterations");
 }
 
-// The catch-up of one row, in place: p = p owed - move m/(sqrt(v) + e) (0 where v = 0); m, v
-// scaled.
-static inline void catch_up_row(float* __restrict__ pr, float* __restrict__ mr,
-                                float* __restrict__ vr, int64_t width, float owed, float move,
-                                float ms, float vs, float e) {
+// The sparse optimizer's iteration clock brought to iteration u (row_adam.RowClock): D_j for
+// j = base.. (running decay product), the momentum's move F_u(s) for s in [u - nwin + 1, u],
+// G_s = F_(s+H)(s) for s = base.. (rows untouched for longer than the horizon H), the betas, eps.
+struct Clock {
+  const double *d, *win, *gs;
+  int64_t base, nwin, horizon, u;
+  double b1, b2, eps;
+};
+
+static Clock clock_of(torch::Tensor d, torch::Tensor win, torch::Tensor gs, int64_t base,
+                      int64_t horizon, int64_t u, double b1, double b2, double eps) {
+  for (const auto& t : {d, win, gs})
+    TORCH_CHECK(t.scalar_type() == torch::kDouble && t.is_contiguous() && t.dim() == 1,
+                "row clock: contiguous float64 series");
+  TORCH_CHECK(u >= base && d.numel() > u - base && win.numel() >= 1 && horizon >= 1,
+              "row clock: iteration ", u, " outside the clock's series");
+  return Clock{d.data_ptr<double>(), win.data_ptr<double>(), gs.data_ptr<double>(), base,
+               win.numel(), horizon, u, b1, b2, eps};
+}
+
+// What a row current at iteration s, last given a gradient at s0, owes at u (row_adam.RowClock.
+// coefficients, the same float64 formulas, rounded to fp32 as the row math uses them).
+struct Owed { float owed, move, ms, vs, e; };
+
+static inline Owed owed_at(const Clock& k, int64_t s, int64_t s0) {
+  const int64_t lag = k.u - s;
+  const double du = k.d[k.u - k.base];
+  const double move = lag <= k.horizon ? k.win[s - (k.u - k.nwin + 1)]
+                                       : k.gs[s - k.base] * du / k.d[s + k.horizon - k.base];
+  return Owed{(float)(du / k.d[s - k.base]), (float)move, (float)std::pow(k.b1, (double)lag),
+              (float)std::pow(k.b2, (double)lag),
+              (float)(k.eps * std::pow(k.b2, (double)(s - s0) / 2.0))};
+}
+
+// One row's catch-up (CATCH_UP: p = p owed - move m/(sqrt(v) + e), 0 where v = 0; m, v
+// scaled) and, STEP, its AdamW step with gradient gr, in one pass over its columns.
+template <bool CATCH_UP, bool STEP>
+static inline void row_pass(float* __restrict__ pr, float* __restrict__ mr, float* __restrict__ vr,
+                            const float* __restrict__ gr, int64_t width, const Owed& o, float b1,
+                            float b2, float eps, float step, float inv_bc2_sqrt, float decay) {
+  const float c1 = 1.0f - b1, c2 = 1.0f - b2;
   #pragma omp simd
   for (int64_t c = 0; c < width; ++c) {
-    const float mc = mr[c], vc = vr[c];
-    const float ratio = vc > 0.0f ? mc / (std::sqrt(vc) + e) : 0.0f;
-    pr[c] = pr[c] * owed - move * ratio;
-    mr[c] = mc * ms;
-    vr[c] = vc * vs;
+    float pc = pr[c], mc = mr[c], vc = vr[c];
+    if (CATCH_UP) {
+      const float ratio = vc > 0.0f ? mc / (std::sqrt(vc) + o.e) : 0.0f;
+      pc = pc * o.owed - o.move * ratio;
+      mc = mc * o.ms;
+      vc = vc * o.vs;
+    }
+    if (STEP) {
+      const float gc = gr[c];
+      mc = b1 * mc + c1 * gc;
+      vc = b2 * vc + c2 * gc * gc;
+      pc = pc * decay - step * mc / (std::sqrt(vc) * inv_bc2_sqrt + eps);
+    }
+    pr[c] = pc;
+    mr[c] = mc;
+    vr[c] = vc;
   }
 }
 
-static inline bool owes(double owed, double move, double ms, double vs) {
-  return owed != 1.0 || move != 0.0 || ms != 1.0 || vs != 1.0;
+// A row index outside the shard, or a row's iterations outside [0, max_last] or not
+// base <= last, touched <= last, stops the call before any row is touched.
+static void check_row_iterations(const char* name, const int64_t* R, int64_t n, int64_t nrows,
+                                 const int64_t* LAST, const int64_t* TOUCHED, const Clock& k,
+                                 int64_t max_last) {
+  int64_t bad = -1;
+  for (int64_t j = 0; j < n && bad < 0; ++j) {
+    const int64_t r = R[j];
+    if (r < 0 || r >= nrows || LAST[r] < k.base || LAST[r] > max_last || TOUCHED[r] < 0 ||
+        TOUCHED[r] > LAST[r])
+      bad = j;
+  }
+  TORCH_CHECK(bad < 0, name, ": row ", bad < 0 ? 0 : R[bad], " is outside the shard, or its "
+              "iterations outside the clock's");
 }
 
+static inline void prefetch_row(const float* P, const float* M, const float* V, int64_t start,
+                                int64_t width) {
+  for (int64_t c = 0; c < width && c < 256; c += 16) {
+    __builtin_prefetch(P + start + c, 1);
+    __builtin_prefetch(M + start + c, 1);
+    __builtin_prefetch(V + start + c, 1);
+  }
+}
+
+// The sparse step of iteration u + 1 for rows[j] (unique) with gradients g[j]: each row brought
+// from its last iteration to u (catch-up) and stepped, in one pass; last[r] = touched[r] = u + 1.
 void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
-                   torch::Tensor g, torch::Tensor owed, torch::Tensor move,
-                   torch::Tensor m_scale, torch::Tensor v_scale, torch::Tensor e, double step,
-                   double inv_bc2_sqrt, double decay, double b1, double b2, double eps,
-                   int64_t threads) {
-  check_rows("sparse_adamw_", p, m, v, rows, {owed, move, m_scale, v_scale, e});
+                   torch::Tensor g, torch::Tensor last, torch::Tensor touched, torch::Tensor d,
+                   torch::Tensor win, torch::Tensor gs, int64_t base, int64_t horizon, int64_t u,
+                   double b1, double b2, double eps, double step, double inv_bc2_sqrt,
+                   double decay, int64_t threads) {
+  check_rows("sparse_adamw_", p, m, v, rows, last, touched);
   TORCH_CHECK(g.is_contiguous() && g.scalar_type() == torch::kFloat && g.dim() == 2 &&
               g.size(0) == rows.numel() && g.size(1) == p.size(1),
               "sparse_adamw_: contiguous fp32 gradients [rows, width]");
-  const int64_t n = rows.numel();
-  const int64_t width = p.size(1);
+  const Clock k = clock_of(d, win, gs, base, horizon, u, b1, b2, eps);
+  const int64_t n = rows.numel(), width = p.size(1);
   float* P = p.data_ptr<float>();
   float* M = m.data_ptr<float>();
   float* V = v.data_ptr<float>();
   const float* G = g.data_ptr<float>();
   const int64_t* R = rows.data_ptr<int64_t>();
-  const double *O = owed.data_ptr<double>(), *MV = move.data_ptr<double>();
-  const double *MS = m_scale.data_ptr<double>(), *VS = v_scale.data_ptr<double>();
-  const double* E = e.data_ptr<double>();
-  const float fb1 = (float)b1, fb2 = (float)b2, c1 = (float)(1.0 - b1), c2 = (float)(1.0 - b2);
-  const float feps = (float)eps, fstep = (float)step, fbc2 = (float)inv_bc2_sqrt;
-  const float fdecay = (float)decay;
+  int64_t* LAST = last.data_ptr<int64_t>();
+  int64_t* TOUCHED = touched.data_ptr<int64_t>();
+  check_row_iterations("sparse_adamw_", R, n, p.size(0), LAST, TOUCHED, k, u);  // once a step
+  const float fb1 = (float)b1, fb2 = (float)b2, feps = (float)eps, fstep = (float)step;
+  const float fbc2 = (float)inv_bc2_sqrt, fdecay = (float)decay;
+  const Owed none{1.0f, 0.0f, 1.0f, 1.0f, 0.0f};
   #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
-    // No aliasing between a row's parameter, moments and gradient: without this promise the
-    // compiler keeps the loop scalar (2.5x slower on the development machine).
-    float* __restrict__ pr = P + r * width;
-    float* __restrict__ mr = M + r * width;
-    float* __restrict__ vr = V + r * width;
-    const float* __restrict__ gr = G + j * width;
-    if (j + 1 < n) {  // the next row's start: the hardware prefetcher picks up from there
-      const int64_t nr = R[j + 1] * width;
-      for (int64_t c = 0; c < width && c < 256; c += 16) {
-        __builtin_prefetch(P + nr + c, 1);
-        __builtin_prefetch(M + nr + c, 1);
-        __builtin_prefetch(V + nr + c, 1);
-      }
-    }
-    if (owes(O[j], MV[j], MS[j], VS[j]))
-      catch_up_row(pr, mr, vr, width, (float)O[j], (float)MV[j], (float)MS[j], (float)VS[j],
-                   (float)E[j]);
-    #pragma omp simd
-    for (int64_t c = 0; c < width; ++c) {
-      const float gc = gr[c];
-      const float mc = fb1 * mr[c] + c1 * gc;
-      const float vc = fb2 * vr[c] + c2 * gc * gc;
-      mr[c] = mc;
-      vr[c] = vc;
-      pr[c] = pr[c] * fdecay - fstep * mc / (std::sqrt(vc) * fbc2 + feps);
-    }
+    // The next row's start: the hardware prefetcher picks up from there.
+    if (j + 1 < n) prefetch_row(P, M, V, R[j + 1] * width, width);
+    // No aliasing between a row's parameter, moments and gradient (__restrict__): without
+    // this promise the compiler keeps the loop scalar (2.5x slower on the development machine).
+    float* pr = P + r * width;
+    float* mr = M + r * width;
+    float* vr = V + r * width;
+    const float* gr = G + j * width;
+    if (LAST[r] < u)
+      row_pass<true, true>(pr, mr, vr, gr, width, owed_at(k, LAST[r], TOUCHED[r]), fb1, fb2,
+                           feps, fstep, fbc2, fdecay);
+    else
+      row_pass<false, true>(pr, mr, vr, gr, width, none, fb1, fb2, feps, fstep, fbc2, fdecay);
+    LAST[r] = TOUCHED[r] = u + 1;
   }
 }
 
-// The sparse optimizer's catch-up of rows[j], in place (a read of rows untouched for a while).
+// Rows[j] (unique) brought from their last iteration to u, in place (a read of rows untouched
+// for a while); last[r] = u. Rows current at u or later are left as they are.
 void catch_up_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
-                    torch::Tensor owed, torch::Tensor move, torch::Tensor m_scale,
-                    torch::Tensor v_scale, torch::Tensor e, int64_t threads) {
-  check_rows("catch_up_rows_", p, m, v, rows, {owed, move, m_scale, v_scale, e});
+                    torch::Tensor last, torch::Tensor touched, torch::Tensor d, torch::Tensor win,
+                    torch::Tensor gs, int64_t base, int64_t horizon, int64_t u, double b1,
+                    double b2, double eps, int64_t threads) {
+  check_rows("catch_up_rows_", p, m, v, rows, last, touched);
+  const Clock k = clock_of(d, win, gs, base, horizon, u, b1, b2, eps);
   const int64_t n = rows.numel(), width = p.size(1);
   float* P = p.data_ptr<float>();
   float* M = m.data_ptr<float>();
   float* V = v.data_ptr<float>();
   const int64_t* R = rows.data_ptr<int64_t>();
-  const double *O = owed.data_ptr<double>(), *MV = move.data_ptr<double>();
-  const double *MS = m_scale.data_ptr<double>(), *VS = v_scale.data_ptr<double>();
-  const double* E = e.data_ptr<double>();
+  int64_t* LAST = last.data_ptr<int64_t>();
+  const int64_t* TOUCHED = touched.data_ptr<int64_t>();
+  check_row_iterations("catch_up_rows_", R, n, p.size(0), LAST, TOUCHED, k,
+                       k.base + d.numel() - 1);
   #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
-    if (owes(O[j], MV[j], MS[j], VS[j]))
-      catch_up_row(P + r * width, M + r * width, V + r * width, width, (float)O[j],
-                   (float)MV[j], (float)MS[j], (float)VS[j], (float)E[j]);
+    if (LAST[r] >= u) continue;
+    row_pass<true, false>(P + r * width, M + r * width, V + r * width, nullptr, width,
+                          owed_at(k, LAST[r], TOUCHED[r]), 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
+    LAST[r] = u;
   }
 }
 
@@ -247,13 +314,15 @@ class _Kernels:
     def __init__(self, module):
         self.module = module
 
-    def sparse_adamw_(self, p, m, v, rows, g, owed, move, m_scale, v_scale, e, step,
-                      inv_bc2_sqrt, decay, b1, b2, eps) -> None:
-        self.module.sparse_adamw_(p, m, v, rows, g, owed, move, m_scale, v_scale, e, step,
-                                  inv_bc2_sqrt, decay, b1, b2, eps, threads())
+    def sparse_adamw_(self, p, m, v, rows, g, last, touched, clock, step, inv_bc2_sqrt,
+                      decay) -> None:
+        """``clock``: ``RowClock.kernel_state(u)`` (the rows step iteration ``u + 1``)."""
+        self.module.sparse_adamw_(p, m, v, rows, g, last, touched, *clock, step, inv_bc2_sqrt,
+                                  decay, threads())
 
-    def catch_up_rows_(self, p, m, v, rows, owed, move, m_scale, v_scale, e) -> None:
-        self.module.catch_up_rows_(p, m, v, rows, owed, move, m_scale, v_scale, e, threads())
+    def catch_up_rows_(self, p, m, v, rows, last, touched, clock) -> None:
+        """``clock``: ``RowClock.kernel_state(u)`` (the rows are brought to ``u``)."""
+        self.module.catch_up_rows_(p, m, v, rows, last, touched, *clock, threads())
 
     def gather_rows_(self, src, index, out) -> None:
         self.module.gather_rows_(src, index, out, threads())
@@ -270,7 +339,7 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             _MODULE = _Kernels(load_inline(
-                name="megatron_ext_row_adam_v6", cpp_sources=[_SOURCE],
+                name="megatron_ext_row_adam_v7", cpp_sources=[_SOURCE],
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain

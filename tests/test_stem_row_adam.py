@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.stem.row_adam import AdamHyper, RowAdamW, catch_up_rows, deepspeed_op
+from megatron_ext.stem.row_adam import (
+    AdamHyper,
+    RowAdamW,
+    RowClock,
+    catch_up_rows,
+    deepspeed_op,
+)
 
 ROWS, WIDTH = 12, 20
 # Touched rows per iteration: row 3 every time, row 7 at iterations 1 and 5 only, row 11 never.
@@ -213,11 +219,22 @@ def test_bad_input():
         RowAdamW([initial()], kernel="torch").step([grads_for(0)] * 2, hyper(1e-3))
 
 
+def _clock(steps: int, betas=(0.5, 0.9), seed: int = 0) -> RowClock:
+    """A sparse optimizer's clock after ``steps`` iterations of a warm-up-and-decay learning
+    rate (betas 0.5, 0.9: a catch-up horizon of 47 iterations)."""
+    clock = RowClock()
+    for t in range(1, steps + 1):
+        clock.advance(t, AdamHyper(1e-2 * min(1.0, t / 10) / (1 + t / 50), *betas, 1e-3, 0.1))
+    return clock
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_row_kernels_match_torch(dtype):
     """The compiled gather-with-cast equals the torch ops it replaces (bitwise: round-to-nearest-
-    even casts), and the compiled catch-up the torch formula (``row_adam.catch_up_rows``; a row
-    never stepped, ``v`` = 0, has no momentum to move it)."""
+    even casts), and the compiled catch-up the torch path (``RowClock.coefficients`` and
+    ``row_adam.catch_up_rows``) for rows current 0 to 120 iterations ago (within and past the
+    catch-up's horizon), one never stepped (``v`` = 0: no momentum to move it); rows already
+    current are left as they are, bit for bit, and every row's last iteration is moved to ``u``."""
     _, kernel = _row_kernel()
     g = torch.Generator().manual_seed(3)
     shard = torch.randn(40, 33, generator=g) * 100
@@ -228,17 +245,34 @@ def test_host_row_kernels_match_torch(dtype):
     rows = torch.unique(index)
     m, v = torch.randn(40, 33, generator=g), torch.rand(40, 33, generator=g)
     m[rows[0]], v[rows[0]] = 0.0, 0.0
-    factors = [torch.rand(rows.numel(), dtype=torch.float64, generator=g) + 0.5
-               for _ in range(5)]
+    u = 130
+    clock = _clock(u)
+    last = torch.randint(0, u + 1, (40,), generator=g)
+    last[rows[1]] = u  # current: nothing owed
+    touched = (last - torch.randint(0, 30, (40,), generator=g)).clamp(min=0)
+    assert ((u - last[rows]) > clock.horizon).any() and ((u - last[rows]) < clock.horizon).any()
+    late = rows[last[rows] < u]
+    factors = clock.coefficients(last[late], touched[late], u)
     want = [x.clone() for x in (shard, m, v)]
-    got = catch_up_rows(*(x[rows] for x in want),
+    got = catch_up_rows(*(x[late] for x in want),
                         *(f.to(torch.float32).unsqueeze(1) for f in factors))
     for x, y in zip(want, got):
-        x[rows] = y
-    kernel.catch_up_rows_(shard, m, v, rows, *factors)
+        x[late] = y
+    kernel_last = last.clone()
+    kernel.catch_up_rows_(shard, m, v, rows, kernel_last, touched, clock.kernel_state(u))
     for x, y in zip((shard, m, v), want):
         torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-5)
+        assert torch.equal(x[rows[1]], y[rows[1]])
     assert torch.isfinite(shard).all()
+    want_last = last.clone()
+    want_last[rows] = u
+    assert torch.equal(kernel_last, want_last)
+    # A row whose last iteration the clock does not know is refused before anything moves.
+    kernel_last[rows[2]] = u + 5
+    before = shard.clone()
+    with pytest.raises(RuntimeError, match="outside the shard, or its iterations outside"):
+        kernel.catch_up_rows_(shard, m, v, rows, kernel_last, touched, clock.kernel_state(u - 3))
+    assert torch.equal(shard, before)
 
 
 @pytest.mark.parametrize("kernel", kernels("sparse"))
@@ -277,15 +311,17 @@ def _row_kernel():
 
 
 def _adamw_inputs(rows: int, width: int, touched: int, seed: int = 0):
+    """Arguments of a compiled sparse step at iteration 41 of rows current 0 to 40 iterations
+    ago."""
     g = torch.Generator().manual_seed(seed)
     p, m = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
     v = torch.rand(rows, width, generator=g)
     index = torch.randperm(rows, generator=g)[:touched]
     grad = torch.randn(touched, width, generator=g)
-    factors = [torch.rand(touched, dtype=torch.float64, generator=g) * 0.1 + 0.9
-               for _ in range(5)]
-    return [p, m, v, index, grad, *factors, 1e-3 / 0.1, 1.0 / 0.05 ** 0.5, 1 - 1e-4, 0.9, 0.95,
-            1e-8]
+    last = torch.randint(0, 41, (rows,), generator=g)
+    touched_at = (last - torch.randint(0, 5, (rows,), generator=g)).clamp(min=0)
+    return [p, m, v, index, grad, last, touched_at, _clock(40, (0.9, 0.95)).kernel_state(40),
+            1e-3 / 0.1, 1.0 / 0.05 ** 0.5, 1 - 1e-4]
 
 
 def test_row_kernels_run_the_threads_asked_and_give_the_same_bits():

@@ -218,17 +218,13 @@ class RowAdamW(LazyView):
         rows = rows.cpu().to(torch.long)  # the per-row state (last steps) is on the host
         lazy = self.lazy
         if self.rowwise is not None:  # catch-up and step in one pass over each row
-            rows = rows.contiguous()
-            factors = lazy.clock.coefficients(lazy.last[i][rows], lazy.touched[i][rows],
-                                              plan.step - 1)
             bc1 = 1.0 - hyper.beta1 ** plan.step
             bc2 = 1.0 - hyper.beta2 ** plan.step
             self.rowwise.sparse_adamw_(
-                self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows,
-                rows_grad.to(torch.float32).contiguous(), *factors,
-                hyper.lr / bc1, 1.0 / math.sqrt(bc2), 1.0 - hyper.lr * hyper.weight_decay,
-                hyper.beta1, hyper.beta2, hyper.eps)
-            lazy.last[i][rows] = lazy.touched[i][rows] = plan.step
+                self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows.contiguous(),
+                rows_grad.to(torch.float32).contiguous(), lazy.last[i], lazy.touched[i],
+                lazy.clock.kernel_state(plan.step - 1), hyper.lr / bc1, 1.0 / math.sqrt(bc2),
+                1.0 - hyper.lr * hyper.weight_decay)
             return
         # Gather, catch up and step, scatter back: touched rows are few against the shard. One
         # gather and one scatter of the rows and moments, one copy of the factors to the shard's
@@ -344,13 +340,25 @@ class RowClock:
             self._windows[u] = window
         return window
 
+    def kernel_state(self, u: int) -> tuple:
+        """What the compiled row kernels (``megatron_ext_kernels/row_adam_cpu.py``) compute
+        ``coefficients`` from, for rows brought to ``u``: ``(D_j, F_u(s) for s in
+        [u - n + 1, u], G_s, base, H, u, b1, b2, eps)``, the series as float64 tensors."""
+        self._check_upto(u)
+        b1, b2 = self.betas
+        return (self._d.values, self._window(u), self._g.values, self.base, self.horizon, u,
+                b1, b2, self.eps)
+
+    def _check_upto(self, u: int) -> None:
+        if u < self.base or u > self.step:
+            raise RuntimeError(f"sparse STEM rows asked up to iteration {u}; the clock knows "
+                               f"{self.base}..{self.step}")
+
     def coefficients(self, last: torch.Tensor, touched: torch.Tensor, u: int):
         """For rows current at iterations ``last`` (int64, each at most ``u``) and last touched at
         ``touched``, brought to ``u``: ``(owed decay D_u/D_s, momentum move F_u(s), b1^(u-s),
         b2^(u-s), eps of their moments e = eps b2^((s-s0)/2))``, float64 tensors."""
-        if u < self.base or u > self.step:
-            raise RuntimeError(f"sparse STEM rows asked up to iteration {u}; the clock knows "
-                               f"{self.base}..{self.step}")
+        self._check_upto(u)
         s = last.to(torch.long)
         d = self._d.values
         owed = d[u - self.base] / d[s - self.base]
@@ -432,21 +440,22 @@ class LazyRows:
         # The last steps live on the host. A read may ask for a row more than once (rows two
         # ranks ask an owner for): each row is brought up to date once.
         rows = torch.unique(rows.cpu().to(torch.long))
+        p, m, v = self.shards[i], self.exp_avg[i], self.exp_avg_sq[i]
+        kernel = self._row_kernel(p)
+        if kernel is not None:  # skips the rows already current, moves their last steps
+            kernel.catch_up_rows_(p, m, v, rows, self.last[i], self.touched[i],
+                                  self.clock.kernel_state(upto))
+            return
         last = self.last[i][rows]
         late = last < upto
         if not bool(late.any()):
             return
         rows, last = rows[late], last[late]
         factors = self.clock.coefficients(last, self.touched[i][rows], upto)
-        p, m, v = self.shards[i], self.exp_avg[i], self.exp_avg_sq[i]
-        kernel = self._row_kernel(p)
-        if kernel is not None:
-            kernel.catch_up_rows_(p, m, v, rows.contiguous(), *factors)
-        else:
-            index = to_device(rows, p.device)
-            pr, mr, vr = catch_up_rows(p[index], m[index], v[index],
-                                       *factor_columns(factors, p.device))
-            p[index], m[index], v[index] = pr, mr, vr
+        index = to_device(rows, p.device)
+        pr, mr, vr = catch_up_rows(p[index], m[index], v[index],
+                                   *factor_columns(factors, p.device))
+        p[index], m[index], v[index] = pr, mr, vr
         self.last[i][rows] = upto
 
     def settle_all(self) -> None:
