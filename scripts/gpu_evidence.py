@@ -199,7 +199,7 @@ GPU_TEST_FILES = [
     "tests/test_kernel_stem_gate.py", "tests/test_kernel_structmoe.py",
     "tests/test_stem_lookup.py", "tests/test_stem_tables_prefetch.py", "tests/test_compat.py",
     "tests/test_te_backend.py", "tests/test_stem_mlp.py", "tests/test_structmoe_routed.py",
-    "tests/test_stem_row_adam.py",
+    "tests/test_stem_row_adam.py", "tests/test_stem_tiers.py",
 ]
 
 
