@@ -50,6 +50,16 @@ def initial():
     return torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(0))
 
 
+def adamw_step(ref, ref_opt, rows, g, lr):
+    """torch.optim.AdamW's step of the whole table ``ref``: the touched rows' gradients, zeros
+    elsewhere."""
+    dense = torch.zeros(ROWS, WIDTH)
+    dense[rows] = g
+    ref.grad = dense
+    ref_opt.param_groups[0]["lr"] = lr
+    ref_opt.step()
+
+
 @pytest.mark.parametrize("kernel", kernels("dense"))
 def test_dense_equals_torch_adamw(kernel):
     shard = initial()
@@ -59,11 +69,7 @@ def test_dense_equals_torch_adamw(kernel):
     for step, lr in enumerate(LRS):
         rows, g = grads_for(step)
         opt.step([(rows, g)], hyper(lr))
-        dense = torch.zeros(ROWS, WIDTH)
-        dense[rows] = g
-        ref.grad = dense
-        ref_opt.param_groups[0]["lr"] = lr
-        ref_opt.step()
+        adamw_step(ref, ref_opt, rows, g, lr)
         torch.testing.assert_close(shard, ref.detach(), rtol=1e-6, atol=1e-7)
     assert not torch.equal(shard[11], initial()[11])  # untouched rows move (momentum, decay)
 
@@ -148,11 +154,7 @@ def test_sparse_is_adamw_where_eps_is_negligible(kernel):
         for step, lr in enumerate(LRS):
             rows, g = grads_for(step)
             opt.step([(rows, g)], AdamHyper(lr, *BETAS, eps, WD))
-            dense = torch.zeros(ROWS, WIDTH)
-            dense[rows] = g
-            ref.grad = dense
-            ref_opt.param_groups[0]["lr"] = lr
-            ref_opt.step()
+            adamw_step(ref, ref_opt, rows, g, lr)
         opt.materialize()
         close = torch.allclose(shard, ref.detach(), rtol=1e-5, atol=1e-6)
         assert close == same, (eps, (shard - ref.detach()).abs().max())
