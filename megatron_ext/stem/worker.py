@@ -37,10 +37,15 @@ class HostWorker:
         self._background: collections.deque = collections.deque()  # (future, job, ready)
         self._pending: List[Future] = []  # futures not yet waited for
 
+    def _side_stream(self):
+        """The worker's CUDA side stream (made on first use), or None without CUDA."""
+        if torch.cuda.is_available() and self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.stream
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            if torch.cuda.is_available() and self.stream is None:
-                self.stream = torch.cuda.Stream()
+            self._side_stream()
             self._thread = threading.Thread(target=self._run, name="stem-worker", daemon=True)
             self._thread.start()
 
@@ -115,11 +120,12 @@ class HostWorker:
         """``tensors``, made on the current stream, are read by work submitted next, on the side
         stream: their memory is not reused before that work has run on the GPU (the caching
         allocator frees a block for its own stream only; ``Tensor.record_stream``)."""
-        if self.stream is None:
+        stream = self._side_stream()
+        if stream is None:
             return
         for x in tensors:
             if x.is_cuda:
-                x.record_stream(self.stream)
+                x.record_stream(stream)
 
     def wait(self) -> float:
         """Wait for every task and job submitted so far; re-raises the first error among them.
