@@ -214,8 +214,9 @@ class TieredRowAdamW(LazyView):
                 # there (their indices go along); sparse keeps its per-row last steps on the host
                 # and takes host indices.
                 local = local.to(torch.long)
-                opt.step_rows(i, to_device(local, tier.device) if self.mode == "dense" else local, grad,
-                              plan)
+                if self.mode == "dense":
+                    local = to_device(local, tier.device)
+                opt.step_rows(i, local, grad, plan)
 
     def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         if self.mode == "sparse":
