@@ -39,7 +39,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.stem.host_memory import host_zeros_like
 from megatron_ext.stem.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
 
@@ -152,8 +151,8 @@ class RowAdamW(LazyView):
             self.lazy = lazy if lazy is not None else LazyRows(self.shards)
             self.exp_avg, self.exp_avg_sq = self.lazy.bind_moments()
         else:
-            self.exp_avg = [host_zeros_like(s) for s in self.shards]
-            self.exp_avg_sq = [host_zeros_like(s) for s in self.shards]
+            self.exp_avg = [torch.zeros_like(s) for s in self.shards]
+            self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
 
     @property
@@ -198,7 +197,7 @@ class RowAdamW(LazyView):
         hyper = plan.hyper
         shard = self.shards[i]
         if self._dense_grads[i] is None:
-            self._dense_grads[i] = host_zeros_like(shard)
+            self._dense_grads[i] = torch.zeros_like(shard)
         grad = self._dense_grads[i]
         grad.zero_()
         grad.index_copy_(0, rows, rows_grad.to(torch.float32))
@@ -428,8 +427,8 @@ class LazyRows:
         """The Adam moments of the shards (zeros, allocated on first call), which the catch-up
         reads and the sparse optimizer steps."""
         if self.exp_avg is None:
-            self.exp_avg = [host_zeros_like(s) for s in self.shards]
-            self.exp_avg_sq = [host_zeros_like(s) for s in self.shards]
+            self.exp_avg = [torch.zeros_like(s) for s in self.shards]
+            self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
         return self.exp_avg, self.exp_avg_sq
 
     def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:

@@ -1,13 +1,12 @@
 """The rows of managed STEM tables that a rank holds (``--stem-table-placement cpu|gpu|tiered``,
 ``--stem-table-sharding``): one shard per STEM layer of a model chunk, and every read of them.
 
-A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory, in mappings
-advised for huge pages, ``stem/host_memory.py``; the model's device; or a ``TieredShard``'s two
-halves), in the local row order of the rank's ownership (``stem/ownership.py``,
-``stem/tiers.py``), and what its rows still owe under the sparse optimizer (``row_adam.LazyRows``:
-the optimizer binds the moments, moves the clock and steps rows in place; every read here first
-brings the rows it reads up to date). It knows nothing of other ranks: the exchange
-(``stem/exchange.py``) says which rows to read and moves them, the optimizer
+A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory, pinned when
+CUDA exists; the model's device; or a ``TieredShard``'s two halves), in the local row order of the
+rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and what its rows still owe under the
+sparse optimizer (``row_adam.LazyRows``: the optimizer binds the moments, moves the clock and steps
+rows in place; every read here first brings the rows it reads up to date). It knows nothing of other
+ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
 (``stem/table_optimizer.py``) writes them, and leaves here the part of a sparse step it has not
 run yet (``owed_step``): a read steps the rows it needs of it first, then settles them.
 Reads and writes of the shards are host work: they run on the process's worker thread
@@ -24,7 +23,6 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from megatron_ext.stem.host_memory import host_empty
 from megatron_ext.stem.row_adam import LazyRows
 from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
 from megatron_ext.stem.transfer import to_device
@@ -43,15 +41,16 @@ class TableStore:
         cuda = torch.cuda.is_available()
         self.shards: List = []
         for full in tables:
-            if placement == "tiered":
-                hot = full[owned_ids[:num_hot]].to(device=device, dtype=torch.float32)
-                shard = TieredShard(hot.contiguous(), host_rows(full, owned_ids[num_hot:]))
-            elif placement == "gpu":
-                shard = full[owned_ids].to(device=device if cuda else "cpu",
-                                           dtype=torch.float32).contiguous()
-            else:  # host rows go to the GPU through pinned staging: the shard needs no pinning
-                shard = host_rows(full, owned_ids)
+            shard = full[owned_ids].to(torch.float32).contiguous()
             del full
+            if placement == "tiered":
+                hot, cold = shard[:num_hot], shard[num_hot:]
+                shard = TieredShard(hot.to(device).contiguous(),
+                                    cold.pin_memory() if cuda else cold.contiguous())
+            elif placement == "gpu" and cuda:
+                shard = shard.to(device)
+            elif cuda:
+                shard = shard.pin_memory()  # host rows go to the GPU by DMA
             self.shards.append(shard)
         self.placement = placement
         self.lazy = TieredLazyRows(self.shards) if placement == "tiered" else \
@@ -107,16 +106,6 @@ class TableStore:
     def write(self, i: int, whole: torch.Tensor) -> None:
         """After ``whole = read(i)`` was written in place: a tiered shard takes it back."""
         write_back(self.shards[i], whole)
-
-
-def host_rows(full: torch.Tensor, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """``full[ids]`` as fp32 in huge-page-advised host memory (``stem/host_memory.py``), copied
-    in chunks of rows (no temporary as large as the shard)."""
-    out = host_empty((ids.numel(),) + tuple(full.shape[1:]))
-    for start in range(0, ids.numel(), chunk):
-        part = ids[start: start + chunk]
-        out[start: start + part.numel()].copy_(full[part.to(full.device)])
-    return out
 
 
 class PinnedStaging:
