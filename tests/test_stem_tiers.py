@@ -20,6 +20,8 @@ from megatron_ext.stem.tiers import (
     TieredShard,
     choose_hot_mask,
     data_prefixes,
+    split_grads,
+    take_rows,
 )
 
 
@@ -124,6 +126,41 @@ def test_tiered_optimizer_equals_one_plain_shard(mode):
     assert not torch.equal(tiered_shards[0].full(), init[0])  # it trained
 
 
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_tiered_step_in_parts_of_split_gradients(mode):
+    """The optimizer's path: gradients split by tier once (``split_grads``, what moves the host
+    tier's part to the host before the model's step), then stepped in parts of any positions
+    (``take_rows``: a read's rows first, the rest in chunks), gives the bits of one step with
+    the gradients as they came."""
+    g = torch.Generator().manual_seed(3)
+    rows_n, width, num_hot = 12, 4, 5
+    init = torch.randn(rows_n, width, generator=g)
+    whole_shard, parts_shard = _tiered(init, num_hot), _tiered(init, num_hot)
+    whole = TieredRowAdamW([whole_shard], mode=mode)
+    parts = TieredRowAdamW([parts_shard], mode=mode)
+    rows = torch.tensor([9, 2, 0, 11, 4, 6])  # hot and cold interleaved
+    for step in range(3):
+        hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        grad = torch.randn(rows.numel(), width, generator=g)
+        whole.step_rows(0, rows, grad, whole.begin_step(hyper))
+        plan = parts.begin_step(hyper)
+        ordered, split = split_grads(parts_shard, rows, grad)
+        assert ordered.tolist() == [2, 0, 4, 9, 11, 6] and split.num_hot == 3
+        assert torch.equal(split.cold, grad[[0, 3, 5]])
+        if mode == "dense":  # one pass over each tier
+            parts.step_rows(0, ordered, split, plan)
+        else:
+            for keep in (torch.tensor([4, 1]), torch.tensor([5, 0, 3]), torch.tensor([2])):
+                part_rows, part_grads = take_rows(ordered, split, keep)
+                assert torch.equal(part_grads.hot, split.hot[keep[keep < 3].sort().values])
+                parts.step_rows(0, part_rows, part_grads, plan)
+    whole.materialize()
+    parts.materialize()
+    assert torch.equal(parts_shard.full(), whole_shard.full())
+    assert torch.equal(parts.exp_avg_sq[0].full(), whole.exp_avg_sq[0].full())
+    assert not torch.equal(parts_shard.full(), init)
+
+
 @pytest.mark.parametrize("eps", [1e-8, 0.3])
 def test_tiered_sparse_matches_the_documented_semantics(eps):
     """The tiered sparse optimizer (the GPU tier's torch path, the host tier's production kernel)
@@ -173,33 +210,38 @@ def test_hot_rows_from_token_counts(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gpu_tier_step_queues_without_waiting_for_the_gpu(mode):
-    """On a GPU, the GPU tier's step (what the worker runs on its side stream while the next
-    micro-batch computes) and, sparse, a read's catch-up of its rows, queue their work without
-    one synchronisation (CUDA's sync debug mode "error" raises on any, implicit copies
-    included), behind kernels queued ahead; the rows, moments and last steps are those of the
-    same optimizer on the host. Dense: every owned row hot (the host tier's dense step copies
-    its gradients to the host)."""
+    """On a GPU, a tiered step given its gradients as the optimizer gives them (split by tier,
+    the host tier's part copied to pinned memory before the kernels queued ahead), and, sparse,
+    a read's catch-up of its rows, run without one synchronisation (CUDA's sync debug mode
+    "error" raises on any, implicit copies included): the GPU tier's work queues behind those
+    kernels, the host tier steps on the CPU meanwhile. The rows, moments and last steps are
+    those of the same optimizer on the host."""
     g = torch.Generator().manual_seed(4)
-    rows, width = 12, 6
-    num_hot = rows if mode == "dense" else 5
+    rows, width, num_hot = 12, 6, 5
     init = torch.randn(rows, width, generator=g)
     host = TieredRowAdamW([_tiered(init, num_hot)], mode=mode)
     gpu_shard = TieredShard(init[:num_hot].clone().cuda(), init[num_hot:].clone())
     gpu = TieredRowAdamW([gpu_shard], mode=mode)
     for opt in (host.hot, host.cold, gpu.cold):  # the torch kernel on both sides
         opt.rowwise, opt.op = None, None
-    touched = [torch.tensor([0, 2, 4]), torch.tensor([1, 4]), torch.tensor([0, 3])]
+    touched = [torch.tensor([0, 2, 4, 7]), torch.tensor([1, 9, 4]), torch.tensor([11, 0, 3])]
     busy = torch.randn(2048, 2048, device="cuda")
     for step, ids in enumerate(touched):
         hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
         grad = torch.randn(ids.numel(), width, generator=g)
         host.step_rows(0, ids, grad, host.begin_step(hyper))
         plan = gpu.begin_step(hyper)
-        grad_gpu = grad.cuda()
+        ordered, split = split_grads(gpu_shard, ids, grad.cuda())
+        staged = torch.empty(split.cold.shape, pin_memory=True)
+        staged.copy_(split.cold, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+        arrived.synchronize()  # what the worker waits for before the host tier's step
+        split.cold = staged
         if step == 0:  # warm-up: pinned blocks, kernels loaded
-            gpu.step_rows(0, ids, grad_gpu, plan)
-            gpu.catch_up(0, torch.tensor([1, 3]))
-            host.catch_up(0, torch.tensor([1, 3]))
+            gpu.step_rows(0, ordered, split, plan)
+            gpu.catch_up(0, torch.tensor([1, 3, 8]))
+            host.catch_up(0, torch.tensor([1, 3, 8]))
             torch.cuda.synchronize()
             continue
         for _ in range(10):  # kernels queued ahead, as the next micro-batch's would be
@@ -207,11 +249,11 @@ def test_gpu_tier_step_queues_without_waiting_for_the_gpu(mode):
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            gpu.step_rows(0, ids, grad_gpu, plan)
-            gpu.catch_up(0, torch.tensor([1, 3]))
+            gpu.step_rows(0, ordered, split, plan)
+            gpu.catch_up(0, torch.tensor([1, 3, 8]))
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-        host.catch_up(0, torch.tensor([1, 3]))
+        host.catch_up(0, torch.tensor([1, 3, 8]))
     host.materialize()
     gpu.materialize()
     torch.testing.assert_close(gpu_shard.full(), host.shards[0].full())

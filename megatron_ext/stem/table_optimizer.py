@@ -40,8 +40,7 @@ from megatron_ext.stem import checkpoint
 from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
-from megatron_ext.stem.tiers import TieredRowAdamW
-from megatron_ext.stem.transfer import to_device
+from megatron_ext.stem.tiers import TieredRowAdamW, grad_tensors, split_grads, take_rows
 from megatron_ext.stem.worker import WORKER
 from megatron_ext_kernels import row_adam_cpu
 
@@ -238,12 +237,21 @@ class StemTablesOptimizer(ChainedOptimizer):
                          weight_decay=float(group["weight_decay"]))
 
     def _grads_to_shards(self) -> Tuple[list, object]:
-        """The step's row gradients (per table) on their shards' device, and the event that
-        marks their arrival there (None: they are there). GPU gradients for host shards are
-        copied, all in one pass, into a reusable pinned buffer; the copies are queued before the
-        model's optimizer step so they are not stuck behind it."""
-        if self.tiered:  # each tier takes its rows' gradients where it steps them
-            return [[(rows.cpu(), g) for rows, g in per] for per in self._grads], None
+        """The step's row gradients (per table) on their shards' device (tiered: ``TierGrads``,
+        each tier's part on its device), and the event that marks their arrival there (None:
+        they are there). GPU gradients for host rows are copied, all in one pass, into a reusable
+        pinned buffer; the copies are queued before the model's optimizer step so they are not
+        stuck behind it, and the CPU steps the rows while the GPU runs that step."""
+        if self.tiered:
+            per_table = [[split_grads(s, rows, g) for s, (rows, g) in zip(t.store.shards, per)]
+                         for t, per in zip(self.tables, self._grads)]
+            cold = [tg for per in per_table for _, tg in per if tg.cold.is_cuda]
+            if not cold:  # no CUDA: every tier is on the host
+                return per_table, None
+            views, arrived = self._to_host([tg.cold for tg in cold])
+            for tg, view in zip(cold, views):
+                tg.cold = view
+            return per_table, arrived
         pairs = self._all_grads()
         moves = [(i, g) for i, ((_, g), s) in enumerate(zip(pairs, self.shards))
                  if g.device != s.device]
@@ -254,20 +262,28 @@ class StemTablesOptimizer(ChainedOptimizer):
             moves = []
         arrived = None
         if moves:
-            flat = self._staging.view(sum(g.numel() for _, g in moves), torch.float32)
-            offset = 0
-            for i, g in moves:
-                view = flat[offset: offset + g.numel()].view(g.shape)
-                view.copy_(g, non_blocking=True)
+            views, arrived = self._to_host([g for _, g in moves])
+            for (i, _), view in zip(moves, views):
                 out[i] = (out[i][0], view)
-                offset += g.numel()
-            self._staging.record()
-            arrived = self._staging.take_event()
         per_table, base = [], 0
         for t in self.tables:
             per_table.append(out[base: base + len(t.store.shards)])
             base += len(t.store.shards)
         return per_table, arrived
+
+    def _to_host(self, grads: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], object]:
+        """GPU ``grads`` copied as fp32 into views of the pinned staging buffer, queued on the
+        current stream without waiting; returns the views and the event that marks the copies'
+        end (the buffer is reused at the next step, after ``drain``)."""
+        flat = self._staging.view(sum(g.numel() for g in grads), torch.float32)
+        views, offset = [], 0
+        for g in grads:
+            view = flat[offset: offset + g.numel()].view(g.shape)
+            view.copy_(g, non_blocking=True)
+            views.append(view)
+            offset += g.numel()
+        self._staging.record()
+        return views, self._staging.take_event()
 
     def step_with_ready_grads(self) -> bool:
         if self._grads is None:
@@ -302,8 +318,7 @@ class StemTablesOptimizer(ChainedOptimizer):
                 arrived.synchronize()
             for i, (rows, grad) in enumerate(grads):
                 if positions is not None:
-                    keep = positions[i]
-                    rows, grad = rows[keep], grad.index_select(0, to_device(keep, grad.device))
+                    rows, grad = take_rows(rows, grad, positions[i])
                 if rows.numel() or self.mode != "sparse":
                     adam.step_rows(i, rows, grad, plan)
             return time.perf_counter() - start
@@ -315,7 +330,8 @@ class StemTablesOptimizer(ChainedOptimizer):
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_exposed"] += took
             return
-        WORKER.hand_over(g for _, g in grads)  # read on the worker's side stream
+        # Read on the worker's side stream.
+        WORKER.hand_over(x for _, g in grads for x in grad_tensors(g))
         if self.mode != "sparse":
             def whole():
                 took = step()

@@ -128,6 +128,53 @@ class TieredShard:
         return hot_pos, rows[hot_pos], cold_pos, rows[cold_pos] - self.num_hot
 
 
+class TierGrads:
+    """The gradients of a tiered shard's rows, split by tier (``split_grads``): the rows they go
+    with are local indices, hot first; ``hot`` holds the first ``num_hot`` rows' gradients (on the
+    GPU tier's device), ``cold`` the others'. The optimizer moves ``cold`` to the host before the
+    model's step (``table_optimizer``), so the host tier's step does not wait for the GPU."""
+
+    def __init__(self, hot: torch.Tensor, cold: torch.Tensor):
+        self.hot, self.cold = hot, cold
+
+    @property
+    def num_hot(self) -> int:
+        return self.hot.shape[0]
+
+    def tensors(self) -> tuple:
+        return self.hot, self.cold
+
+    def take(self, rows: torch.Tensor, keep: torch.Tensor) -> tuple:
+        """``(rows[keep], their TierGrads)``, in ascending position (hot first still; the order
+        the rows of one step take does not matter: each is stepped once)."""
+        keep = torch.sort(keep.cpu()).values
+        split = int(torch.searchsorted(keep, self.num_hot))
+        hot, cold = keep[:split], keep[split:] - self.num_hot
+        return rows[keep], TierGrads(self.hot.index_select(0, to_device(hot, self.hot.device)),
+                                     self.cold.index_select(0, to_device(cold, self.cold.device)))
+
+
+def split_grads(shard: "TieredShard", rows: torch.Tensor, grad: torch.Tensor) -> tuple:
+    """``(rows, TierGrads)``: local ``rows`` hot first, and ``grad``'s rows split alike (both
+    parts where ``grad`` is)."""
+    hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
+    rows = torch.cat([hot_rows, cold_rows + shard.num_hot])
+    return rows, TierGrads(grad.index_select(0, to_device(hot_pos, grad.device)),
+                           grad.index_select(0, to_device(cold_pos, grad.device)))
+
+
+def take_rows(rows: torch.Tensor, grad, keep: torch.Tensor) -> tuple:
+    """``rows[keep]`` and their gradients (a tensor, or a tiered shard's ``TierGrads``)."""
+    if isinstance(grad, TierGrads):
+        return grad.take(rows, keep)
+    return rows[keep], grad.index_select(0, to_device(keep, grad.device))
+
+
+def grad_tensors(grad) -> tuple:
+    """The tensors of a gradient (a tensor or ``TierGrads``)."""
+    return grad.tensors() if isinstance(grad, TierGrads) else (grad,)
+
+
 class TieredLazyRows(LazyRows):
     """``LazyRows`` of tiered shards: one clock, the last and touched steps of all owned rows
     (host, local order), viewed as those of each tier (``hot``, ``cold``: what each tier's optimizer uses); each
@@ -200,23 +247,24 @@ class TieredRowAdamW(LazyView):
         self.cold.step_count = plan.step
         return plan
 
-    def step_rows(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
-                  plan: StepPlan) -> None:
+    def step_rows(self, i: int, rows: torch.Tensor, rows_grad, plan: StepPlan) -> None:
         """Shard ``i``'s rows (local indices) step in the tier that holds them; dense: each tier
-        steps all its rows (the others with a zero gradient)."""
+        steps all its rows (the others with a zero gradient). ``rows_grad``: a tensor, or the
+        ``TierGrads`` of ``split_grads`` (the rows hot first)."""
         shard = self.shards[i]
-        hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
-        for opt, pos, local, tier in ((self.hot, hot_pos, hot_rows, shard.hot),
-                                      (self.cold, cold_pos, cold_rows, shard.cold)):
-            if tier.shape[0] and (pos.numel() or self.mode == "dense"):
-                grad = rows_grad.index_select(0, to_device(pos, rows_grad.device)).to(tier.device)
+        if not isinstance(rows_grad, TierGrads):
+            rows, rows_grad = split_grads(shard, rows, rows_grad)
+        rows, n = rows.cpu().to(torch.long), rows_grad.num_hot
+        for opt, local, grad, tier in ((self.hot, rows[:n], rows_grad.hot, shard.hot),
+                                       (self.cold, rows[n:] - shard.num_hot, rows_grad.cold,
+                                        shard.cold)):
+            if tier.shape[0] and (local.numel() or self.mode == "dense"):
                 # Dense zero-fills a tier-sized gradient on the tier's device and writes the rows
                 # there (their indices go along); sparse keeps its per-row last steps on the host
                 # and takes host indices.
-                local = local.to(torch.long)
                 if self.mode == "dense":
                     local = to_device(local, tier.device)
-                opt.step_rows(i, local, grad, plan)
+                opt.step_rows(i, local, grad.to(tier.device), plan)
 
     def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         if self.mode == "sparse":
