@@ -238,6 +238,35 @@ def test_worker_side_stream_work_is_seen_after_wait():
     assert float(reuse.sum()) == 5.0 * (1 << 20)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_task_after_an_event_skips_later_gpu_work():
+    """A task submitted ``after`` an event (``worker.mark``: the table step's gradients are made,
+    the model's optimizer step is queued next) runs its side-stream work while the current
+    stream's later work still runs; without ``after`` it waits for that work."""
+    from megatron_ext.stem.worker import HostWorker, mark
+
+    worker = HostWorker()
+    x = torch.zeros(1, device="cuda")
+    worker.submit(lambda: x.add_(0)).result()  # warm-up: the side stream exists
+    torch.cuda.synchronize()
+
+    def task():
+        x.add_(1)
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    made = mark()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time queued after the event
+    worker.submit(task, after=made).result().synchronize()
+    assert not torch.cuda.current_stream().query()  # done while the current stream sleeps
+    later = worker.submit(task).result()
+    assert not later.query()  # queued behind the sleep
+    worker.wait()
+    torch.cuda.synchronize()
+    assert later.query() and float(x) == 2.0
+
+
 def test_owed_step_steps_every_row_once_in_reads_and_chunks(monkeypatch):
     """Reads step the owed rows they need (and no other); the chunks the rest, in budget-sized
     pieces; every position once."""

@@ -41,7 +41,7 @@ from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
 from megatron_ext.stem.tiers import TieredRowAdamW, grad_tensors, split_grads, take_rows
-from megatron_ext.stem.worker import WORKER
+from megatron_ext.stem.worker import WORKER, mark
 from megatron_ext_kernels import row_adam_cpu
 
 
@@ -295,21 +295,25 @@ class StemTablesOptimizer(ChainedOptimizer):
                 for _, g in self._all_grads():
                     g.mul_(coeff)
         grads, arrived = self._grads_to_shards()
+        # Everything the table step and the next step's first read take from the GPU is made
+        # by now: on the worker's side stream they wait for this, not for the model's step.
+        made = mark()
         # The model's step is queued on the GPU and runs while the CPU steps the rows.
         success = super().step_with_ready_grads()
         hyper = self._hyper()
         self._step_count += 1
         for t, adam, table_grads in zip(self.tables, self.row_adams, grads):
-            self._step_table(t, adam, adam.begin_step(hyper), table_grads, arrived)
+            self._step_table(t, adam, adam.begin_step(hyper), table_grads, arrived, made)
         self._grads = None
         return success
 
-    def _step_table(self, t, adam, plan, grads, arrived) -> None:
+    def _step_table(self, t, adam, plan, grads, arrived, made=None) -> None:
         """Step one chunk's rows. Without a deferred read (no overlap), here and now. With one,
         on the worker. Dense steps every row in one pass, so its whole step precedes the read.
         Sparse leaves the step with the store (``OwedStep``) and runs it in the background in
         chunks; the deferred read, and every later read of this step, runs before the rest of it
-        and steps the rows it needs first."""
+        and steps the rows it needs first. ``made``: the event after which the GPU holds what
+        they read (``worker.mark``), so their GPU work and copies overlap the model's step."""
 
         def step(positions=None):
             """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
@@ -337,14 +341,14 @@ class StemTablesOptimizer(ChainedOptimizer):
                 took = step()
                 return took, took
 
-            self._step_tasks.append((t, WORKER.submit(whole)))
-            t.release(fetch)
+            self._step_tasks.append((t, WORKER.submit(whole, after=made)))
+            t.release(fetch, after=made)
             return
         owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
         # The worker is idle for this store: the step drained it.
         owed.store, t.store.owed_step = t.store, owed
-        t.release(fetch)
-        self._step_tasks.append((t, WORKER.submit_background(owed)))
+        t.release(fetch, after=made)
+        self._step_tasks.append((t, WORKER.submit_background(owed, after=made)))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):

@@ -159,8 +159,9 @@ class StemTables:
         self.stats["fetch_seconds"] += time.perf_counter() - start
         return fetch
 
-    def release(self, fetch: Fetch) -> None:
-        """Queue the owners' read of ``fetch``'s rows on the worker (after what is queued)."""
+    def release(self, fetch: Fetch, after=None) -> None:
+        """Queue the owners' read of ``fetch``'s rows on the worker (after what is queued; on a
+        GPU, its copies after ``after``, an event of the current stream, when given)."""
         if self.deferred is fetch:
             self.deferred = None
         route, store = fetch.route, self.store
@@ -176,7 +177,7 @@ class StemTables:
                 event.record(torch.cuda.current_stream())
             return served, event, time.perf_counter() - start
 
-        fetch.served = WORKER.submit(read)
+        fetch.served = WORKER.submit(read, after=after)
 
     def finish_fetch(self, fetch: Fetch) -> None:
         """Wait for the owners' read, send the rows to the ranks that asked (collective over the

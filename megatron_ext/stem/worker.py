@@ -55,28 +55,29 @@ class HostWorker:
         self._pending.append(future)
         return future
 
-    def submit(self, fn: Callable) -> Future:
+    def submit(self, fn: Callable, after=None) -> Future:
         """Queue ``fn()``, after every task queued before it and before the rest of any
         background job. On a GPU it runs on the side stream, after the work queued so far on the
-        current stream (which produced what it may read: the step's gradients)."""
+        current stream (which produced what it may read: the step's gradients), or only after
+        ``after``, an event of it recorded earlier, when what it reads was made by then."""
         future: Future = Future()
         with self._cond:
             self._start()
-            task = fn if self.stream is None else _on_stream(fn, self.stream)
+            task = fn if self.stream is None else _on_stream(fn, self.stream, after)
             self._tasks.append((future, task))
             self._cond.notify()
         return self._keep(future)
 
-    def submit_background(self, job) -> Future:
+    def submit_background(self, job, after=None) -> Future:
         """Queue ``job``: ``job.run_chunk()`` is called, when no task waits, until it returns
-        True; the future then holds ``job.result()``. Jobs run one after the other, in order."""
+        True; the future then holds ``job.result()``. Jobs run one after the other, in order.
+        On a GPU its chunks run on the side stream after ``after`` as ``submit``'s tasks do."""
         future: Future = Future()
         with self._cond:
             self._start()
             ready = None
             if self.stream is not None:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream())
+                ready = after if after is not None else mark()
             self._background.append((future, job, ready))
             self._cond.notify()
         return self._keep(future)
@@ -143,10 +144,20 @@ class HostWorker:
         return time.perf_counter() - start
 
 
-def _on_stream(fn: Callable, stream) -> Callable:
-    """``fn`` run on ``stream``, after the work queued so far on the current stream."""
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream())
+def mark():
+    """An event recorded on the current CUDA stream now (None without CUDA): what a later
+    ``submit(..., after=)`` needs to have run first."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+def _on_stream(fn: Callable, stream, after=None) -> Callable:
+    """``fn`` run on ``stream``, after ``after`` or the work queued so far on the current
+    stream."""
+    ready = after if after is not None else mark()
 
     def task():
         with torch.cuda.stream(stream):
