@@ -1,10 +1,13 @@
 """The dataset prefixes Megatron's data flags name (``--data-path`` with or without blend
-weights, ``--train-data-path`` ...): used by the start-up checks (``training/preflight.py``) and
-by the GPU tier's token counts (``stem/tiers.py``)."""
+weights, ``--train-data-path`` ...): used by the start-up checks (``training/preflight.py``), and
+the training blend, used by the GPU tier's token counts (``stem/tiers.py``)."""
 
 from __future__ import annotations
 
-from typing import List
+import json
+from typing import List, Optional, Sequence, Tuple
+
+from megatron.core.datasets.utils import get_blend_from_list
 
 
 def dataset_prefixes(paths) -> List[str]:
@@ -17,3 +20,26 @@ def dataset_prefixes(paths) -> List[str]:
             except ValueError:
                 out.append(part)
     return out
+
+
+def training_blend(args) -> Optional[Tuple[List[str], Optional[Sequence[float]]]]:
+    """``(prefixes, weights or None)`` of the data the model trains on, read from Megatron's flags
+    as ``megatron.training.utils.get_blend_and_blend_per_split`` reads them (``--data-path``,
+    ``--data-args-path``; else the train split of ``--train-data-path`` or
+    ``--per-split-data-args-path``), each list parsed by Megatron-Core's ``get_blend_from_list``;
+    None for mock data or when no flag names data. The families use Megatron-Core only, so the
+    two argument files are read here, as the trainer reads them."""
+    if getattr(args, "mock_data", False):
+        return None
+    if getattr(args, "data_args_path", None):
+        with open(args.data_args_path) as f:
+            return get_blend_from_list(f.read().split())
+    if getattr(args, "data_path", None):
+        return get_blend_from_list(args.data_path)
+    if getattr(args, "per_split_data_args_path", None):
+        with open(args.per_split_data_args_path) as f:
+            train = json.load(f)["train"]
+        return get_blend_from_list(train.split() if isinstance(train, str) else train)
+    if getattr(args, "train_data_path", None):
+        return get_blend_from_list(args.train_data_path)
+    return None

@@ -6,6 +6,7 @@ chosen from token counts or, with mock data, the lowest ids."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -19,7 +20,6 @@ from megatron_ext.stem.tiers import (
     TieredRowAdamW,
     TieredShard,
     choose_hot_mask,
-    data_prefixes,
     split_grads,
     take_rows,
 )
@@ -188,7 +188,17 @@ def test_tiered_sparse_matches_the_documented_semantics(eps):
     torch.testing.assert_close(opt.exp_avg_sq[0].full(), v_ref, rtol=1e-6, atol=1e-9)
 
 
+def _data_args(**flags):
+    """Megatron's data flags, unset but for ``flags``."""
+    names = ("data_path", "data_args_path", "train_data_path", "valid_data_path",
+             "test_data_path", "per_split_data_args_path")
+    return argparse.Namespace(mock_data=False, **{n: flags.get(n) for n in names})
+
+
 def test_hot_rows_from_token_counts(tmp_path):
+    """The tier is the most frequent ids of the training blend, however Megatron's flags name it
+    (``--data-path`` with weights, ``--data-args-path``, ``--train-data-path``); with mock data,
+    the lowest ids."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = str(tmp_path / "corpus")
@@ -197,14 +207,42 @@ def test_hot_rows_from_token_counts(tmp_path):
         builder.add_item(torch.tensor(doc))
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    args = argparse.Namespace(data_path=["1.0", prefix], train_data_path=None, mock_data=False)
-    assert data_prefixes(args) == [prefix]
-    mask, how = choose_hot_mask(args, 16, "2")
-    assert mask.nonzero().squeeze(1).tolist() == [3, 7]  # 4 x 7, 3 x 3
-    assert "the 2 most frequent ids of 1 indexed dataset(s), 77.8% of their tokens" in how
+    (tmp_path / "blend.txt").write_text(f"1.0 {prefix}\n")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": prefix, "valid": [prefix],
+                                                      "test": None}))
+    for args in (_data_args(data_path=["1.0", prefix]),
+                 _data_args(data_args_path=str(tmp_path / "blend.txt")),
+                 _data_args(train_data_path=[prefix], valid_data_path=[prefix]),
+                 _data_args(per_split_data_args_path=str(tmp_path / "splits.json"))):
+        mask, how = choose_hot_mask(args, 16, "2", count_tokens=0)
+        assert mask.nonzero().squeeze(1).tolist() == [3, 7], args  # 4 x 7, 3 x 3
+        assert "the 2 most frequent ids of 1 indexed dataset(s)" in how
+        assert "77.8% of the training tokens; 9 of 9 tokens counted (every token)" in how
     mock = argparse.Namespace(data_path=None, train_data_path=None, mock_data=True)
     mask, how = choose_hot_mask(mock, 16, "25%")
     assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3] and "mock data" in how
+
+
+def test_training_blend_is_megatrons(tmp_path):
+    """The blend the tier is counted on is the one Megatron's trainer builds its training data
+    from (``get_blend_and_blend_per_split``: the blend, else the train split)."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    from megatron_ext.data_paths import training_blend
+
+    (tmp_path / "blend.txt").write_text("30 /d/a\n70 /d/b\n")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": "0.5 /d/t 0.5 /d/u",
+                                                      "valid": ["/d/v"], "test": ["/d/w"]}))
+    cases = [_data_args(data_path=["/d/a"]), _data_args(data_path=["/d/a", "/d/b"]),
+             _data_args(data_path=["1", "/d/a", "3", "/d/b"]),
+             _data_args(data_args_path=str(tmp_path / "blend.txt")),
+             _data_args(train_data_path=["2", "/d/t", "1", "/d/u"], valid_data_path=["/d/v"]),
+             _data_args(per_split_data_args_path=str(tmp_path / "splits.json"))]
+    for args in cases:
+        blend, per_split = get_blend_and_blend_per_split(args)
+        assert training_blend(args) == (blend if blend is not None else per_split[0]), args
+    assert training_blend(_data_args()) is None
+    assert training_blend(argparse.Namespace(mock_data=True, data_path=["/d/a"])) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,6 +9,9 @@ RATIOS = ("1/3", "1/2", "full")
 VARIANTS = ("up", "gate", "dagger")
 INITS = ("normal", "fan-in", "ones", "zeros")
 PLACEMENTS = ("gpu", "cpu", "tiered")  # tiered: stem/tiers.py
+# --stem-tier-count-tokens: 134M tokens, about 0.6 s of counting per rank on the development
+# machine (stem/hot_rows.py)
+DEFAULT_TIER_COUNT_TOKENS = 1 << 27
 SHARDINGS = ("replicated", "vocab")
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/row_adam.py
@@ -48,6 +51,8 @@ class StemConfig:
     prefetch: bool = True
     # tiered placement: rows of the GPU tier, "10%" / "0.1" (of the vocabulary) or a row count.
     gpu_tier: str = "10%"
+    # Tokens of the training data counted to choose the GPU tier (0: all; stem/hot_rows.py).
+    tier_count_tokens: int = DEFAULT_TIER_COUNT_TOKENS
     # The lookup-and-gate: ``triton`` the fused kernel (megatron_ext_kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the kernel on a CUDA device with Triton.
     kernel: str = "auto"
@@ -75,6 +80,9 @@ class StemConfig:
                                      ("--stem-kernel", self.kernel, KERNELS)):
             if value not in allowed:
                 raise ValueError(f"{flag}={value!r}: allowed values are {', '.join(allowed)}")
+        if self.tier_count_tokens < 0:
+            raise ValueError(f"--stem-tier-count-tokens={self.tier_count_tokens}: must be >= 0 "
+                             "(0 counts every token)")
         if self.placement == "tiered" and self.sharding != "vocab":
             raise ValueError("--stem-table-placement tiered: both tiers are sharded by "
                              "vocabulary over the data-parallel ranks; pass "

@@ -28,6 +28,7 @@ from megatron_ext.stem.checkpoint import (
     saved_tables,
 )
 from megatron_ext.stem.config import (
+    DEFAULT_TIER_COUNT_TOKENS,
     INITS,
     KERNELS,
     OPTIMIZERS,
@@ -74,6 +75,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="tiered placement: rows of the GPU tier as a count (50000), a fraction "
                            "(0.1) or a percentage (10%%) of the vocabulary; the most frequent ids "
                            "of the --data-path datasets, counted at start-up")
+    stem.add_argument("--stem-tier-count-tokens", type=int, default=DEFAULT_TIER_COUNT_TOKENS,
+                      metavar="N",
+                      help="tiered placement: tokens of the training data each rank counts at "
+                           "start-up to choose the GPU tier, in windows spread evenly over each "
+                           "dataset and shared among the blend's datasets by their weight "
+                           "(default %(default)s; 0: every token, one pass over the corpus)")
     stem.add_argument("--stem-table-sharding", choices=SHARDINGS, default="replicated",
                       help="replicated: every data-parallel rank holds all rows; vocab: each "
                            "data-parallel rank owns a share of the rows (--stem-row-ownership)")
@@ -106,7 +113,8 @@ def config_from_args(args) -> StemConfig:
                       init=args.stem_init, placement=args.stem_table_placement,
                       sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
                       optimizer=args.stem_optimizer, prefetch=args.stem_prefetch,
-                      kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier)
+                      kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier,
+                      tier_count_tokens=args.stem_tier_count_tokens)
 
 
 def stem_config(args) -> Optional[StemConfig]:
@@ -189,7 +197,8 @@ def model_state(model, args, config, stem: StemConfig) -> None:
     layers = chunk_stem_layers(model)
     hot = None
     if stem.placement == "tiered" and layers:
-        hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier)
+        hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier,
+                                   stem.tier_count_tokens)
         print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
                      f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
     model.stem_tables = StemTables(

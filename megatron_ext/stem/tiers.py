@@ -20,12 +20,14 @@ and a run resumes across ordinary, gpu, cpu and tiered placement.
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Sequence
 
 import torch
 
-from megatron_ext.data_paths import dataset_prefixes
+from megatron_ext.data_paths import training_blend
 from megatron_ext.stem import hot_rows
+from megatron_ext.stem.config import DEFAULT_TIER_COUNT_TOKENS
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import (
     AdamHyper,
@@ -290,32 +292,34 @@ def full_tensor(x):
 # ---------------------------------------------------------------------------------------------
 # choosing the GPU tier
 
-_COUNTS = {}  # (prefixes, vocab) -> token counts: counted once per process
+# (blend, vocab, budget) -> (hot_rows.Frequencies, seconds): counted once per process
+_FREQUENCIES = {}
 
 
-def data_prefixes(args) -> List[str]:
-    """The indexed-dataset prefixes of the training data (``--data-path`` with or without weights,
-    ``--train-data-path``); empty for mock data."""
-    return dataset_prefixes(getattr(args, "train_data_path", None)
-                            or getattr(args, "data_path", None))
-
-
-def choose_hot_mask(args, vocab: int, tier_spec: str) -> tuple:
-    """``(boolean [vocab] mask of the GPU tier, how it was chosen)``."""
+def choose_hot_mask(args, vocab: int, tier_spec: str,
+                    count_tokens: int = DEFAULT_TIER_COUNT_TOKENS) -> tuple:
+    """``(boolean [vocab] mask of the GPU tier, how it was chosen)``: the most frequent ids of
+    the training blend, from a count of at most ``count_tokens`` of its tokens (0: all)."""
     rows = hot_rows.parse_tier_size(tier_spec, vocab)
-    prefixes = data_prefixes(args)
-    if prefixes and not getattr(args, "mock_data", False):
-        key = (tuple(prefixes), vocab)
-        if key not in _COUNTS:
-            _COUNTS[key] = hot_rows.token_counts(prefixes, vocab)
-        counts = _COUNTS[key]
-        mask = hot_rows.hot_mask(counts, rows, vocab)
-        total = int(counts.sum())
-        share = float(counts[mask[: counts.numel()]].sum()) / total if total else 0.0
-        how = (f"the {rows} most frequent ids of {len(prefixes)} indexed dataset(s), "
-               f"{100 * share:.1f}% of their tokens")
-    else:
+    blend = training_blend(args)
+    if blend is None:
         mask = torch.zeros(vocab, dtype=torch.bool)
         mask[:rows] = True
-        how = f"ids 0..{rows - 1} (mock data has no token counts)"
+        return mask, f"ids 0..{rows - 1} (no token counts: mock data, or no data flag)"
+    prefixes, weights = blend
+    key = (tuple(prefixes), None if weights is None else tuple(weights), vocab, count_tokens)
+    if key not in _FREQUENCIES:
+        start = time.perf_counter()
+        freq = hot_rows.training_frequencies(prefixes, weights, vocab, count_tokens)
+        _FREQUENCIES[key] = freq, time.perf_counter() - start
+    freq, seconds = _FREQUENCIES[key]
+    mask = hot_rows.hot_mask(freq.share, rows, vocab)
+    share = float(freq.share[mask].sum())
+    sample = ("every token" if freq.counted == freq.total else
+              f"windows of {hot_rows.COUNT_WINDOW:,} tokens spread over each dataset, "
+              f"--stem-tier-count-tokens {count_tokens:,}")
+    how = (f"the {rows} most frequent ids of {len(prefixes)} indexed dataset(s)"
+           f"{' (blend weights applied)' if freq.weighted else ''}, {100 * share:.1f}% of "
+           f"the training tokens; {freq.counted:,} of {freq.total:,} tokens counted "
+           f"({sample}) in {seconds:.1f} s")
     return mask, how
