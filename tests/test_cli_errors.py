@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -228,6 +229,42 @@ def test_missing_dataset_is_named_before_anything_is_built(tmp_path):
     assert (f"megatron-ext: --data-path: no indexed dataset at {tmp_path / 'missing'} "
             f"({tmp_path / 'missing'}.bin does not exist") in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_datasets_named_in_argument_files_are_checked(tmp_path):
+    """--data-args-path and --per-split-data-args-path name their datasets in files: a missing
+    file, a missing dataset in one and a file that is not JSON are each named in one line."""
+    from argparse import Namespace
+
+    from megatron_ext.training.preflight import check_data_paths
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.bin").write_bytes(b"")
+        (tmp_path / f"{name}.idx").write_bytes(b"")
+    a, b, missing = (str(tmp_path / n) for n in ("a", "b", "missing"))
+    (tmp_path / "blend.txt").write_text(f"0.3 {a}\n0.7 {b}\n")
+    (tmp_path / "bad_blend.txt").write_text(f"0.3 {a} 0.7 {missing}")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": f"1 {a}", "valid": [b],
+                                                      "test": None}))
+    (tmp_path / "bad_splits.json").write_text(json.dumps({"train": [a], "valid": [missing]}))
+    (tmp_path / "not.json").write_text("train: a")
+
+    def args(**flags):
+        return Namespace(mock_data=False, **flags)
+
+    check_data_paths(args(data_args_path=str(tmp_path / "blend.txt")))
+    check_data_paths(args(per_split_data_args_path=str(tmp_path / "splits.json")))
+    for flags, message in (
+            (dict(data_args_path=str(tmp_path / "bad_blend.txt")),
+             f"--data-args-path: no indexed dataset at {missing} ({missing}.bin does not exist"),
+            (dict(per_split_data_args_path=str(tmp_path / "bad_splits.json")),
+             f"--per-split-data-args-path: no indexed dataset at {missing}"),
+            (dict(data_args_path=str(tmp_path / "nowhere.txt")),
+             f"--data-args-path: {tmp_path / 'nowhere.txt'} does not exist"),
+            (dict(per_split_data_args_path=str(tmp_path / "not.json")),
+             "--per-split-data-args-path: " + str(tmp_path / "not.json") + " is not JSON")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_data_paths(args(**flags))
 
 
 def test_unwritable_save_dir_is_refused_at_start(tmp_path):

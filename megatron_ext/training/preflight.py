@@ -3,13 +3,16 @@ as tracebacks: the indexed datasets named by the data flags, and the checkpoint 
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Optional
+from typing import List, Optional
 
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.data_paths import dataset_prefixes
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+# Files that hold the data flags' lists: a blend, or a JSON of the train/valid/test blends.
+DATA_FILE_FLAGS = ("data_args_path", "per_split_data_args_path")
 
 
 # Flags a training cannot start without, which Megatron reports as a traceback: its validation
@@ -34,18 +37,41 @@ def check_required_flags(args) -> None:
         raise ValueError("missing " + "; ".join(missing))
 
 
+def _file_prefixes(flag: str, path: str) -> List[str]:
+    """The dataset prefixes of a ``--data-args-path`` file (a blend list) or of a
+    ``--per-split-data-args-path`` JSON (``train``/``valid``/``test`` lists or strings)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--{flag.replace('_', '-')}: {path} does not exist")
+    with open(path) as f:
+        if flag == "data_args_path":
+            return dataset_prefixes(f.read().split())
+        try:
+            splits = json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"--{flag.replace('_', '-')}: {path} is not JSON ({exc})") from None
+    out = []
+    for split in ("train", "valid", "test"):
+        entry = splits.get(split) if isinstance(splits, dict) else None
+        out += dataset_prefixes(entry.split() if isinstance(entry, str) else entry)
+    return out
+
+
 def check_data_paths(args) -> None:
-    """Every prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` has its ``.bin`` and
-    ``.idx`` (Megatron's indexed dataset); else one line naming the flag and the missing file."""
+    """Every prefix of ``--data-path`` / ``--{train,valid,test}-data-path``, and of the files
+    ``--data-args-path`` / ``--per-split-data-args-path`` name, has its ``.bin`` and ``.idx``
+    (Megatron's indexed dataset); else one line naming the flag and the missing file."""
     if getattr(args, "mock_data", False):
         return
-    for flag in DATA_FLAGS:
-        for prefix in dataset_prefixes(getattr(args, flag, None)):
-            for suffix in (".bin", ".idx"):
-                if not os.path.isfile(prefix + suffix):
-                    raise ValueError(
-                        f"--{flag.replace('_', '-')}: no indexed dataset at {prefix} ({prefix}"
-                        f"{suffix} does not exist; a prefix names the files without .bin/.idx)")
+    named = [(flag, prefix) for flag in DATA_FLAGS
+             for prefix in dataset_prefixes(getattr(args, flag, None))]
+    named += [(flag, prefix) for flag in DATA_FILE_FLAGS if getattr(args, flag, None)
+              for prefix in _file_prefixes(flag, getattr(args, flag))]
+    for flag, prefix in named:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')}: no indexed dataset at {prefix} ({prefix}"
+                    f"{suffix} does not exist; a prefix names the files without .bin/.idx)")
 
 
 def check_save_dir(save: Optional[str], rank: int = 0) -> None:
