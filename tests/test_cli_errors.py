@@ -60,6 +60,8 @@ def parse(extra):
      "both tiers are sharded by vocabulary .* pass --stem-table-sharding vocab"),
     (["--model-family", "stem", "--stem-table-placement", "tiered", "--stem-table-sharding",
       "vocab", "--stem-gpu-tier", "ten"], "--stem-gpu-tier: GPU tier size 'ten'"),
+    (["--model-family", "stem", "--stem-table-placement", "tiered", "--stem-table-sharding",
+      "vocab", "--stem-tier-count-tokens", "-1"], "--stem-tier-count-tokens=-1: must be >= 0"),
 ])
 def test_bad_extension_flags(extra, match):
     from megatron_ext.training.arguments import validate_extension_args
