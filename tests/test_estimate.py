@@ -155,6 +155,17 @@ def test_memory_rules():
     assert moved.host_bytes["stem_adam_moments"] == 8 * 2 * rows * 192
     assert moved.host_bytes["stem_table_gradients"] == 4 * 2 * rows * 192
     assert "stem_tables" not in kept.host_bytes
+    # Tiered: the rank's share of the GPU tier on the GPU (10% of 512 = 51 rows: 13 per rank
+    # of 4 interleaved, all 51 on the busiest contiguous owner), its other rows on the host.
+    for ownership, hot in (("interleaved", 13), ("contiguous", 51)):
+        tiered = estimate(st, Layout(world_size=4, global_batch=8, stem_managed=True,
+                                     stem_placement="tiered", stem_sharding="vocab",
+                                     stem_optimizer="sparse", stem_ownership=ownership))
+        assert tiered.gpu_bytes["stem_tables"] == 4 * 2 * hot * 192, ownership
+        assert tiered.gpu_bytes["stem_adam_moments"] == 8 * 2 * hot * 192
+        assert tiered.host_bytes["stem_tables"] == 4 * 2 * (rows - hot) * 192
+        assert tiered.host_bytes["stem_adam_moments"] == 8 * 2 * (rows - hot) * 192
+        assert "stem_table_gradients" not in tiered.host_bytes  # sparse: no gradient buffer
     # pipeline: the first stage keeps min(pp, micro-batches) micro-batches
     pp = Layout(world_size=2, pp=2, global_batch=8)
     r0 = rank_estimate(s, pp, 0)["activation_bytes_one_microbatch"]
@@ -297,6 +308,21 @@ def test_dry_run_refusals():
     novocab = dry_run("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "64", "--max-position-embeddings", "64", check=False)
     assert novocab.returncode == 2 and "needs the vocabulary" in novocab.stderr
+
+
+def test_dry_run_tiered_tables(tmp_path):
+    """Tiered tables in the dry run: the rank's share of the 20% GPU tier (25,651 of 128,256
+    rows, over 8 interleaved owners) on the GPU, its other rows on the host."""
+    out = tmp_path / "est.json"
+    dry_run("--preset", "stem_1b", "--dry-run-world-size", "8", "--micro-batch-size", "1",
+            "--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+            "--stem-optimizer", "sparse", "--stem-gpu-tier", "20%", "--dry-run-json", str(out))
+    data = json.loads(out.read_text())
+    rows, hot = math.ceil(128256 / 8), math.ceil(25651 / 8)
+    assert data["gpu_bytes"]["stem_tables"] == 4 * hot * 8192 * 5
+    assert data["gpu_bytes"]["stem_adam_moments"] == 8 * hot * 8192 * 5
+    assert data["host_bytes"]["stem_tables"] == 4 * (rows - hot) * 8192 * 5
+    assert data["host_bytes"]["stem_adam_moments"] == 8 * (rows - hot) * 8192 * 5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -320,7 +320,8 @@ def hf_stem_tensors(plan, i: int, m: dict) -> None:
 class StemTerms(MLPTerms):
     """STEM in the estimate: ``up``/``gate`` layers lose one MLP matrix to a ``V x f`` table
     (``dagger`` keeps it), one table row is active per token, managed tables are held beside
-    the parameters (host or GPU), with two fetched-row buffers on the GPU."""
+    the parameters (host, GPU, or tiered: the GPU tier's rows on the GPU, the others on the
+    host), with two fetched-row buffers on the GPU."""
 
     def spec_fields(self, args, stem) -> dict:
         return dict(stem_layers=tuple(stem.stem_layers(mlp_block_count(args))),
@@ -328,7 +329,8 @@ class StemTerms(MLPTerms):
 
     def layout_fields(self, args, stem) -> dict:
         return dict(stem_managed=bool(stem.managed_tables), stem_placement=stem.placement,
-                    stem_sharding=stem.sharding, stem_optimizer=stem.optimizer)
+                    stem_sharding=stem.sharding, stem_optimizer=stem.optimizer,
+                    stem_ownership=stem.ownership, stem_gpu_tier=stem.gpu_tier)
 
     def _matrices(self, spec, layer: int) -> int:
         return spec.m - 1 if spec.is_stem(layer) and spec.stem_replaces_matrix() else spec.m
@@ -366,11 +368,25 @@ class StemTerms(MLPTerms):
         rows = math.ceil(spec.vocab / layout.dp) if layout.stem_sharding == "vocab" \
             else spec.vocab
         stem_here = [i for i in layers if spec.is_stem(i)]
-        elems = rows * (spec.ffn // layout.tp) * len(stem_here)
-        tables = {"stem_tables": 4 * elems, "stem_adam_moments": 8 * elems}
-        if layout.stem_optimizer == "dense":
-            tables["stem_table_gradients"] = 4 * elems
-        (host if layout.stem_placement == "cpu" else gpu).update(tables)
+        width = (spec.ffn // layout.tp) * len(stem_here)
+
+        def tables(n_rows: int) -> dict:
+            elems = n_rows * width
+            out = {"stem_tables": 4 * elems, "stem_adam_moments": 8 * elems}
+            if layout.stem_optimizer == "dense":
+                out["stem_table_gradients"] = 4 * elems
+            return out
+
+        if layout.stem_placement == "tiered":
+            # The busiest rank's GPU tier: the hot rows spread over the owners (interleaved
+            # ownership) or, contiguous, possibly all on one (frequent BPE ids are low ids).
+            hot = parse_tier_size(layout.stem_gpu_tier, spec.vocab)
+            mine = hot if layout.stem_ownership == "contiguous" else math.ceil(hot / layout.dp)
+            mine = min(mine, rows)
+            gpu.update(tables(mine))
+            host.update(tables(rows - mine))
+        else:
+            (host if layout.stem_placement == "cpu" else gpu).update(tables(rows))
         fetched = min(spec.vocab, s * b) * (spec.ffn // layout.tp) * len(stem_here)
         gpu["stem_fetched_rows"] = 2 * fetched * layout.act_bytes
 

@@ -13,11 +13,13 @@ Megatron's parsed arguments by :func:`estimate_from_args`.
   Megatron's ``--accumulate-allreduce-grads-in-fp32`` makes the default); Adam's state: fp32
   master weights (16-bit training only) and two fp32 moments, divided by the data-parallel size
   (the expert-data-parallel size for Sigma's experts) with ``--use-distributed-optimizer``;
-* STEM tables that ``--stem-table-placement cpu`` or ``--stem-table-sharding vocab`` manage are
+* STEM tables that ``--stem-table-placement cpu|tiered`` or ``--stem-table-sharding vocab`` manage are
   not parameters: each rank holds its owned rows (``ceil(V / dp)`` with vocab sharding) of every
   STEM layer, fp32, with two fp32 moments and, for ``--stem-optimizer dense``, an fp32 gradient
-  buffer: on the host with ``cpu`` placement, on the GPU otherwise; plus two buffers of fetched
-  rows on the GPU (at most ``min(V, s b)`` rows each);
+  buffer: on the host with ``cpu`` placement, on the GPU with ``gpu``; with ``tiered``, the
+  rank's GPU-tier rows on the GPU (``ceil(tier / dp)`` with interleaved ownership; with contiguous
+  ownership the whole tier, as the busiest rank may own every frequent id) and its other rows on
+  the host; plus two buffers of fetched rows on the GPU (at most ``min(V, s b)`` rows each);
 * activations of one micro-batch: per layer the tensors autograd keeps
   (:func:`layer_activation_bytes`), the causal mask, the token ids, and on the last stage the final
   norm and the fp32 logits of the loss (``4 s b V / t`` bytes); 1F1B pipelining keeps

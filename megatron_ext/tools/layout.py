@@ -54,6 +54,8 @@ class Layout:
     stem_placement: str = "gpu"
     stem_sharding: str = "replicated"
     stem_optimizer: str = "dense"
+    stem_ownership: str = "interleaved"
+    stem_gpu_tier: str = "10%"  # tiered placement: the GPU tier's rows (--stem-gpu-tier)
     name: str = ""
     check: InitVar[bool] = True
 
