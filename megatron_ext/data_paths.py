@@ -8,6 +8,7 @@ import json
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.msc_utils import maybe_msc
 
 
 def dataset_prefixes(paths) -> List[str]:
@@ -28,16 +29,17 @@ def training_blend(args) -> Optional[Tuple[List[str], Optional[Sequence[float]]]
     ``--data-args-path``; else the train split of ``--train-data-path`` or
     ``--per-split-data-args-path``), each list parsed by Megatron-Core's ``get_blend_from_list``;
     None for mock data or when no flag names data. The families use Megatron-Core only, so the
-    two argument files are read here, as the trainer reads them."""
+    two argument files are read here, as the trainer reads them (``maybe_msc``: local files, or
+    the multi-storage client's with ``--enable-msc``)."""
     if getattr(args, "mock_data", False):
         return None
     if getattr(args, "data_args_path", None):
-        with open(args.data_args_path) as f:
+        with maybe_msc.open(args.data_args_path, "r") as f:
             return get_blend_from_list(f.read().split())
     if getattr(args, "data_path", None):
         return get_blend_from_list(args.data_path)
     if getattr(args, "per_split_data_args_path", None):
-        with open(args.per_split_data_args_path) as f:
+        with maybe_msc.open(args.per_split_data_args_path, "r") as f:
             train = json.load(f)["train"]
         return get_blend_from_list(train.split() if isinstance(train, str) else train)
     if getattr(args, "train_data_path", None):

@@ -256,6 +256,9 @@ def test_datasets_named_in_argument_files_are_checked(tmp_path):
 
     check_data_paths(args(data_args_path=str(tmp_path / "blend.txt")))
     check_data_paths(args(per_split_data_args_path=str(tmp_path / "splits.json")))
+    # Object storage is Megatron's to reach (its cache): neither refused nor read here.
+    check_data_paths(args(data_path=["0.5", "s3://bucket/corpus", "0.5", a]))
+    check_data_paths(args(data_args_path="msc://profile/blend.txt"))
     for flags, message in (
             (dict(data_args_path=str(tmp_path / "bad_blend.txt")),
              f"--data-args-path: no indexed dataset at {missing} ({missing}.bin does not exist"),

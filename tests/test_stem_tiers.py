@@ -221,6 +221,10 @@ def test_hot_rows_from_token_counts(tmp_path):
     mock = argparse.Namespace(data_path=None, train_data_path=None, mock_data=True)
     mask, how = choose_hot_mask(mock, 16, "25%")
     assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3] and "mock data" in how
+    remote = _data_args(data_path=[prefix, "s3://bucket/corpus"])
+    mask, how = choose_hot_mask(remote, 16, "25%")
+    assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3]
+    assert "s3://bucket/corpus is in object storage" in how
 
 
 def test_training_blend_is_megatrons(tmp_path):

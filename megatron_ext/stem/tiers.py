@@ -24,6 +24,7 @@ import time
 from typing import List, Optional, Sequence
 
 import torch
+from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
 from megatron_ext.data_paths import training_blend
 from megatron_ext.stem import hot_rows
@@ -307,6 +308,12 @@ def choose_hot_mask(args, vocab: int, tier_spec: str,
         mask[:rows] = True
         return mask, f"ids 0..{rows - 1} (no token counts: mock data, or no data flag)"
     prefixes, weights = blend
+    remote = [p for p in prefixes if is_object_storage_path(p)]
+    if remote:  # read through Megatron's object-storage cache, not counted here
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[:rows] = True
+        return mask, (f"ids 0..{rows - 1} (no token counts: {remote[0]} is in object storage; "
+                      "the tier is chosen from local indexed datasets only)")
     key = (tuple(prefixes), None if weights is None else tuple(weights), vocab, count_tokens)
     if key not in _FREQUENCIES:
         start = time.perf_counter()

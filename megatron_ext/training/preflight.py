@@ -7,6 +7,8 @@ import json
 import os
 from typing import List, Optional
 
+from megatron.core.datasets.object_storage_utils import is_object_storage_path
+
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.data_paths import dataset_prefixes
 
@@ -59,14 +61,19 @@ def _file_prefixes(flag: str, path: str) -> List[str]:
 def check_data_paths(args) -> None:
     """Every prefix of ``--data-path`` / ``--{train,valid,test}-data-path``, and of the files
     ``--data-args-path`` / ``--per-split-data-args-path`` name, has its ``.bin`` and ``.idx``
-    (Megatron's indexed dataset); else one line naming the flag and the missing file."""
+    (Megatron's indexed dataset); else one line naming the flag and the missing file. Paths in
+    object storage (``s3://``, ``msc://``) are left to Megatron."""
     if getattr(args, "mock_data", False):
         return
     named = [(flag, prefix) for flag in DATA_FLAGS
              for prefix in dataset_prefixes(getattr(args, flag, None))]
+    # Object storage (s3://, msc://) is Megatron's to reach: only local files are checked.
     named += [(flag, prefix) for flag in DATA_FILE_FLAGS if getattr(args, flag, None)
+              and not is_object_storage_path(getattr(args, flag))
               for prefix in _file_prefixes(flag, getattr(args, flag))]
     for flag, prefix in named:
+        if is_object_storage_path(prefix):
+            continue
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(prefix + suffix):
                 raise ValueError(
