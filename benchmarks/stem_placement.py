@@ -18,9 +18,9 @@ consecutive ids).
 Variants (one process, NCCL on a GPU):
 
 * ``gpu`` -- ordinary STEM parameters, Megatron's DDP and Adam on the GPU (the baseline);
-* ``cpu`` -- tables in pinned host memory, rows prefetched to the GPU on a side stream, row
-  gradients back through pinned buffers, sparse AdamW on the CPU (``--stem-optimizer sparse``)
-  overlapping the next step;
+* ``cpu`` -- tables in host memory, rows prefetched to the GPU through a pinned buffer on a side
+  stream, row gradients back through pinned buffers, sparse AdamW on the CPU
+  (``--stem-optimizer sparse``) overlapping the next step;
 * ``cpu-no-prefetch`` -- the same, fetching synchronously and stepping the tables before the
   next step starts (what prefetch and the overlapped table step hide);
 * ``cpu-dense`` (name it in ``--variants``) -- every owned row steps each iteration on the CPU

@@ -2,8 +2,8 @@
 binds the same rows as a synchronous one, and the bound rows and index reproduce ``table[ids]``;
 the overlapped table step (the forward step's read-ahead of the next step's first micro-batch,
 whose read the optimizer releases after stepping the rows it needs) lets every micro-batch read
-rows with every earlier step applied. On a GPU the rows come from pinned host memory over a side
-stream (the path CI cannot run); on the CPU the thread path."""
+rows with every earlier step applied. On a GPU the rows come from host memory through a pinned
+buffer over a side stream (the path CI cannot run); on the CPU the thread path."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "sqrt(hidden))^2), the spread of W_up x at initialisation")
     stem.add_argument("--stem-table-placement", choices=PLACEMENTS, default="gpu",
                       help="gpu: tables are model parameters on the device; cpu: they live in "
-                           "(pinned) host memory, touched rows are copied to the device; tiered: "
+                           "host memory, touched rows are copied to the device; tiered: "
                            "the hottest rows (--stem-gpu-tier) on the device with their optimizer "
                            "state, the rest in host memory (needs --stem-table-sharding vocab)")
     stem.add_argument("--stem-gpu-tier", default="10%", metavar="SIZE",

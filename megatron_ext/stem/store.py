@@ -1,8 +1,8 @@
 """The rows of managed STEM tables that a rank holds (``--stem-table-placement cpu|gpu|tiered``,
 ``--stem-table-sharding``): one shard per STEM layer of a model chunk, and every read of them.
 
-A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory, pinned when
-CUDA exists; the model's device; or a ``TieredShard``'s two halves), in the local row order of the
+A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory; the
+model's device; or a ``TieredShard``'s two halves), in the local row order of the
 rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and what its rows still owe under the
 sparse optimizer (``row_adam.LazyRows``: the optimizer binds the moments, moves the clock and steps
 rows in place; every read here first brings the rows it reads up to date). It knows nothing of other
@@ -40,17 +40,19 @@ class TableStore:
                  num_hot: Optional[int] = None):
         cuda = torch.cuda.is_available()
         self.shards: List = []
+        # Host shards are ordinary (pageable) memory: only the CPU reads and writes them (the
+        # row gather, the CPU optimizer); rows and gradients cross to and from the GPU through
+        # the reusable pinned buffers (``PinnedStaging``). Pinning the shards themselves would
+        # lock up to twice their size: PyTorch's pinned allocator rounds each allocation up to
+        # a power of two (a 4.2 GB table shard: 8 GiB locked).
         for full in tables:
             shard = full[owned_ids].to(torch.float32).contiguous()
             del full
             if placement == "tiered":
                 hot, cold = shard[:num_hot], shard[num_hot:]
-                shard = TieredShard(hot.to(device).contiguous(),
-                                    cold.pin_memory() if cuda else cold.contiguous())
+                shard = TieredShard(hot.to(device).contiguous(), cold.contiguous())
             elif placement == "gpu" and cuda:
                 shard = shard.to(device)
-            elif cuda:
-                shard = shard.pin_memory()  # host rows go to the GPU by DMA
             self.shards.append(shard)
         self.placement = placement
         self.lazy = TieredLazyRows(self.shards) if placement == "tiered" else \

@@ -74,7 +74,7 @@ class TieredOwnership:
 
 class TieredShard:
     """One layer's owned rows (or a per-row state of them): ``hot`` ``[num_hot, ...]`` on the
-    model's device, ``cold`` ``[owned - num_hot, ...]`` in host memory (pinned when CUDA exists);
+    model's device, ``cold`` ``[owned - num_hot, ...]`` in host memory;
     local row ``r`` is ``hot[r]`` for ``r < num_hot``, else ``cold[r - num_hot]``."""
 
     def __init__(self, hot: torch.Tensor, cold: torch.Tensor):
