@@ -86,6 +86,18 @@ def test_store_counts_the_rows_it_keeps_in_host_memory(placement):
     assert torch.equal(store.read(1), tables[1][owned])
 
 
+def test_host_tier_keeps_only_its_rows_when_the_hot_rows_move():
+    """With the GPU tier on another device (here "meta"), the host tier holds its own rows only:
+    not a view that keeps the whole shard, hot rows included, alive in host memory."""
+    vocab, num_hot = 12, 5
+    owned = torch.tensor([11, 0, 7, 3, 5, 9, 2, 8])
+    store = TableStore(iter([torch.randn(vocab, 3)]), owned, "tiered", torch.device("meta"),
+                       num_hot)
+    cold = store.shards[0].cold
+    assert cold.shape == (3, 3) and cold.untyped_storage().nbytes() == 3 * 3 * 4
+    assert store.shards[0].hot.device.type == "meta"
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_tiered_optimizer_equals_one_plain_shard(mode):
     """Four iterations with row subsets that touch both tiers, one tier, and nothing: the

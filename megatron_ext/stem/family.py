@@ -79,7 +79,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       metavar="N",
                       help="tiered placement: tokens of the training data each rank counts at "
                            "start-up to choose the GPU tier, in windows spread evenly over each "
-                           "dataset and shared among the blend's datasets by their weight "
+                           "dataset and shared among the blend's datasets by their share "
                            "(default %(default)s; 0: every token, one pass over the corpus)")
     stem.add_argument("--stem-table-sharding", choices=SHARDINGS, default="replicated",
                       help="replicated: every data-parallel rank holds all rows; vocab: each "

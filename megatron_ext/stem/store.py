@@ -49,8 +49,10 @@ class TableStore:
             shard = full[owned_ids].to(torch.float32).contiguous()
             del full
             if placement == "tiered":
-                hot, cold = shard[:num_hot], shard[num_hot:]
-                shard = TieredShard(hot.to(device).contiguous(), cold.contiguous())
+                hot, cold = shard[:num_hot].to(device), shard[num_hot:]
+                if hot.device != shard.device:  # the hot rows left: keep the host tier's alone
+                    cold = cold.clone()
+                shard = TieredShard(hot.contiguous(), cold.contiguous())
             elif placement == "gpu" and cuda:
                 shard = shard.to(device)
             self.shards.append(shard)
