@@ -31,6 +31,9 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 TP2_SP = TP2 + ["--sequence-parallel"]
 STEM = ["--model-family", "stem", "--stem-ratio", "1/2"]  # STEM layers 1 and 3
 MANAGED = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
+# The main job's table mode (launch/main_job.py STEM_TABLES): the GPU tier on the model's device.
+TIERED = ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+          "--stem-optimizer", "sparse"]
 SMOE = ["--model-family", "structmoe", "--structmoe-num-experts", "4", "--structmoe-rank", "4",
         "--structmoe-topk", "2"]
 SIGMA = ["--model-family", "sigma", "--num-experts", "8", "--moe-ffn-hidden-size", "16",
@@ -47,7 +50,8 @@ CASES = {
                           "Qwen3ForCausalLM"),
     # Logits also with the training run's own managed-table flags (rows fetched per forward).
     "stem_up_managed": (STEM + GQA, MANAGED, {"tp2": TP2, "pp2": PP2, "managed_pp2": MANAGED + PP2,
-                                              "managed_dp2": MANAGED}, CUSTOM),
+                                              "managed_dp2": MANAGED, "tiered_dp2": TIERED},
+                        CUSTOM),
     "stem_dagger": (STEM + ["--stem-variant", "dagger"], TP2, {"pp2": PP2}, CUSTOM),
     "stem_gate": (STEM + ["--stem-variant", "gate"], PP2, {"tp2": TP2}, CUSTOM),
     "structmoe": (SMOE + GQA, TP2, {"tp2": TP2, "pp2": PP2}, CUSTOM),
