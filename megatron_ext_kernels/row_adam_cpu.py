@@ -33,6 +33,13 @@ nor ``OMP_NUM_THREADS`` (which torchrun sets to 1 when it starts several ranks p
 it. The calls release the GIL, so a row step or gather running in a background thread does not
 stop the training thread from launching work.
 
+Rows go to the team's threads 16 at a time as threads come free (``schedule(dynamic, 16)``), not
+in fixed shares: on a busy host (the training thread, NCCL's and the data loader's threads) a
+thread that loses its core for a while no longer holds up the whole call. Each row is stepped by
+one thread alone, so the results are the same bits either way. Measured on the development machine
+(2 threads, the sparse step of 3,379 Zipf rows of 5,632, median of 12): 10.61 vs 10.60 ms with
+static shares on idle cores; with one core kept busy by another process, 13.20 vs 17.85 ms.
+
 Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards);
 ``load()`` returns None when no compiler is available, and the caller falls back.
 """
@@ -178,7 +185,7 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
   const float fb1 = (float)b1, fb2 = (float)b2, feps = (float)eps, fstep = (float)step;
   const float fbc2 = (float)inv_bc2_sqrt, fdecay = (float)decay;
   const Owed none{1.0f, 0.0f, 1.0f, 1.0f, 0.0f};
-  #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
+  #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
     // The next row's start: the hardware prefetcher picks up from there.
@@ -213,7 +220,7 @@ void catch_up_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Te
   const int64_t* TOUCHED = touched.data_ptr<int64_t>();
   check_row_iterations("catch_up_rows_", R, n, p.size(0), LAST, TOUCHED, k,
                        k.base + d.numel() - 1);
-  #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
+  #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
     if (LAST[r] >= u) continue;
@@ -228,7 +235,7 @@ void catch_up_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Te
 template <typename T>
 static void gather_into(const float* S, const int64_t* I, T* O, int64_t n, int64_t width,
                         int64_t threads) {
-  #pragma omp parallel for num_threads((int)threads) schedule(static, 16)
+  #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
   for (int64_t j = 0; j < n; ++j) {
     const float* __restrict__ sr = S + I[j] * width;
     T* __restrict__ orow = O + j * width;
@@ -339,7 +346,7 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             _MODULE = _Kernels(load_inline(
-                name="megatron_ext_row_adam_v7", cpp_sources=[_SOURCE],
+                name="megatron_ext_row_adam_v8", cpp_sources=[_SOURCE],
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain
