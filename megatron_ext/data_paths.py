@@ -23,6 +23,24 @@ def dataset_prefixes(paths) -> List[str]:
     return out
 
 
+def data_args_list(path: str) -> List[str]:
+    """The blend list a ``--data-args-path`` file holds (whitespace-separated, as Megatron's
+    trainer reads it)."""
+    with maybe_msc.open(path, "r") as f:
+        return f.read().split()
+
+
+def per_split_lists(path: str):
+    """The JSON a ``--per-split-data-args-path`` file holds: split name -> its blend list, a
+    string split on whitespace as Megatron's trainer splits it (anything but an object is
+    returned as it is)."""
+    with maybe_msc.open(path, "r") as f:
+        splits = json.load(f)
+    if isinstance(splits, dict):
+        splits = {k: v.split() if isinstance(v, str) else v for k, v in splits.items()}
+    return splits
+
+
 def training_blend(args) -> Optional[Tuple[List[str], Optional[Sequence[float]]]]:
     """``(prefixes, weights or None)`` of the data the model trains on, read from Megatron's flags
     as ``megatron.training.utils.get_blend_and_blend_per_split`` reads them (``--data-path``,
@@ -34,14 +52,11 @@ def training_blend(args) -> Optional[Tuple[List[str], Optional[Sequence[float]]]
     if getattr(args, "mock_data", False):
         return None
     if getattr(args, "data_args_path", None):
-        with maybe_msc.open(args.data_args_path, "r") as f:
-            return get_blend_from_list(f.read().split())
+        return get_blend_from_list(data_args_list(args.data_args_path))
     if getattr(args, "data_path", None):
         return get_blend_from_list(args.data_path)
     if getattr(args, "per_split_data_args_path", None):
-        with maybe_msc.open(args.per_split_data_args_path, "r") as f:
-            train = json.load(f)["train"]
-        return get_blend_from_list(train.split() if isinstance(train, str) else train)
+        return get_blend_from_list(per_split_lists(args.per_split_data_args_path)["train"])
     if getattr(args, "train_data_path", None):
         return get_blend_from_list(args.train_data_path)
     return None

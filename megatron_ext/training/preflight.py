@@ -3,14 +3,13 @@ as tracebacks: the indexed datasets named by the data flags, and the checkpoint 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import List, Optional
 
 from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
 from megatron_ext.checkpoint_manifest import TRACKER
-from megatron_ext.data_paths import dataset_prefixes
+from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 # Files that hold the data flags' lists: a blend, or a JSON of the train/valid/test blends.
@@ -44,18 +43,16 @@ def _file_prefixes(flag: str, path: str) -> List[str]:
     ``--per-split-data-args-path`` JSON (``train``/``valid``/``test`` lists or strings)."""
     if not os.path.isfile(path):
         raise ValueError(f"--{flag.replace('_', '-')}: {path} does not exist")
-    with open(path) as f:
-        if flag == "data_args_path":
-            return dataset_prefixes(f.read().split())
-        try:
-            splits = json.load(f)
-        except ValueError as exc:
-            raise ValueError(f"--{flag.replace('_', '-')}: {path} is not JSON ({exc})") from None
-    out = []
-    for split in ("train", "valid", "test"):
-        entry = splits.get(split) if isinstance(splits, dict) else None
-        out += dataset_prefixes(entry.split() if isinstance(entry, str) else entry)
-    return out
+    if flag == "data_args_path":
+        return dataset_prefixes(data_args_list(path))
+    try:
+        splits = per_split_lists(path)
+    except ValueError as exc:
+        raise ValueError(f"--{flag.replace('_', '-')}: {path} is not JSON ({exc})") from None
+    if not isinstance(splits, dict):
+        return []
+    return [prefix for split in ("train", "valid", "test")
+            for prefix in dataset_prefixes(splits.get(split))]
 
 
 def check_data_paths(args) -> None:
