@@ -19,7 +19,6 @@ speed of a tiered table, never its numbers, so an estimate of the frequencies is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -42,10 +41,9 @@ class Counted:
     total: int
 
 
-def dataset_tokens(prefix: str) -> int:
-    """Tokens in the indexed dataset ``prefix`` (the ``.bin`` file's size over its id width)."""
-    dtype = np.dtype(IndexedDataset(prefix).index.dtype)
-    return os.path.getsize(prefix + ".bin") // dtype.itemsize
+def _ids(prefix: str) -> np.memmap:
+    """The token ids of the indexed dataset ``prefix`` (its ``.bin``, as a memory map)."""
+    return np.memmap(prefix + ".bin", dtype=IndexedDataset(prefix).index.dtype, mode="r")
 
 
 def count_windows(total: int, max_tokens: int) -> List[Tuple[int, int]]:
@@ -65,11 +63,11 @@ def count_windows(total: int, max_tokens: int) -> List[Tuple[int, int]]:
             for i in range(k)]
 
 
-def count_dataset(prefix: str, vocab: int, max_tokens: int = 0) -> Counted:
+def count_dataset(prefix: str, vocab: int, max_tokens: int = 0, data=None) -> Counted:
     """Occurrences of every id ``< vocab`` in the ``count_windows`` of the indexed dataset
-    ``prefix``. An id at or above ``vocab`` is refused: the data and the tables disagree."""
-    dtype = IndexedDataset(prefix).index.dtype
-    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    ``prefix`` (``data``: its ids, if the caller has them mapped already). An id at or above
+    ``vocab`` is refused: the data and the tables disagree."""
+    data = _ids(prefix) if data is None else data
     total = int(data.shape[0])
     counts = np.zeros(vocab, dtype=np.int64)
     counted = 0
@@ -81,7 +79,6 @@ def count_dataset(prefix: str, vocab: int, max_tokens: int = 0) -> Counted:
                                  f"{vocab}-row STEM tables")
             counts += np.bincount(chunk, minlength=vocab)[:vocab]
             counted += int(chunk.size)
-    del data
     return Counted(torch.from_numpy(counts), counted, total)
 
 
@@ -112,7 +109,8 @@ def training_frequencies(prefixes: Sequence[str], weights: Optional[Sequence[flo
     datasets of their share times each id's frequency in the dataset. ``max_tokens`` (0: every
     token) is divided among the datasets by their share, at least one window each; a dataset
     with no share is not read."""
-    totals = [dataset_tokens(p) for p in prefixes]
+    ids = [_ids(p) for p in prefixes]  # each dataset mapped once: its size, then its counts
+    totals = [int(d.shape[0]) for d in ids]
     if weights is not None:
         if len(weights) != len(prefixes) or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"blend weights {list(weights)} for {len(prefixes)} dataset(s): "
@@ -122,11 +120,11 @@ def training_frequencies(prefixes: Sequence[str], weights: Optional[Sequence[flo
         shares = [t / sum(totals) if sum(totals) else 0.0 for t in totals]
     share = torch.zeros(vocab, dtype=torch.float64)
     counted = 0
-    for prefix, part in zip(prefixes, shares):
+    for prefix, data, part in zip(prefixes, ids, shares):
         if part <= 0.0:
             continue
         budget = 0 if max_tokens == 0 else max(COUNT_WINDOW, round(max_tokens * part))
-        c = count_dataset(prefix, vocab, budget)
+        c = count_dataset(prefix, vocab, budget, data)
         if c.counted:
             share += part * c.counts.to(torch.float64) / c.counted
         counted += c.counted
