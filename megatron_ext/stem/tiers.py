@@ -302,18 +302,20 @@ def choose_hot_mask(args, vocab: int, tier_spec: str,
     """``(boolean [vocab] mask of the GPU tier, how it was chosen)``: the most frequent ids of
     the training blend, from a count of at most ``count_tokens`` of its tokens (0: all)."""
     rows = hot_rows.parse_tier_size(tier_spec, vocab)
-    blend = training_blend(args)
-    if blend is None:
+
+    def lowest_ids(why: str) -> tuple:
         mask = torch.zeros(vocab, dtype=torch.bool)
         mask[:rows] = True
-        return mask, f"ids 0..{rows - 1} (no token counts: mock data, or no data flag)"
+        return mask, f"ids 0..{rows - 1} (no token counts: {why})"
+
+    blend = training_blend(args)
+    if blend is None:
+        return lowest_ids("mock data, or no data flag")
     prefixes, weights = blend
     remote = [p for p in prefixes if is_object_storage_path(p)]
     if remote:  # read through Megatron's object-storage cache, not counted here
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[:rows] = True
-        return mask, (f"ids 0..{rows - 1} (no token counts: {remote[0]} is in object storage; "
-                      "the tier is chosen from local indexed datasets only)")
+        return lowest_ids(f"{remote[0]} is in object storage; the tier is chosen from local "
+                          "indexed datasets only")
     key = (tuple(prefixes), None if weights is None else tuple(weights), vocab, count_tokens)
     if key not in _FREQUENCIES:
         start = time.perf_counter()
