@@ -146,10 +146,10 @@ def describe(r: dict) -> str:
             f"fetch {1e3 * r['stem/optimizer-seconds-before-fetch']:.1f}; "
             f"{stepped_params_per_second(r) / 1e9:.2f} G row params/s), unique rows/step "
             f"{r['stem/unique-rows-fetched']:.0f}, rows to the layers "
-            f"{r['stem/fetch-bytes-to-device'] / 2**20:.0f} MiB/step (from host memory "
-            f"{r['stem/fetch-bytes-from-host'] / 2**20:.0f}), row gradients "
-            f"{r['stem/grad-bytes-sent'] / 2**20:.0f} MiB/step (stepped on the CPU "
-            f"{r['stem/grad-bytes-to-host'] / 2**20:.0f})")
+            f"{r['stem/fetch-bytes-to-device'] / 2**20:.1f} MiB/step (from host memory "
+            f"{r['stem/fetch-bytes-from-host'] / 2**20:.1f}), row gradients "
+            f"{r['stem/grad-bytes-sent'] / 2**20:.1f} MiB/step (stepped on the CPU "
+            f"{r['stem/grad-bytes-to-host'] / 2**20:.1f})")
 
 
 def main() -> None:

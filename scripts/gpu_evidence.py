@@ -8,7 +8,7 @@ against its goal), ``evidence.md`` (the same as a markdown table) and ``logs/<st
 second call with ``--steps`` adds its steps to what an earlier call left there, so a run split
 over several short GPU leases still ends in one report.
 
-    python scripts/gpu_evidence.py RESULTS [--steps a,b] [--skip a,b] [--budget-min 25]
+    python scripts/gpu_evidence.py RESULTS [--steps a,b] [--skip a,b] [--budget-min 9]
     python scripts/gpu_evidence.py RESULTS --print-only        # the plan, nothing run
     python scripts/gpu_evidence.py RESULTS --check-commands    # every command's flags parse
 """
@@ -178,7 +178,7 @@ def _rows_scaling(preset: str):
     return read
 
 
-def _rows_pytest(path: str) -> List[Row]:
+def _rows_pytest(path: str, step: str = "gpu_tests") -> List[Row]:
     import xml.etree.ElementTree as ET
 
     root = ET.parse(path).getroot()
@@ -187,7 +187,7 @@ def _rows_pytest(path: str) -> List[Row]:
              for k in ("tests", "failures", "errors", "skipped")}
     bad = total["failures"] + total["errors"]
     passed = total["tests"] - bad - total["skipped"]
-    return [Row("gpu_tests", "GPU tests failed or errored", bad, "tests", 0, "lower",
+    return [Row(step, "GPU tests failed or errored", bad, "tests", 0, "lower",
                 note=f"{passed} passed, {total['skipped']} skipped")]
 
 
@@ -203,12 +203,28 @@ GPU_TEST_FILES = [
 ]
 
 
+# The STEM tables' tests that run on a GPU only (streams, events, pinned copies): a minute,
+# where ``gpu_tests`` takes three, for a lease too short for every file.
+STEM_GPU_TESTS = [
+    "tests/test_stem_tables_prefetch.py::test_worker_side_stream_work_is_seen_after_wait",
+    "tests/test_stem_tables_prefetch.py::test_worker_task_after_an_event_skips_later_gpu_work",
+    "tests/test_stem_tables_prefetch.py::test_fetch_from_host_ids_does_not_wait_for_the_gpu",
+    "tests/test_stem_tiers.py::test_gpu_tier_step_queues_without_waiting_for_the_gpu",
+    "tests/test_stem_tiers.py::test_host_tier_gradients_leave_the_gpu_beside_the_current_stream",
+]
+
+
 def plan() -> List[Step]:
     steps = [
         Step("gpu_tests", "pytest: GPU-marked tests and single-process tests with a CUDA path",
              [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
               f"--junitxml={RES}/gpu_tests.xml", *GPU_TEST_FILES],
              360, "gpu_tests.xml", _rows_pytest, kind="pytest"),
+        Step("stem_gpu_tests", "pytest: the STEM tables' GPU-only tests (streams, pinned copies)",
+             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+              f"--junitxml={RES}/stem_gpu_tests.xml", *STEM_GPU_TESTS],
+             120, "stem_gpu_tests.xml", lambda path: _rows_pytest(path, "stem_gpu_tests"),
+             kind="pytest"),
         Step("stem_mlp", "STEM MLP (fused kernel, PyTorch path) vs dense SwiGLU, 1B shape, bf16",
              [PY, "benchmarks/stem_mlp.py", "--json", f"{RES}/stem_mlp.json"],
              240, "stem_mlp.json", _rows_stem_mlp),
@@ -449,7 +465,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", default=None,
                    help="comma list of steps to run, in this order (default: all, plan order)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out")
-    p.add_argument("--budget-min", type=float, default=25.0,
+    p.add_argument("--budget-min", type=float, default=9.0,
                    help="stop starting steps whose limit would end past this many minutes")
     p.add_argument("--print-only", action="store_true", help="print the plan, run nothing")
     p.add_argument("--check-commands", action="store_true",

@@ -3,7 +3,7 @@
 # with torch and Triton, and no network:
 #
 #   bash scripts/gpu_evidence.sh RESULTS_DIR [--wheels DIR] [--steps a,b] [--skip a,b]
-#                                [--budget-min 25] [--print-only] [--check-commands]
+#                                [--budget-min 9] [--print-only] [--check-commands]
 #
 # 1. installs the pinned packages the machine lacks from a folder of wheels (default: wheelhouse/,
 #    filled by scripts/gpu_wheels.sh on a machine with the package registry), without the network,

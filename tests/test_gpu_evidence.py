@@ -38,7 +38,7 @@ def test_print_only_names_every_benchmark(tmp_path):
     assert out.count(" s] ") == len(gpu_evidence.plan())
     assert not (tmp_path / "res").exists()
     # The runner stops starting steps at the 25-minute mark by default.
-    assert "budget 25 min" in out
+    assert "budget 9 min" in out
 
 
 def test_every_command_parses(tmp_path):

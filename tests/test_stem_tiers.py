@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.stem.store import TableStore, gather_rows
+from megatron_ext.stem.store import PinnedStaging, TableStore, gather_rows
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.tiers import (
@@ -23,6 +23,7 @@ from megatron_ext.stem.tiers import (
     split_grads,
     take_rows,
 )
+from megatron_ext.stem.transfer import stage_to_host
 
 
 @pytest.mark.parametrize("scheme", ["interleaved", "contiguous"])
@@ -315,3 +316,49 @@ def test_gpu_tier_step_queues_without_waiting_for_the_gpu(mode):
     torch.testing.assert_close(gpu.exp_avg_sq[0].full(), host.exp_avg_sq[0].full())
     if mode == "sparse":
         assert torch.equal(gpu.lazy.last[0], host.lazy.last[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_gradients_leave_the_gpu_beside_the_current_stream():
+    """The host tier's gradients go to pinned memory on a stream of their own
+    (``stage_to_host``), queued without a synchronisation: the copies wait for the kernels that
+    made the gradients (written late on the current stream), and the current stream's later work
+    (the model's optimizer step, the next micro-batch) does not wait for the copies (made to end
+    late by a busy copy stream; queued on the current stream they would end before its later
+    work)."""
+    grads = [torch.zeros(300, 64, device="cuda"), torch.zeros(7, 64, device="cuda")]
+    staging, copy = PinnedStaging(), torch.cuda.Stream()
+    staging.view(sum(g.numel() for g in grads), torch.float32)  # the pinned block, made once
+
+    def stage():
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return stage_to_host(grads, staging, copy)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    def check(views, first):
+        for value, (g, view) in enumerate(zip(grads, views), start=first):
+            assert view.device.type == "cpu" and view.is_pinned() and view.shape == g.shape
+            assert torch.equal(view, torch.full_like(view, float(value)))
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the gradients are final late on the current stream
+    for value, g in enumerate(grads, start=3):
+        g.fill_(float(value))
+    views, arrived = stage()
+    arrived.synchronize()
+    check(views, 3)  # zeros if the copies ran before the fills
+
+    for value, g in enumerate(grads, start=5):
+        g.fill_(float(value))
+    with torch.cuda.stream(copy):
+        torch.cuda._sleep(400_000_000)  # the copies end late
+    views, arrived = stage()
+    later = torch.cuda.Event()
+    later.record()  # the current stream's next work
+    later.synchronize()
+    assert not arrived.query(), "the current stream's later work waited for the copies"
+    arrived.synchronize()
+    check(views, 5)

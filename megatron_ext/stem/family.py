@@ -74,7 +74,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     stem.add_argument("--stem-gpu-tier", default="10%", metavar="SIZE",
                       help="tiered placement: rows of the GPU tier as a count (50000), a fraction "
                            "(0.1) or a percentage (10%%) of the vocabulary; the most frequent ids "
-                           "of the --data-path datasets, counted at start-up")
+                           "of the training blend (--data-path, --train-data-path, "
+                           "--data-args-path or --per-split-data-args-path), counted at "
+                           "start-up (--stem-tier-count-tokens)")
     stem.add_argument("--stem-tier-count-tokens", type=int, default=DEFAULT_TIER_COUNT_TOKENS,
                       metavar="N",
                       help="tiered placement: tokens of the training data each rank counts at "

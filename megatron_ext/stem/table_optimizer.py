@@ -41,6 +41,7 @@ from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
 from megatron_ext.stem.tiers import TieredRowAdamW, grad_tensors, split_grads, take_rows
+from megatron_ext.stem.transfer import stage_to_host
 from megatron_ext.stem.worker import WORKER, mark
 from megatron_ext_kernels import row_adam_cpu
 
@@ -136,6 +137,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self._total_norm: Optional[float] = None
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
         self._staging = PinnedStaging()
+        self._copy_stream = None  # the host tier's gradients leave the GPU on it (made on use)
         self._step_tasks = []  # (table, future of (seconds, seconds before its read)), not waited
         self._step_count = 0   # iterations stepped (every rank, with tables or not)
 
@@ -240,8 +242,9 @@ class StemTablesOptimizer(ChainedOptimizer):
         """The step's row gradients (per table) on their shards' device (tiered: ``TierGrads``,
         each tier's part on its device), and the event that marks their arrival there (None:
         they are there). GPU gradients for host rows are copied, all in one pass, into a reusable
-        pinned buffer; the copies are queued before the model's optimizer step so they are not
-        stuck behind it, and the CPU steps the rows while the GPU runs that step."""
+        pinned buffer, on a stream of their own after the gradients are final: they are neither
+        stuck behind the model's optimizer step nor hold it back, and the CPU steps the rows
+        while the GPU runs that step."""
         if self.tiered:
             per_table = [[split_grads(s, rows, g) for s, (rows, g) in zip(t.store.shards, per)]
                          for t, per in zip(self.tables, self._grads)]
@@ -272,18 +275,13 @@ class StemTablesOptimizer(ChainedOptimizer):
         return per_table, arrived
 
     def _to_host(self, grads: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], object]:
-        """GPU ``grads`` copied as fp32 into views of the pinned staging buffer, queued on the
-        current stream without waiting; returns the views and the event that marks the copies'
-        end (the buffer is reused at the next step, after ``drain``)."""
-        flat = self._staging.view(sum(g.numel() for g in grads), torch.float32)
-        views, offset = [], 0
-        for g in grads:
-            view = flat[offset: offset + g.numel()].view(g.shape)
-            view.copy_(g, non_blocking=True)
-            views.append(view)
-            offset += g.numel()
-        self._staging.record()
-        return views, self._staging.take_event()
+        """GPU ``grads`` copied as fp32 into views of the pinned staging buffer on the
+        optimizer's copy stream (``transfer.stage_to_host``), so that neither the host nor the
+        model's optimizer step queued next waits for them; returns the views and the event that
+        marks the copies' end (the buffer is reused at the next step, after ``drain``)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        return stage_to_host(grads, self._staging, self._copy_stream)
 
     def step_with_ready_grads(self) -> bool:
         if self._grads is None:

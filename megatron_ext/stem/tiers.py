@@ -12,7 +12,8 @@ others brought up to date when read) where it lives: the GPU tier with the torch
 the host tier with the CPU kernels. Without CUDA the GPU tier lives on the model's device, the CPU.
 
 The hot rows are the most frequent token ids of the training data (``stem/hot_rows.py``), counted
-at start-up from the indexed datasets of ``--data-path``/``--train-data-path``; with mock data,
+at start-up from a sample of the training blend's indexed datasets (``data_paths.training_blend``:
+whichever of Megatron's data flags names them; ``--stem-tier-count-tokens``); with mock data,
 which has no counts, the lowest ids (byte-level BPE vocabularies put frequent tokens there).
 Checkpoints hold the canonical ``[vocab, d_ff]`` table, so the tier may be re-chosen at resume
 and a run resumes across ordinary, gpu, cpu and tiered placement.
