@@ -29,6 +29,12 @@ Variants (one process, NCCL on a GPU):
   optimizer state, stepped there; the other rows as ``cpu`` (the issue's goal: at most 1.03x
   ``gpu``).
 
+``--profile VARIANTS`` traces two steps of each named variant with PyTorch's profiler (Megatron's
+``--profile --use-pytorch-profiler``; iterations ``skip - 3`` and ``skip - 2``, before the timed
+ones), copies the trace to ``OUT/trace_<shape>_<variant>.json.gz`` and prints its summary
+(``megatron_ext/tools/trace_summary.py``): how long the GPU's main stream sat idle per step and
+before which kernels, the copies on each stream, the host's blocking CUDA calls.
+
 Reported per variant: the median iteration time after ``--skip`` iterations and its ratio to
 ``gpu``, the fetch time the forward step waited for (exposed) and the background fetch time it did
 not wait for (hidden), the CPU optimizer time (all, exposed, and the part before the next
@@ -137,6 +143,28 @@ def stepped_params_per_second(r: dict) -> float:
     return r["stem/grad-bytes-received"] / 4 / seconds if seconds > 0 else float("nan")
 
 
+def profile_flags(skip: int) -> list:
+    """Megatron's PyTorch-profiler flags for iterations ``skip - 3`` and ``skip - 2``: before the
+    timed iterations, and the trace is written before them too (its export is slow)."""
+    return ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
+            "--profile-step-start", str(skip - 3), "--profile-step-end", str(skip - 1)]
+
+
+def keep_trace(run_dir: str, out: str, label: str) -> dict:
+    """The trace Megatron wrote for the run in ``run_dir`` (``torch_profile/rank-0.json.gz``
+    beside its tensorboard folder), copied to ``out/trace_<label>.json.gz``, and its summary."""
+    import shutil
+
+    from megatron_ext.tools.trace_summary import load_events, summarize
+
+    src = os.path.join(run_dir, "torch_profile", "rank-0.json.gz")
+    if not os.path.exists(src):
+        return {"path": None, "summary": {}, "error": f"no trace at {src}"}
+    dst = os.path.join(out, f"trace_{label}.json.gz")
+    shutil.copyfile(src, dst)
+    return {"path": dst, "bytes": os.path.getsize(dst), "summary": summarize(load_events(dst))}
+
+
 def describe(r: dict) -> str:
     return (f"fetch exposed {1e3 * r['stem/fetch-seconds-exposed']:.1f} ms/step, hidden "
             f"{1e3 * r['stem/fetch-seconds-hidden']:.1f} ms/step, gradient exchange "
@@ -167,6 +195,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_stem_placement"))
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated variants to trace two steps of (before the timed "
+                             "ones; needs --skip >= 4)")
     parser.add_argument("--extra", default="",
                         help="training flags added to the host-table variants, e.g. "
                              "'--stem-cpu-threads 8'")
@@ -178,6 +209,12 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown {unknown}; allowed {', '.join(VARIANTS)}")
     if args.iters <= args.skip:
         raise SystemExit(f"--iters={args.iters} must exceed --skip={args.skip}")
+    profiled = [n for n in args.profile.split(",") if n]
+    if [n for n in profiled if n not in names]:
+        raise SystemExit(f"--profile: {args.profile!r} names variants not in --variants")
+    if profiled and args.skip < 4:
+        raise SystemExit(f"--profile traces iterations skip - 3 and skip - 2: --skip={args.skip} "
+                         "must be at least 4")
 
     from megatron_ext.tools.metrics import read_tensorboard_scalars
 
@@ -189,10 +226,15 @@ def main() -> None:
     results = {}
     for name in names:
         tb = os.path.join(args.out, f"{args.shape}_{name}", "tb")
+        if name in profiled:  # no earlier run's trace taken for this one's
+            import shutil
+
+            shutil.rmtree(os.path.join(os.path.dirname(tb), "torch_profile"), ignore_errors=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=1", os.path.join(ROOT, "launch", "pretrain.py"),
                *flags(shape, args, prefix, tb), *VARIANTS[name],
-               *(args.extra.split() if name != "gpu" else [])]
+               *(args.extra.split() if name != "gpu" else []),
+               *(profile_flags(args.skip) if name in profiled else [])]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -231,6 +273,8 @@ def main() -> None:
                           if tag.endswith("-time") and tag != "iteration-time"}
         host = [line for line in log.splitlines() if "STEM tables on this rank" in line]
         r["host_memory"] = host[0].split("> ", 1)[-1] if host else ""
+        if name in profiled:
+            r["trace"] = keep_trace(os.path.dirname(tb), args.out, f"{args.shape}_{name}")
         results[name] = r
         print(f"  {name:16s} {r['iteration_ms']:9.1f} ms/iter  final loss {r['loss_last']:.4f}"
               f"  peak GPU {r['peak_gpu_gib']:.1f} GiB", flush=True)
@@ -240,6 +284,13 @@ def main() -> None:
             print("    " + describe(r), flush=True)
             if r["host_memory"]:
                 print("    " + r["host_memory"], flush=True)
+        if r.get("trace"):
+            from megatron_ext.tools.trace_summary import describe as describe_trace
+
+            trace = r["trace"]
+            print(f"    trace: {trace.get('error') or trace['path']}", flush=True)
+            for line in describe_trace(trace["summary"]):
+                print("      " + line, flush=True)
 
     if "gpu" not in results:
         raise SystemExit("the gpu baseline did not run: no ratios")

@@ -117,6 +117,11 @@ def _rows_placement(path: str) -> List[Row]:
     s = _load(path)
     rows = []
     for name, r in s.items():
+        idle = (r.get("trace") or {}).get("summary", {}).get("main_stream")
+        if idle:  # two profiled steps: the GPU waiting for the host
+            rows.append(Row("stem_placement", f"{name} tables, GPU main stream idle per step",
+                            idle["idle_ms_per_step"], "ms",
+                            note=f"trace {os.path.basename(r['trace']['path'])}"))
         if name == "gpu":
             rows.append(Row("stem_placement", "gpu tables, step", r["iteration_ms"], "ms"))
             continue
@@ -240,7 +245,7 @@ def plan() -> List[Step]:
              300, "sigma_step.json", _rows_sigma),
         Step("stem_placement", "STEM tables on the GPU vs host (and tiered) in training",
              [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
-              "--timeout", "180", "--variants", "gpu,tiered,cpu",
+              "--timeout", "180", "--variants", "gpu,tiered,cpu", "--profile", "gpu,tiered",
               "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
              540, "stem_placement.json", _rows_placement),
         # The GPU machine's host: the CPU AdamW (0.26 G row-params/s inside the tiered run of

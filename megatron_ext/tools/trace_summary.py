@@ -1,0 +1,163 @@
+"""What a PyTorch profiler trace of training steps says about the GPU waiting for the host.
+
+Megatron writes the trace with ``--profile --use-pytorch-profiler --profile-step-start A
+--profile-step-end B`` (``<tensorboard dir>/../torch_profile/rank-<r>.json.gz``, Chrome's trace
+format); ``benchmarks/stem_placement.py --profile VARIANTS`` does so for its variants. This module
+reduces such a trace to a few numbers, so that a short GPU lease brings back what the timeline
+shows even when the trace itself cannot travel:
+
+* the profiled steps (``ProfilerStep#N`` annotations) and their wall time;
+* per CUDA stream: busy time (the union of its kernels, copies and fills), kernel time, and copies
+  by direction (time and bytes);
+* the main stream (the one with the most kernel time): how long it sat idle between its first and
+  last event, per step, and its longest gaps with the kernel that ran after each (what the GPU was
+  waiting to run). With managed STEM tables an idle main stream is the GPU waiting for rows or for
+  the training thread;
+* the host's blocking CUDA calls (stream, event and device synchronisations, synchronous copies),
+  per thread: the training thread waiting for the GPU.
+
+    python -m megatron_ext.tools.trace_summary TRACE.json[.gz] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from typing import Dict, Iterable, List, Tuple
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# CUDA runtime calls that block the calling thread until the GPU has done something.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                  "cudaMemcpy", "cudaMemcpy2D")
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+
+
+def load_events(path: str) -> List[dict]:
+    """The ``traceEvents`` of a Chrome trace file (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def union_us(intervals: Iterable[Tuple[float, float]]) -> float:
+    """Total length of the union of ``[start, end)`` intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _copy_kind(name: str) -> str:
+    for kind in ("HtoD", "DtoH", "DtoD", "HtoH", "PtoP"):
+        if kind in name:
+            return kind
+    return "other"
+
+
+def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
+    """The numbers of the module docstring, times in milliseconds."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    steps = sorted(((int(m.group(1)), float(e["ts"]), float(e["dur"]))
+                    for e in complete if e.get("cat") in ("user_annotation", "cpu_op")
+                    for m in [_STEP.match(str(e.get("name", "")))] if m),
+                   key=lambda s: s[1])
+    gpu = [e for e in complete if e.get("cat") in GPU_CATEGORIES]
+    streams: Dict[str, dict] = {}
+    for e in gpu:
+        stream = str(e.get("args", {}).get("stream", e.get("tid")))
+        s = streams.setdefault(stream, {"intervals": [], "kernel_us": 0.0, "copies": {},
+                                        "events": []})
+        start, dur = float(e["ts"]), float(e["dur"])
+        s["intervals"].append((start, start + dur))
+        s["events"].append((start, start + dur, str(e.get("name", ""))))
+        if e["cat"] == "kernel":
+            s["kernel_us"] += dur
+        elif e["cat"] == "gpu_memcpy":
+            kind = _copy_kind(str(e.get("name", "")))
+            c = s["copies"].setdefault(kind, {"ms": 0.0, "bytes": 0})
+            c["ms"] += dur / 1e3
+            c["bytes"] += int(e.get("args", {}).get("bytes", 0) or 0)
+    out_streams = {}
+    for name, s in streams.items():
+        out_streams[name] = {"busy_ms": union_us(s["intervals"]) / 1e3,
+                             "kernel_ms": s["kernel_us"] / 1e3,
+                             "copies": s["copies"], "events": len(s["events"])}
+    summary: Dict[str, object] = {
+        "steps": [{"step": n, "ms": dur / 1e3} for n, _, dur in steps],
+        "streams": out_streams,
+    }
+    if streams:
+        main = max(streams, key=lambda k: streams[k]["kernel_us"])
+        events_main = sorted(streams[main]["events"])
+        span = events_main[-1][1] - events_main[0][0]
+        busy = union_us(streams[main]["intervals"])
+        gaps, reach = [], events_main[0][1]
+        for start, end, name in events_main[1:]:
+            if start > reach:
+                gaps.append((start - reach, name))
+            reach = max(reach, end)
+        gaps.sort(key=lambda g: -g[0])
+        n_steps = max(len(steps), 1)
+        summary["main_stream"] = {
+            "stream": main, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms": (span - busy) / 1e3, "idle_ms_per_step": (span - busy) / 1e3 / n_steps,
+            "longest_gaps": [{"ms": g / 1e3, "next": name[:120]} for g, name in gaps[:top_gaps]],
+        }
+    blocking: Dict[str, Dict[str, float]] = {}
+    for e in complete:
+        if e.get("cat") == "cuda_runtime" and e.get("name") in BLOCKING_CALLS:
+            per = blocking.setdefault(str(e.get("tid")), {})
+            per[e["name"]] = per.get(e["name"], 0.0) + float(e["dur"]) / 1e3
+    summary["host_blocking_ms"] = blocking
+    return summary
+
+
+def describe(summary: Dict[str, object]) -> List[str]:
+    """Lines for a log."""
+    lines = []
+    steps = summary.get("steps", [])
+    if steps:
+        lines.append("profiled steps: " + ", ".join(f"#{s['step']} {s['ms']:.1f} ms"
+                                                   for s in steps))
+    main = summary.get("main_stream")
+    if main:
+        lines.append(f"main stream {main['stream']}: busy {main['busy_ms']:.1f} of "
+                     f"{main['span_ms']:.1f} ms, idle {main['idle_ms_per_step']:.1f} ms per step"
+                     + "; longest gaps: " + "; ".join(f"{g['ms']:.2f} ms before {g['next']}"
+                                                     for g in main["longest_gaps"]))
+    for name, s in sorted(summary.get("streams", {}).items(), key=lambda kv: -kv[1]["busy_ms"]):
+        copies = ", ".join(f"{k} {c['ms']:.1f} ms {c['bytes'] / 2**20:.1f} MiB"
+                           for k, c in sorted(s["copies"].items()))
+        lines.append(f"stream {name}: busy {s['busy_ms']:.1f} ms, kernels {s['kernel_ms']:.1f} ms"
+                     + (f", copies: {copies}" if copies else ""))
+    for tid, calls in summary.get("host_blocking_ms", {}).items():
+        lines.append(f"host thread {tid} blocked in " + ", ".join(
+            f"{k} {v:.1f} ms" for k, v in sorted(calls.items())))
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    args = parser.parse_args(argv)
+    summary = summarize(load_events(args.trace))
+    print("\n".join(describe(summary)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
