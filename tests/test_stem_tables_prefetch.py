@@ -7,6 +7,8 @@ buffer over a side stream (the path CI cannot run); on the CPU the thread path."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -196,6 +198,10 @@ def test_worker_runs_tasks_before_the_rest_of_a_background_job():
     time.sleep(0.03)  # the first job is under way
     task = worker.submit(lambda: (log.append("task"), threading.current_thread().name)[1])
     assert task.result(timeout=5) == "stem-worker"
+    comm = "/proc/self/task/{}/comm"
+    if os.path.exists(comm.format(threading.get_native_id())):  # Linux: the OS knows it too
+        name = worker.submit(lambda: open(comm.format(threading.get_native_id())).read())
+        assert name.result(timeout=5).strip() == "stem-worker"  # what profilers show
     at = log.index("task")
     assert 1 <= at <= 3, log  # after the chunk that was running
     worker.wait()

@@ -31,6 +31,9 @@ TRACE = [
     _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1950, 50, tid=20, stream=20, bytes=500),
     _x("cuda_runtime", "cudaStreamSynchronize", 500, 30, tid=11),
     _x("cuda_runtime", "cudaLaunchKernel", 540, 4, tid=11),             # does not block
+    _x("cuda_runtime", "cudaLaunchKernel", 560, 4, tid=11),
+    _x("cuda_runtime", "cudaLaunchKernel", 580, 4, tid=12),
+    {"ph": "M", "name": "thread_name", "pid": 0, "tid": 12, "args": {"name": "worker"}},
     _x("cuda_runtime", "cudaEventSynchronize", 900, 5, tid=12),
     {"ph": "i", "name": "marker", "ts": 10},                            # not a complete event
 ]
@@ -56,8 +59,13 @@ def test_hand_made_trace():
     assert s["streams"]["7"]["kernel_ms"] == pytest.approx(0.87)
     assert s["host_blocking_ms"] == {"11": {"cudaStreamSynchronize": pytest.approx(0.03)},
                                      "12": {"cudaEventSynchronize": pytest.approx(0.005)}}
+    assert s["launching_thread"] == "11"
+    assert s["threads"] == {"11": {"name": "", "kernel_launches": 2},
+                            "12": {"name": "worker", "kernel_launches": 1}}
     text = "\n".join(trace_summary.describe(s))
     assert "idle 0.5 ms per step" in text and "0.80 ms before k4" in text
+    assert "host thread 11 [launches most kernels: 2] blocked in cudaStreamSynchronize" in text
+    assert "host thread 12 (worker) blocked in cudaEventSynchronize" in text
 
 
 def test_union_against_a_unit_grid():

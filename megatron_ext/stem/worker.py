@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import threading
 import time
 from concurrent.futures import Future
@@ -83,6 +84,7 @@ class HostWorker:
         return self._keep(future)
 
     def _run(self) -> None:
+        _name_os_thread(b"stem-worker")
         while True:
             with self._cond:
                 while not self._tasks and not self._background:
@@ -142,6 +144,16 @@ class HostWorker:
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
         return time.perf_counter() - start
+
+
+def _name_os_thread(name: bytes) -> None:
+    """Give the calling thread ``name`` (at most 15 bytes) where the OS keeps thread names
+    (Linux): profilers (PyTorch's traces name host threads by it), ``top -H`` and debuggers then
+    tell the worker from the training thread. Python's own thread name stays in Python."""
+    try:
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def mark():

@@ -14,7 +14,8 @@ shows even when the trace itself cannot travel:
   waiting to run). With managed STEM tables an idle main stream is the GPU waiting for rows or for
   the training thread;
 * the host's blocking CUDA calls (stream, event and device synchronisations, synchronous copies),
-  per thread: the training thread waiting for the GPU.
+  per thread, the thread that launched the most kernels (the training thread) marked: the
+  training thread waiting for the GPU.
 
     python -m megatron_ext.tools.trace_summary TRACE.json[.gz] [--json OUT]
 """
@@ -114,11 +115,25 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
             "longest_gaps": [{"ms": g / 1e3, "next": name[:120]} for g, name in gaps[:top_gaps]],
         }
     blocking: Dict[str, Dict[str, float]] = {}
+    launches: Dict[str, int] = {}
     for e in complete:
-        if e.get("cat") == "cuda_runtime" and e.get("name") in BLOCKING_CALLS:
-            per = blocking.setdefault(str(e.get("tid")), {})
+        if e.get("cat") != "cuda_runtime":
+            continue
+        tid = str(e.get("tid"))
+        if e.get("name") in BLOCKING_CALLS:
+            per = blocking.setdefault(tid, {})
             per[e["name"]] = per.get(e["name"], 0.0) + float(e["dur"]) / 1e3
+        elif str(e.get("name", "")).startswith("cudaLaunchKernel"):
+            launches[tid] = launches.get(tid, 0) + 1
     summary["host_blocking_ms"] = blocking
+    # Which host thread is which: the trace's thread names, and the thread that launched the
+    # most kernels (the training thread; the tables' worker launches the GPU tier's few).
+    names = {str(e.get("tid")): str(e.get("args", {}).get("name", ""))
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    summary["threads"] = {tid: {"name": names.get(tid, ""), "kernel_launches": n}
+                          for tid, n in sorted(launches.items(), key=lambda kv: -kv[1])}
+    if launches:
+        summary["launching_thread"] = max(launches, key=launches.get)
     return summary
 
 
@@ -140,8 +155,13 @@ def describe(summary: Dict[str, object]) -> List[str]:
                            for k, c in sorted(s["copies"].items()))
         lines.append(f"stream {name}: busy {s['busy_ms']:.1f} ms, kernels {s['kernel_ms']:.1f} ms"
                      + (f", copies: {copies}" if copies else ""))
+    threads = summary.get("threads", {})
     for tid, calls in summary.get("host_blocking_ms", {}).items():
-        lines.append(f"host thread {tid} blocked in " + ", ".join(
+        info = threads.get(tid, {})
+        label = f"host thread {tid}" + (f" ({info['name']})" if info.get("name") else "")
+        if tid == summary.get("launching_thread"):
+            label += f" [launches most kernels: {info['kernel_launches']}]"
+        lines.append(f"{label} blocked in " + ", ".join(
             f"{k} {v:.1f} ms" for k, v in sorted(calls.items())))
     return lines
 
