@@ -33,7 +33,9 @@ Variants (one process, NCCL on a GPU):
 ``--profile --use-pytorch-profiler``; iterations ``skip - 3`` and ``skip - 2``, before the timed
 ones), copies the trace to ``OUT/trace_<shape>_<variant>.json.gz`` and prints its summary
 (``megatron_ext/tools/trace_summary.py``): how long the GPU's main stream sat idle per step and
-before which kernels, the copies on each stream, the host's blocking CUDA calls.
+before which kernels, the copies on each stream, the host's blocking CUDA calls. A profiled run
+that fails is run again without the profiler. Each variant's run folder is emptied first, so no
+earlier run's events mix into its numbers.
 
 Reported per variant: the median iteration time after ``--skip`` iterations and its ratio to
 ``gpu``, the fetch time the forward step waited for (exposed) and the background fetch time it did
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,8 +156,6 @@ def profile_flags(skip: int) -> list:
 def keep_trace(run_dir: str, out: str, label: str) -> dict:
     """The trace Megatron wrote for the run in ``run_dir`` (``torch_profile/rank-0.json.gz``
     beside its tensorboard folder), copied to ``out/trace_<label>.json.gz``, and its summary."""
-    import shutil
-
     from megatron_ext.tools.trace_summary import load_events, summarize
 
     src = os.path.join(run_dir, "torch_profile", "rank-0.json.gz")
@@ -226,28 +227,35 @@ def main() -> None:
     results = {}
     for name in names:
         tb = os.path.join(args.out, f"{args.shape}_{name}", "tb")
-        if name in profiled:  # no earlier run's trace taken for this one's
-            import shutil
-
-            shutil.rmtree(os.path.join(os.path.dirname(tb), "torch_profile"), ignore_errors=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=1", os.path.join(ROOT, "launch", "pretrain.py"),
                *flags(shape, args, prefix, tb), *VARIANTS[name],
-               *(args.extra.split() if name != "gpu" else []),
-               *(profile_flags(args.skip) if name in profiled else [])]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                  timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{name}: no result within --timeout={args.timeout} s", flush=True)
-            continue
-        log = proc.stdout + proc.stderr
-        os.makedirs(os.path.dirname(tb), exist_ok=True)
-        with open(os.path.join(os.path.dirname(tb), "log.txt"), "w") as f:
-            f.write(log)
-        if proc.returncode:
-            print(f"{name} failed:\n{log[-6000:]}", flush=True)
+               *(args.extra.split() if name != "gpu" else [])]
+        # A profiled run that fails (the profiler itself, say) is run again without it: the
+        # step time is what the variant is for.
+        attempts = [(cmd + profile_flags(args.skip), True), (cmd, False)] if name in profiled \
+            else [(cmd, False)]
+        proc, traced = None, False
+        for argv, traced in attempts:
+            # No earlier run's events or trace taken for this one's.
+            shutil.rmtree(os.path.dirname(tb), ignore_errors=True)
+            try:
+                proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                                      env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                      timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{name}: no result within --timeout={args.timeout} s", flush=True)
+                proc = None
+                break
+            log = proc.stdout + proc.stderr
+            os.makedirs(os.path.dirname(tb), exist_ok=True)
+            with open(os.path.join(os.path.dirname(tb), "log.txt"), "w") as f:
+                f.write(log)
+            if proc.returncode == 0:
+                break
+            print(f"{name} failed{' (profiled; again without the profiler)' if traced else ''}:"
+                  f"\n{log[-6000:]}", flush=True)
+        if proc is None or proc.returncode:
             continue
         s = read_tensorboard_scalars(tb)
 
@@ -273,7 +281,7 @@ def main() -> None:
                           if tag.endswith("-time") and tag != "iteration-time"}
         host = [line for line in log.splitlines() if "STEM tables on this rank" in line]
         r["host_memory"] = host[0].split("> ", 1)[-1] if host else ""
-        if name in profiled:
+        if traced:
             r["trace"] = keep_trace(os.path.dirname(tb), args.out, f"{args.shape}_{name}")
         results[name] = r
         print(f"  {name:16s} {r['iteration_ms']:9.1f} ms/iter  final loss {r['loss_last']:.4f}"
