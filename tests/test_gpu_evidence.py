@@ -37,7 +37,7 @@ def test_print_only_names_every_benchmark(tmp_path):
     # Every step shows its limit; nothing ran, so no results folder.
     assert out.count(" s] ") == len(gpu_evidence.plan())
     assert not (tmp_path / "res").exists()
-    # The runner stops starting steps at the 25-minute mark by default.
+    # The runner stops starting steps at the 9-minute mark by default (one device call: 10).
     assert "budget 9 min" in out
 
 

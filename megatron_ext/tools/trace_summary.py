@@ -76,10 +76,8 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
     streams: Dict[str, dict] = {}
     for e in gpu:
         stream = str(e.get("args", {}).get("stream", e.get("tid")))
-        s = streams.setdefault(stream, {"intervals": [], "kernel_us": 0.0, "copies": {},
-                                        "events": []})
+        s = streams.setdefault(stream, {"events": [], "kernel_us": 0.0, "copies": {}})
         start, dur = float(e["ts"]), float(e["dur"])
-        s["intervals"].append((start, start + dur))
         s["events"].append((start, start + dur, str(e.get("name", ""))))
         if e["cat"] == "kernel":
             s["kernel_us"] += dur
@@ -90,7 +88,7 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
             c["bytes"] += int(e.get("args", {}).get("bytes", 0) or 0)
     out_streams = {}
     for name, s in streams.items():
-        out_streams[name] = {"busy_ms": union_us(s["intervals"]) / 1e3,
+        out_streams[name] = {"busy_ms": union_us((a, b) for a, b, _ in s["events"]) / 1e3,
                              "kernel_ms": s["kernel_us"] / 1e3,
                              "copies": s["copies"], "events": len(s["events"])}
     summary: Dict[str, object] = {
@@ -101,7 +99,7 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
         main = max(streams, key=lambda k: streams[k]["kernel_us"])
         events_main = sorted(streams[main]["events"])
         span = events_main[-1][1] - events_main[0][0]
-        busy = union_us(streams[main]["intervals"])
+        busy = out_streams[main]["busy_ms"] * 1e3
         gaps, reach = [], events_main[0][1]
         for start, end, name in events_main[1:]:
             if start > reach:
