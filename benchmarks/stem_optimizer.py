@@ -10,6 +10,8 @@ second and the ratio sparse / dense (goal: at least 0.8x), the share of touched 
 catch-up and the step of the same rows again at once (none owing; but the rows are now in the
 caches, so the difference is not the catch-up alone: on contiguous rows out of the caches the
 fused catch-up costs about 3%, docs/benchmarks.md), plus the dense optimizer over the whole table.
+The repetitions reuse their tensors, as both optimizers do in training (``--fresh-buffers``: new
+ones at each repetition, as this benchmark did before 2026-11-26).
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--d-ff", type=int, default=5632)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=12)
     parser.add_argument("--kernel", choices=["auto", "rowwise", "torch"],
                         default="auto", help="sparse kernel (auto: rowwise when it builds)")
+    parser.add_argument("--fresh-buffers", action="store_true",
+                        help="allocate the gradients and DeepSpeed's tensors anew at each "
+                             "repetition (the benchmark before 2026-11-26) instead of reusing them")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -61,30 +66,50 @@ def main() -> None:
         rows = batch_rows()
         sparse.step([(rows, torch.randn(rows.numel(), args.d_ff, generator=g))], hyper)
 
+    # Both optimizers keep their tensors from step to step in training (the table and its moments;
+    # DeepSpeed's parameters and moments; the gradients land in reused staging buffers), so the
+    # repetitions reuse theirs: views of buffers sized for the most rows a batch can touch.
+    # --fresh-buffers allocates them anew at each repetition instead (this benchmark before
+    # 2026-11-26): on a 2-core VM that churn of ~300 MB of fresh pages per repetition slowed the
+    # sparse step after it by about a third, while DeepSpeed's step, on pages it had just
+    # touched, was not slowed (docs/benchmarks.md).
+    most = min(args.tokens, args.vocab)
+    grad_buf = torch.empty(most, args.d_ff)
+    if not args.fresh_buffers:
+        same_buf = torch.randn(most, args.d_ff, generator=g)
+        dense_buf = RowAdamW([same_buf], mode="dense", kernel="deepspeed")
+        dense_buf.step([(torch.arange(most), grad_buf.normal_(generator=g))], hyper)
     sparse_times, sparse_params, owing, again_times = [], [], [], []
     dense_times = []
     for _ in range(args.reps):
         rows = batch_rows()
-        grad = torch.randn(rows.numel(), args.d_ff, generator=g)
+        n = rows.numel()
+        if args.fresh_buffers:
+            grad = torch.randn(n, args.d_ff, generator=g)
+        else:
+            grad = grad_buf[:n].normal_(generator=g)
         owing.append(float((sparse.lazy.last[0][rows] < sparse.lazy.clock.step).float().mean()))
         t0 = time.perf_counter()
         sparse.step([(rows, grad)], hyper)
         sparse_times.append(time.perf_counter() - t0)
-        sparse_params.append(rows.numel() * args.d_ff)
+        sparse_params.append(n * args.d_ff)
         # The same rows stepped again at once: none owes a catch-up (an upper bound on what the
         # catch-up costs: the rows are in the caches now).
         t0 = time.perf_counter()
         sparse.step([(rows, grad)], hyper)
         again_times.append(time.perf_counter() - t0)
         # DeepSpeed's dense CPU Adam on a tensor with as many parameters.
-        same = torch.randn(rows.numel(), args.d_ff, generator=g)
-        dense = RowAdamW([same], mode="dense", kernel="deepspeed")
-        all_rows = torch.arange(rows.numel())
-        dense.step([(all_rows, grad)], hyper)  # first step allocates the grad buffer
+        if args.fresh_buffers:
+            same = torch.randn(n, args.d_ff, generator=g)
+            dense = RowAdamW([same], mode="dense", kernel="deepspeed")
+            dense.step([(torch.arange(n), grad)], hyper)  # first step allocates the grad buffer
+            state = (same, dense.exp_avg[0], dense.exp_avg_sq[0])
+        else:
+            state = (same_buf[:n], dense_buf.exp_avg[0][:n], dense_buf.exp_avg_sq[0][:n])
         t0 = time.perf_counter()
-        dense.op.adam_update(DEEPSPEED_OPTIMIZER_ID, 2, hyper.lr, hyper.beta1, hyper.beta2,
-                             hyper.eps, hyper.weight_decay, True, same, grad, dense.exp_avg[0],
-                             dense.exp_avg_sq[0])
+        deepspeed_op().adam_update(DEEPSPEED_OPTIMIZER_ID, 2, hyper.lr, hyper.beta1, hyper.beta2,
+                                   hyper.eps, hyper.weight_decay, True, state[0], grad, state[1],
+                                   state[2])
         dense_times.append(time.perf_counter() - t0)
     # What --stem-optimizer dense does each iteration: DeepSpeed's Adam over every owned row.
     whole = RowAdamW([table], mode="dense", kernel="deepspeed")
@@ -99,7 +124,7 @@ def main() -> None:
     dense_rate = statistics.median(p / t for p, t in zip(sparse_params, dense_times))
     summary = {"vocab": args.vocab, "d_ff": args.d_ff, "tokens": args.tokens,
                "touched_rows": int(statistics.median(p // args.d_ff for p in sparse_params)),
-               "threads": torch.get_num_threads(),
+               "threads": torch.get_num_threads(), "fresh_buffers": args.fresh_buffers,
                "sparse_params_per_s": sparse_rate, "deepspeed_dense_params_per_s": dense_rate,
                "ratio": sparse_rate / dense_rate,
                "sparse_step_s": statistics.median(sparse_times),
