@@ -128,7 +128,10 @@ def _rows_placement(path: str) -> List[Row]:
         rows.append(Row("stem_placement", f"{name} tables, step vs gpu tables",
                         r.get("ratio_vs_gpu"), "x", PLACEMENT_GOALS.get(name), "lower",
                         note=f"{r['iteration_ms']:.1f} ms, CPU optimizer "
-                             f"{1e3 * r.get('stem/optimizer-seconds', float('nan')):.1f} ms, "
+                             f"{1e3 * r.get('stem/optimizer-seconds', float('nan')):.1f} ms "
+                             "(waiting for its gradients "
+                             f"{1e3 * r.get('stem/optimizer-seconds-grad-wait', float('nan')):.1f}"
+                             "), "
                              "fetch exposed "
                              f"{1e3 * r.get('stem/fetch-seconds-exposed', float('nan')):.1f} ms, "
                              "rows from host "

@@ -260,7 +260,8 @@ def test_traffic_and_optimizer_time_logged(runs):
     batch), bytes each way (vocab sharding: one fp32 row of both STEM layers per unique id), and
     the CPU optimizer time: with prefetch the table step of iteration i runs during, and is
     logged with, iteration i + 1 (the last one, with nothing to overlap, steps at once), with
-    the time it ran before the next micro-batch's fetch; without, each iteration logs its own."""
+    the time it ran before the next micro-batch's fetch and the time it waited for its gradients
+    to arrive from a GPU; without, each iteration logs its own."""
     scalars = require_ok(runs["cpu_vocab_dp2"]).scalars
     unique = dict(scalars["stem/unique-rows-fetched"])
     to_device = dict(scalars["stem/fetch-bytes-to-device"])
@@ -277,6 +278,8 @@ def test_traffic_and_optimizer_time_logged(runs):
         # Overlapped (steps 1..9, logged at 2..10), the dense step of the rows runs whole before
         # the next micro-batch's fetch; the last step (10) is synchronous.
         assert (before_fetch[step] > 0) == (step > 1)
+    # Logged, and nothing to wait for: the gradients are on the host already (no GPU copies).
+    assert [v for _, v in scalars["stem/optimizer-seconds-grad-wait"]] == [0.0] * len(STEPS)
     synchronous = require_ok(runs["cpu_vocab_dp2_no_prefetch"]).scalars
     assert all(v > 0 for _, v in synchronous["stem/optimizer-seconds"])
     assert all(v == 0 for _, v in synchronous["stem/optimizer-seconds-before-fetch"])

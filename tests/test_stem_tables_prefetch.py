@@ -91,7 +91,9 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
     rows it needs first, the worker the rest in chunks), with plain SGD as the row rule: every
     bound row equals a plain table updated by the same rule after every step, and the shards end
     equal to it. ``slow``: one row per chunk and 4 ms per row step, so the reads of the step's
-    later micro-batches come while most of the step is still owed."""
+    later micro-batches come while most of the step is still owed. The gradients' arrival (a
+    GPU copy's event: here one that takes 20 ms) is waited for before any row steps, and that
+    wait is counted apart (``stem/optimizer-seconds-grad-wait``), inside the step's time."""
     import time
 
     from megatron_ext.stem.table_optimizer import OwedStep, StemTablesOptimizer
@@ -125,6 +127,16 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
 
     stepped = []
 
+    class Arrived:  # the event of the gradients' copy to the host: lands 20 ms after the step
+        def __init__(self):
+            self.at = None
+
+        def synchronize(self):  # every part of the step calls it; the first one waits
+            if self.at is None:
+                assert not stepped, "a row stepped before its gradients arrived"
+                self.at = time.perf_counter() + 0.02
+            time.sleep(max(self.at - time.perf_counter(), 0.0))
+
     optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # only its table step
     optimizer.mode, optimizer._step_tasks = "sparse", []
     read_ahead = TableReadAhead(tables)
@@ -146,7 +158,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
         # After the first step the next step's first micro-batch waits for this step.
         assert (tables.deferred is not None) == (step == 0)
         stepped.clear()
-        optimizer._step_table(tables, SGD(), None, [(local, x) for x in grads], None)
+        optimizer._step_table(tables, SGD(), None, [(local, x) for x in grads], Arrived())
         assert tables.deferred is None
         if step == 1:
             WORKER.wait()
@@ -154,11 +166,17 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
             assert sorted(stepped) == sorted((i, int(r)) for i in range(2) for r in local)
     WORKER.wait()
     assert tables.store.owed_step is None
-    results = [done.result() for _, done in optimizer._step_tasks]
+    results = [done.result() for _, done, _ in optimizer._step_tasks]
     assert sum(took for took, _ in results) > 0
     if slow:  # the reads stepped their rows (part of the step) before the rest was done
         assert sum(in_reads for _, in_reads in results) > 0
         assert all(in_reads < took for took, in_reads in results)
+    # Step 1 ran at once (nothing to overlap: its stats are in), step 0 in the background:
+    # drained into the stats as the optimizer's next prepare_grads would.
+    optimizer.tables = [tables]
+    optimizer.drain()
+    waited = tables.stats["optimizer_seconds_grad_wait"]
+    assert 2 * 0.02 <= waited < tables.stats["optimizer_seconds"]
     assert next(reader) is batches[6]  # read ahead exactly one micro-batch: the step's first
     for shard, want in zip(tables.shards, expected):
         assert torch.equal(shard, want[tables.owned_ids])

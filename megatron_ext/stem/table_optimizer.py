@@ -138,7 +138,9 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
         self._staging = PinnedStaging()
         self._copy_stream = None  # the host tier's gradients leave the GPU on it (made on use)
-        self._step_tasks = []  # (table, future of (seconds, seconds before its read)), not waited
+        # (table, future of (seconds, seconds before its read), the step's gradient waits), not
+        # waited for yet
+        self._step_tasks = []
         self._step_count = 0   # iterations stepped (every rank, with tables or not)
 
     @property
@@ -173,10 +175,11 @@ class StemTablesOptimizer(ChainedOptimizer):
         waited = WORKER.wait()
         if self.tables:  # one wait for every chunk: counted once
             self.tables[0].stats["optimizer_seconds_exposed"] += waited
-        for t, done in self._step_tasks:
-            took, before_read = done.result()
+        for t, done, grad_wait in self._step_tasks:
+            took, before_read = done.result()[:2]
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_before_fetch"] += before_read
+            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
         self._step_tasks.clear()
 
     # -- gradients -----------------------------------------------------------------------------
@@ -313,11 +316,14 @@ class StemTablesOptimizer(ChainedOptimizer):
         and steps the rows it needs first. ``made``: the event after which the GPU holds what
         they read (``worker.mark``), so their GPU work and copies overlap the model's step."""
 
+        grad_wait = [0.0]  # seconds the step waited for its host gradients' copy (in its time)
+
         def step(positions=None):
             """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
             start = time.perf_counter()
             if arrived is not None:  # the gradients are read only after their copy landed
                 arrived.synchronize()
+                grad_wait[0] += time.perf_counter() - start
             for i, (rows, grad) in enumerate(grads):
                 if positions is not None:
                     rows, grad = take_rows(rows, grad, positions[i])
@@ -331,6 +337,7 @@ class StemTablesOptimizer(ChainedOptimizer):
             took = step()
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_exposed"] += took
+            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
             return
         # Read on the worker's side stream.
         WORKER.hand_over(x for _, g in grads for x in grad_tensors(g))
@@ -339,14 +346,14 @@ class StemTablesOptimizer(ChainedOptimizer):
                 took = step()
                 return took, took
 
-            self._step_tasks.append((t, WORKER.submit(whole, after=made)))
+            self._step_tasks.append((t, WORKER.submit(whole, after=made), grad_wait))
             t.release(fetch, after=made)
             return
         owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
         # The worker is idle for this store: the step drained it.
         owed.store, t.store.owed_step = t.store, owed
         t.release(fetch, after=made)
-        self._step_tasks.append((t, WORKER.submit_background(owed, after=made)))
+        self._step_tasks.append((t, WORKER.submit_background(owed, after=made), grad_wait))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
@@ -398,8 +405,9 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     part of it the training thread waited for (exposed; with the overlapped step, the wait of the
     next step's first micro-batch for its rows' step is in the exposed fetch time) and, overlapped,
     the time from the start of the step to the start of that micro-batch's fetch (routing its ids
-    and stepping the rows it reads), and the time to collect the row gradients and exchange them
-    with their owners. A table step that runs in the
+    and stepping the rows it reads), the part of the optimizer time it waited for the host
+    tier's gradients to arrive from the GPU (the copies of ``transfer.stage_to_host``), and the
+    time to collect the row gradients and exchange them with their owners. A table step that runs in the
     background (overlapped) is logged with the iteration it overlaps, the next one. A
     ``log_report`` of the STEM family; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
@@ -407,7 +415,7 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
               "stem/grad-bytes-to-host"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
              "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
-             "stem/grad-exchange-seconds"]
+             "stem/optimizer-seconds-grad-wait", "stem/grad-exchange-seconds"]
     if not _ACTIVE:  # no managed tables in this run (the same on every rank)
         return
     sums = torch.zeros(len(summed), dtype=torch.float64)
@@ -423,10 +431,11 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
                                   st["grad_rows_host"] * gb], dtype=torch.float64)
             local += torch.tensor([st["fetch_seconds"], st["fetch_seconds_hidden"],
                                    st["optimizer_seconds"], st["optimizer_seconds_exposed"],
-                                   st["optimizer_seconds_before_fetch"], 0.0],
+                                   st["optimizer_seconds_before_fetch"],
+                                   st["optimizer_seconds_grad_wait"], 0.0],
                                   dtype=torch.float64)
             t.reset_stats()
-        local[5] = optimizer.grad_seconds
+        local[-1] = optimizer.grad_seconds
         maxes = torch.maximum(maxes, local)
         optimizer.grad_seconds = 0.0
     device = comm_device(dist.group.WORLD)

@@ -113,7 +113,8 @@ class StemTables:
                       "fetch_rows_host": 0, "grad_rows_out": 0, "grad_rows_in": 0,
                       "grad_rows_host": 0, "fetch_seconds": 0.0,
                       "fetch_seconds_hidden": 0.0, "optimizer_seconds": 0.0,
-                      "optimizer_seconds_exposed": 0.0, "optimizer_seconds_before_fetch": 0.0}
+                      "optimizer_seconds_exposed": 0.0, "optimizer_seconds_before_fetch": 0.0,
+                      "optimizer_seconds_grad_wait": 0.0}
 
     @property
     def shards(self) -> List:
