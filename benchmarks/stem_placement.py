@@ -149,9 +149,12 @@ def stepped_params_per_second(r: dict) -> float:
 
 def profile_flags(skip: int) -> list:
     """Megatron's PyTorch-profiler flags for iterations ``skip - 3`` and ``skip - 2``: before the
-    timed iterations, and the trace is written before them too (its export is slow)."""
+    timed iterations, and the trace is written before them too (its export is slow). Every
+    thread is recorded (the tables' worker: its row reads and table step, ``stem/...`` ranges)
+    and, on a GPU, CUDA's stream waits (``--ext-profile-all-threads``)."""
     return ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
-            "--profile-step-start", str(skip - 3), "--profile-step-end", str(skip - 1)]
+            "--profile-step-start", str(skip - 3), "--profile-step-end", str(skip - 1),
+            "--ext-profile-all-threads"]
 
 
 def keep_trace(run_dir: str, out: str, label: str) -> dict:

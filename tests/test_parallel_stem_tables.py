@@ -111,9 +111,14 @@ def runs(tmp_path_factory):
     run("tiered_pp2_vpp_dp2_recompute", TIERED + vpp + [
         "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"], nproc=4, thread_guard=True)
+    # Also profiled (steps 3-4, every thread): the trace shows the tables' work on both threads,
+    # and the losses show that profiling changes nothing.
+    profile = ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
+               "--profile-step-start", "3", "--profile-step-end", "5",
+               "--ext-profile-all-threads"]
     run("tiered_sparse_dp2", TIERED + ["--stem-optimizer", "sparse", "--save",
                                        str(tmp / "ck_tiered_sparse"), "--save-interval", "5"]
-        + evals, thread_guard=True)
+        + evals + profile, thread_guard=True)
     run("resume_sparse_pp2_dp1", CPU_VOCAB + pp2 + [
         "--stem-optimizer", "sparse", "--load", str(tmp / "ck_sparse_vpp")] + at5)
 
@@ -223,6 +228,30 @@ def test_tiered_tables(runs):
     assert len(lines) == 2 and all("1,024 rows (256 in the GPU tier" in line for line in lines)
     assert "tables (fp32, also the master copy) 0.4 MiB" in lines[0]
     assert "STEM GPU tier: 100 of 1024 rows" in runs["resume_tiered_sparse_dp1_other_tier"].log
+
+
+def test_profiled_trace_shows_the_tables_threads(runs):
+    """``--ext-profile-all-threads`` with Megatron's PyTorch profiler: the trace of rank 0 has
+    the tables' ranges on the training thread (routing, waiting for the owners' read, binding)
+    and on the worker, named stem-worker (the owners' reads, the table step), two steps' worth;
+    ``megatron_ext.tools.trace_summary`` reports them. Upstream's profiler alone records the
+    training thread only (tests/test_profiler.py)."""
+    from megatron_ext.tools.trace_summary import load_events, summarize
+
+    require_ok(runs["tiered_sparse_dp2"])
+    trace = runs["tmp"] / "tiered_sparse_dp2" / "torch_profile" / "rank-0.json.gz"
+    summary = summarize(load_events(str(trace)))
+    assert [s["step"] for s in summary["steps"]] == [3, 4]
+    by_name = {per["name"]: per["ranges"] for per in summary["stem_ranges"].values()}
+    worker = [name for name in by_name if "stem-worker" in name]
+    assert len(worker) == 1, by_name.keys()
+    assert {"stem/read-rows", "stem/table-step"} <= set(by_name[worker[0]])
+    training = [r for name, r in by_name.items() if name != worker[0]]
+    assert len(training) == 1
+    # 2 micro-batches a step per rank: each fetch started, waited for and bound on the
+    # training thread.
+    for name in ("stem/start-fetch", "stem/wait-read", "stem/finish-fetch"):
+        assert training[0][name]["count"] >= 2 * 2, (name, training[0])
 
 
 @pytest.mark.parametrize("run_name,ranks", [("tiered_pp2_vpp_dp2_recompute", 4),

@@ -36,6 +36,18 @@ TRACE = [
     {"ph": "M", "name": "thread_name", "pid": 0, "tid": 12, "args": {"name": "worker"}},
     _x("cuda_runtime", "cudaEventSynchronize", 900, 5, tid=12),
     {"ph": "i", "name": "marker", "ts": 10},                            # not a complete event
+    # The tables' ranges (record_function), on the training thread and the worker (named as
+    # PyTorch names threads), and CUDA's synchronisation events.
+    _x("user_annotation", "stem/wait-read", 300, 40, tid=11),
+    _x("user_annotation", "stem/wait-read", 700, 60, tid=11),
+    _x("user_annotation", "other/range", 0, 5, tid=11),                 # not the tables'
+    _x("cpu_op", "stem/op", 0, 5, tid=11),                              # not a range
+    _x("user_annotation", "stem/table-step", 800, 120, tid=13),
+    {"ph": "M", "name": "thread_name", "pid": 0, "tid": 13,
+     "args": {"name": "thread 13 (stem-worker)"}},
+    _x("cuda_sync", "Stream Wait Event", 420, 30, tid=7, stream=7, wait_on_stream=20),
+    _x("cuda_sync", "Stream Wait Event", 1400, 100, tid=7, stream=7, wait_on_stream=20),
+    _x("cuda_sync", "Event Sync", 900, 8, tid=20, stream=20),
 ]
 
 
@@ -66,6 +78,18 @@ def test_hand_made_trace():
     assert "idle 0.5 ms per step" in text and "0.80 ms before k4" in text
     assert "host thread 11 [launches most kernels: 2] blocked in cudaStreamSynchronize" in text
     assert "host thread 12 (worker) blocked in cudaEventSynchronize" in text
+    assert s["stem_ranges"] == {
+        "11": {"name": "", "ranges": {"stem/wait-read": {"count": 2, "ms": pytest.approx(0.1)}}},
+        "13": {"name": "thread 13 (stem-worker)",
+               "ranges": {"stem/table-step": {"count": 1, "ms": pytest.approx(0.12)}}}}
+    assert s["cuda_sync"] == {
+        "7": {"Stream Wait Event": {"count": 2, "ms": pytest.approx(0.13),
+                                    "waits_on": {"20": 2}}},
+        "20": {"Event Sync": {"count": 1, "ms": pytest.approx(0.008), "waits_on": {}}}}
+    assert "host thread 11 STEM ranges: stem/wait-read 0.1 ms (2x)" in text
+    assert "host thread 13 (stem-worker) STEM ranges: stem/table-step 0.1 ms (1x)" in text
+    assert "stream 7 synchronisation: Stream Wait Event 0.13 ms (2x, on stream 20)" in text
+    assert "stream 20 synchronisation: Event Sync 0.01 ms (1x)" in text
 
 
 def test_union_against_a_unit_grid():

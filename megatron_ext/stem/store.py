@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from megatron_ext.stem.row_adam import LazyRows
 from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
@@ -94,7 +95,8 @@ class TableStore:
         what they owe settled first. On a GPU, what is copied from host memory is queued on
         the current stream (the worker's side stream when the worker runs it)."""
         if self.owed_step is not None:  # first: the step brings its rows up to date itself
-            self.owed_step.settle(local_rows)
+            with record_function("stem/step-rows-read"):
+                self.owed_step.settle(local_rows)
         for i in range(len(self.shards)):
             self.lazy.settle(i, local_rows)
         return gather_rows(self.shards, local_rows, device, dtype, self.staging)

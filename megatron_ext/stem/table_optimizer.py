@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.utils import get_attr_wrapped_model
@@ -321,14 +322,16 @@ class StemTablesOptimizer(ChainedOptimizer):
         def step(positions=None):
             """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
             start = time.perf_counter()
-            if arrived is not None:  # the gradients are read only after their copy landed
-                arrived.synchronize()
-                grad_wait[0] += time.perf_counter() - start
-            for i, (rows, grad) in enumerate(grads):
-                if positions is not None:
-                    rows, grad = take_rows(rows, grad, positions[i])
-                if rows.numel() or self.mode != "sparse":
-                    adam.step_rows(i, rows, grad, plan)
+            with record_function("stem/table-step"):
+                if arrived is not None:  # the gradients are read only after their copy landed
+                    with record_function("stem/wait-grads"):
+                        arrived.synchronize()
+                    grad_wait[0] += time.perf_counter() - start
+                for i, (rows, grad) in enumerate(grads):
+                    if positions is not None:
+                        rows, grad = take_rows(rows, grad, positions[i])
+                    if rows.numel() or self.mode != "sparse":
+                        adam.step_rows(i, rows, grad, plan)
             return time.perf_counter() - start
 
         fetch = t.deferred

@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megatron_ext.stem.binding import RowBinding
 from megatron_ext.stem.config import StemConfig
@@ -144,12 +145,13 @@ class StemTables:
         the rows on the worker, unless ``after_step``: the read waits for the next table step,
         which releases it (``release``)."""
         start = time.perf_counter()
-        # Host ids (the batch's host copy, ``training/batch.py``): deduplicating them on the GPU
-        # and reading the result back would wait for every kernel queued before.
-        ids = token_ids.cpu() if token_ids.is_cuda else token_ids
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        inverse = to_device(inverse.view(ids.shape).t().contiguous(), self.device)
-        fetch = Fetch(unique, inverse, self.exchange.route(unique), ahead)
+        with record_function("stem/start-fetch"):  # profiler traces: the tables' own ranges
+            # Host ids (the batch's host copy, ``training/batch.py``): deduplicating them on the
+            # GPU and reading the result back would wait for every kernel queued before.
+            ids = token_ids.cpu() if token_ids.is_cuda else token_ids
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            inverse = to_device(inverse.view(ids.shape).t().contiguous(), self.device)
+            fetch = Fetch(unique, inverse, self.exchange.route(unique), ahead)
         self._open += 1
         if after_step:
             if self.deferred is not None:
@@ -171,11 +173,12 @@ class StemTables:
 
         def read():
             start = time.perf_counter()
-            served = store.gather(route.requested, device, dtype)
-            event = None
-            if served.is_cuda:  # queued on the worker's side stream
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream())
+            with record_function("stem/read-rows"):
+                served = store.gather(route.requested, device, dtype)
+                event = None
+                if served.is_cuda:  # queued on the worker's side stream
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream())
             return served, event, time.perf_counter() - start
 
         fetch.served = WORKER.submit(read, after=after)
@@ -186,14 +189,16 @@ class StemTables:
         start = time.perf_counter()
         if fetch.served is None:  # deferred, and the table step did not run (skipped): read now
             self.release(fetch)
-        served, event, took = fetch.served.result()
+        with record_function("stem/wait-read"):  # the training thread waits for the worker
+            served, event, took = fetch.served.result()
         waited = time.perf_counter() - start
-        if event is not None:
-            current = torch.cuda.current_stream()
-            current.wait_event(event)
-            served.record_stream(current)
-        rows = self.exchange.send_rows(fetch.route, served, self.widths, self.device)
-        self.binding.bind(fetch.unique, rows, fetch.inverse)
+        with record_function("stem/finish-fetch"):
+            if event is not None:
+                current = torch.cuda.current_stream()
+                current.wait_event(event)
+                served.record_stream(current)
+            rows = self.exchange.send_rows(fetch.route, served, self.widths, self.device)
+            self.binding.bind(fetch.unique, rows, fetch.inverse)
         self._open -= 1
         self.stats["unique_rows"] += fetch.unique.numel()
         self.stats["fetch_rows_in"] += fetch.route.rows_in

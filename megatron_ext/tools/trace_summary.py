@@ -15,7 +15,14 @@ shows even when the trace itself cannot travel:
   the training thread;
 * the host's blocking CUDA calls (stream, event and device synchronisations, synchronous copies),
   per thread, the thread that launched the most kernels (the training thread) marked: the
-  training thread waiting for the GPU.
+  training thread waiting for the GPU;
+* the managed STEM tables' own ranges (``stem/...``: ``start-fetch``, ``wait-read`` and
+  ``finish-fetch`` on the training thread; ``read-rows``, ``step-rows-read``, ``table-step`` and
+  ``wait-grads`` on the tables' worker, recorded with ``--ext-profile-all-threads``), per thread:
+  how often and how long;
+* CUDA's synchronisation events (``--ext-profile-all-threads`` on a GPU: PyTorch's
+  ``enable_cuda_sync_events``), per stream: stream waits (and on which stream), event and stream
+  synchronisations, count and time.
 
     python -m megatron_ext.tools.trace_summary TRACE.json[.gz] [--json OUT]
 """
@@ -132,7 +139,37 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
                           for tid, n in sorted(launches.items(), key=lambda kv: -kv[1])}
     if launches:
         summary["launching_thread"] = max(launches, key=launches.get)
+    ranges: Dict[str, dict] = {}
+    for e in complete:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "user_annotation" and name.startswith("stem/"):
+            tid = str(e.get("tid"))
+            per = ranges.setdefault(tid, {"name": names.get(tid, ""), "ranges": {}})["ranges"]
+            r = per.setdefault(name, {"count": 0, "ms": 0.0})
+            r["count"] += 1
+            r["ms"] += float(e["dur"]) / 1e3
+    summary["stem_ranges"] = ranges
+    sync: Dict[str, dict] = {}
+    for e in complete:
+        if e.get("cat") != "cuda_sync":
+            continue
+        args = e.get("args", {})
+        per = sync.setdefault(str(args.get("stream", e.get("tid"))), {})
+        r = per.setdefault(str(e.get("name", "")), {"count": 0, "ms": 0.0, "waits_on": {}})
+        r["count"] += 1
+        r["ms"] += float(e["dur"]) / 1e3
+        if "wait_on_stream" in args:
+            other = str(args["wait_on_stream"])
+            r["waits_on"][other] = r["waits_on"].get(other, 0) + 1
+    summary["cuda_sync"] = sync
     return summary
+
+
+def _thread_label(tid: str, name: str) -> str:
+    """``host thread TID (NAME)``; PyTorch's traces name threads ``thread TID (NAME)`` already."""
+    if name.startswith(f"thread {tid}"):
+        return "host " + name
+    return f"host thread {tid}" + (f" ({name})" if name else "")
 
 
 def describe(summary: Dict[str, object]) -> List[str]:
@@ -156,11 +193,20 @@ def describe(summary: Dict[str, object]) -> List[str]:
     threads = summary.get("threads", {})
     for tid, calls in summary.get("host_blocking_ms", {}).items():
         info = threads.get(tid, {})
-        label = f"host thread {tid}" + (f" ({info['name']})" if info.get("name") else "")
+        label = _thread_label(tid, info.get("name", ""))
         if tid == summary.get("launching_thread"):
             label += f" [launches most kernels: {info['kernel_launches']}]"
         lines.append(f"{label} blocked in " + ", ".join(
             f"{k} {v:.1f} ms" for k, v in sorted(calls.items())))
+    for tid, per in summary.get("stem_ranges", {}).items():
+        label = _thread_label(tid, per["name"])
+        lines.append(f"{label} STEM ranges: " + ", ".join(
+            f"{k} {r['ms']:.1f} ms ({r['count']}x)" for k, r in sorted(per["ranges"].items())))
+    for stream, per in sorted(summary.get("cuda_sync", {}).items()):
+        lines.append(f"stream {stream} synchronisation: " + ", ".join(
+            f"{k} {r['ms']:.2f} ms ({r['count']}x"
+            + (", on stream " + "/".join(sorted(r["waits_on"])) if r["waits_on"] else "") + ")"
+            for k, r in sorted(per.items())))
     return lines
 
 

@@ -51,6 +51,11 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="rank 0 writes a JSON run report (iteration times, tokens, FLOPs per "
                              "token, peak memory per rank) to PATH at the end of training "
                              "(launch/scaling.py reads it)")
+    launch.add_argument("--ext-profile-all-threads", action="store_true",
+                        help="with --profile --use-pytorch-profiler: the trace records every "
+                             "thread (the STEM tables' worker too) and, on a GPU, CUDA's stream "
+                             "waits and synchronisations (PyTorch's experimental profiler "
+                             "options; megatron_ext/training/profiler.py)")
 
     for family in families():  # each family's own group (its folder's family.py)
         if family.add_args is not None:

@@ -17,7 +17,7 @@ from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.models.registry import family_of, load_plugins
 from megatron_ext.models.specs import te_available
 from megatron_ext.tools.dry_run import main as dry_run_main
-from megatron_ext.training import checkpoint_hooks, family_hooks
+from megatron_ext.training import checkpoint_hooks, family_hooks, profiler
 from megatron_ext.training.arguments import (
     add_extension_args,
     check_family_args,
@@ -131,6 +131,10 @@ def main(argv=None) -> None:
         family.install(args, family_cfg)
 
     family_hooks.install(family)  # its optimizer wrapper and per-iteration report
+    try:
+        profiler.install(args)
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
     if args.ext_run_report:
         install_run_report(args.ext_run_report)
     # Last: its load check runs before the others' (they read the checkpoint it verifies).
