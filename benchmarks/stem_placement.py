@@ -147,14 +147,15 @@ def stepped_params_per_second(r: dict) -> float:
     return r["stem/grad-bytes-received"] / 4 / seconds if seconds > 0 else float("nan")
 
 
-def profile_flags(skip: int) -> list:
+def profile_flags(skip: int, all_threads: bool = True) -> list:
     """Megatron's PyTorch-profiler flags for iterations ``skip - 3`` and ``skip - 2``: before the
-    timed iterations, and the trace is written before them too (its export is slow). Every
-    thread is recorded (the tables' worker: its row reads and table step, ``stem/...`` ranges)
-    and, on a GPU, CUDA's stream waits (``--ext-profile-all-threads``)."""
+    timed iterations, and the trace is written before them too (its export is slow).
+    ``all_threads``: every thread is recorded (the tables' worker: its row reads and table step,
+    ``stem/...`` ranges) and, on a GPU, CUDA's stream waits (``--ext-profile-all-threads``,
+    PyTorch's experimental options)."""
     return ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
-            "--profile-step-start", str(skip - 3), "--profile-step-end", str(skip - 1),
-            "--ext-profile-all-threads"]
+            "--profile-step-start", str(skip - 3), "--profile-step-end", str(skip - 1)] + \
+        (["--ext-profile-all-threads"] if all_threads else [])
 
 
 def keep_trace(run_dir: str, out: str, label: str) -> dict:
@@ -230,6 +231,7 @@ def main() -> None:
     print(f"shape {args.shape}: {shape}", flush=True)
 
     results = {}
+    all_threads = True  # until a run profiled with every thread fails
     for name in names:
         tb = os.path.join(args.out, f"{args.shape}_{name}", "tb")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -237,9 +239,11 @@ def main() -> None:
                *flags(shape, args, prefix, tb), *VARIANTS[name],
                *(args.extra.split() if name != "gpu" else [])]
         # A profiled run that fails (the profiler itself, say) is run again without it: the
-        # step time is what the variant is for.
-        attempts = [(cmd + profile_flags(args.skip), True), (cmd, False)] if name in profiled \
-            else [(cmd, False)]
+        # step time is what the variant is for. One that failed while recording every thread
+        # (experimental in PyTorch) makes the later variants' traces record the training
+        # thread only.
+        attempts = [(cmd + profile_flags(args.skip, all_threads), True), (cmd, False)] \
+            if name in profiled else [(cmd, False)]
         proc, traced = None, False
         for argv, traced in attempts:
             # No earlier run's events or trace taken for this one's.
@@ -260,6 +264,10 @@ def main() -> None:
                 break
             print(f"{name} failed{' (profiled; again without the profiler)' if traced else ''}:"
                   f"\n{log[-6000:]}", flush=True)
+            if traced and all_threads:
+                all_threads = False
+                print("later variants' traces: the training thread only (no "
+                      "--ext-profile-all-threads)", flush=True)
         if proc is None or proc.returncode:
             continue
         s = read_tensorboard_scalars(tb)
