@@ -119,9 +119,11 @@ def _rows_placement(path: str) -> List[Row]:
     for name, r in s.items():
         idle = (r.get("trace") or {}).get("summary", {}).get("main_stream")
         if idle:  # two profiled steps: the GPU waiting for the host
+            during = idle.get("idle_ms_per_step_during") or {}
             rows.append(Row("stem_placement", f"{name} tables, GPU main stream idle per step",
                             idle["idle_ms_per_step"], "ms",
-                            note=f"trace {os.path.basename(r['trace']['path'])}"))
+                            note=f"trace {os.path.basename(r['trace']['path'])}" + "".join(
+                                f"; {k} {v:.1f} ms" for k, v in during.items())))
         if name == "gpu":
             rows.append(Row("stem_placement", "gpu tables, step", r["iteration_ms"], "ms"))
             continue

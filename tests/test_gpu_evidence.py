@@ -125,12 +125,16 @@ def test_goals_read_from_benchmark_results(tmp_path):
         "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2},
         "tiered": {"iteration_ms": 102.0, "ratio_vs_gpu": 1.02,
                    "trace": {"path": "/r/trace_1b_tiered.json.gz",
-                             "summary": {"main_stream": {"idle_ms_per_step": 7.5}}}}}))
+                             "summary": {"main_stream": {
+                                 "idle_ms_per_step": 7.5,
+                                 "idle_ms_per_step_during": {"stem/wait-read": 5.3,
+                                                             "outside them": 2.2}}}}}}))
     by = {r.metric: r for r in gpu_evidence._rows_placement(str(tmp_path / "pl.json"))}
     assert by["cpu tables, step vs gpu tables"].met is False
     assert by["tiered tables, step vs gpu tables"].met is True
     idle = by["tiered tables, GPU main stream idle per step"]
     assert idle.value == 7.5 and "trace_1b_tiered.json.gz" in idle.note
+    assert "stem/wait-read 5.3 ms; outside them 2.2 ms" in idle.note
     assert "gpu tables, GPU main stream idle per step" not in by  # no trace of that run
 
 

@@ -40,6 +40,7 @@ TRACE = [
     # PyTorch names threads), and CUDA's synchronisation events.
     _x("user_annotation", "stem/wait-read", 300, 40, tid=11),
     _x("user_annotation", "stem/wait-read", 700, 60, tid=11),
+    _x("user_annotation", "stem/start-fetch", 450, 100, tid=11),
     _x("user_annotation", "other/range", 0, 5, tid=11),                 # not the tables'
     _x("cpu_op", "stem/op", 0, 5, tid=11),                              # not a range
     _x("user_annotation", "stem/table-step", 800, 120, tid=13),
@@ -78,15 +79,24 @@ def test_hand_made_trace():
     assert "idle 0.5 ms per step" in text and "0.80 ms before k4" in text
     assert "host thread 11 [launches most kernels: 2] blocked in cudaStreamSynchronize" in text
     assert "host thread 12 (worker) blocked in cudaEventSynchronize" in text
+    # Idle [400, 600) and [700, 1500): 100 us in start-fetch, 60 in wait-read (the training
+    # thread's: the worker's table-step at [800, 920) is not counted), 840 outside; two steps.
+    assert main["idle_ms_per_step_during"] == {"stem/start-fetch": pytest.approx(0.05),
+                                               "stem/wait-read": pytest.approx(0.03),
+                                               "outside them": pytest.approx(0.42)}
+    assert ("main stream idle per step while the training thread was in: stem/start-fetch "
+            "0.05 ms, stem/wait-read 0.03 ms, outside them 0.42 ms") in text
     assert s["stem_ranges"] == {
-        "11": {"name": "", "ranges": {"stem/wait-read": {"count": 2, "ms": pytest.approx(0.1)}}},
+        "11": {"name": "", "ranges": {"stem/start-fetch": {"count": 1, "ms": pytest.approx(0.1)},
+                                      "stem/wait-read": {"count": 2, "ms": pytest.approx(0.1)}}},
         "13": {"name": "thread 13 (stem-worker)",
                "ranges": {"stem/table-step": {"count": 1, "ms": pytest.approx(0.12)}}}}
     assert s["cuda_sync"] == {
         "7": {"Stream Wait Event": {"count": 2, "ms": pytest.approx(0.13),
                                     "waits_on": {"20": 2}}},
         "20": {"Event Sync": {"count": 1, "ms": pytest.approx(0.008), "waits_on": {}}}}
-    assert "host thread 11 STEM ranges: stem/wait-read 0.1 ms (2x)" in text
+    assert ("host thread 11 STEM ranges: stem/start-fetch 0.1 ms (1x), stem/wait-read 0.1 ms "
+            "(2x)") in text
     assert "host thread 13 (stem-worker) STEM ranges: stem/table-step 0.1 ms (1x)" in text
     assert "stream 7 synchronisation: Stream Wait Event 0.13 ms (2x, on stream 20)" in text
     assert "stream 20 synchronisation: Event Sync 0.01 ms (1x)" in text

@@ -16,6 +16,8 @@ shows even when the trace itself cannot travel:
 * the host's blocking CUDA calls (stream, event and device synchronisations, synchronous copies),
   per thread, the thread that launched the most kernels (the training thread) marked: the
   training thread waiting for the GPU;
+* the main stream's idle time per step by the training thread's STEM range it fell in (below),
+  and outside them: which part of a fetch the GPU was waiting for;
 * the managed STEM tables' own ranges (``stem/...``: ``start-fetch``, ``wait-read`` and
   ``finish-fetch`` on the training thread; ``read-rows``, ``step-rows-read``, ``table-step`` and
   ``wait-grads`` on the tables' worker, recorded with ``--ext-profile-all-threads``), per thread:
@@ -107,10 +109,11 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
         events_main = sorted(streams[main]["events"])
         span = events_main[-1][1] - events_main[0][0]
         busy = out_streams[main]["busy_ms"] * 1e3
-        gaps, reach = [], events_main[0][1]
+        gaps, idle, reach = [], [], events_main[0][1]
         for start, end, name in events_main[1:]:
             if start > reach:
                 gaps.append((start - reach, name))
+                idle.append((reach, start))
             reach = max(reach, end)
         gaps.sort(key=lambda g: -g[0])
         n_steps = max(len(steps), 1)
@@ -149,6 +152,25 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
             r["count"] += 1
             r["ms"] += float(e["dur"]) / 1e3
     summary["stem_ranges"] = ranges
+    # The main stream's idle time by what the training thread was in meanwhile (its STEM
+    # ranges; a starved GPU waits for the launches the thread is not making): the ranges on that
+    # thread follow each other, so the overlaps add up.
+    if streams and launches:
+        training = summary["launching_thread"]
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e["name"]))
+                 for e in complete if e.get("cat") == "user_annotation"
+                 and str(e.get("tid")) == training and str(e.get("name", "")).startswith("stem/")]
+        during: Dict[str, float] = {}
+        for a, b in idle:
+            for c, d, name in spans:
+                overlap = min(b, d) - max(a, c)
+                if overlap > 0:
+                    during[name] = during.get(name, 0.0) + overlap
+        n_steps = max(len(steps), 1)
+        total = sum(b - a for a, b in idle)
+        per_step = {k: v / 1e3 / n_steps for k, v in sorted(during.items())}
+        per_step["outside them"] = max(total - sum(during.values()), 0.0) / 1e3 / n_steps
+        summary["main_stream"]["idle_ms_per_step_during"] = per_step
     sync: Dict[str, dict] = {}
     for e in complete:
         if e.get("cat") != "cuda_sync":
@@ -185,6 +207,10 @@ def describe(summary: Dict[str, object]) -> List[str]:
                      f"{main['span_ms']:.1f} ms, idle {main['idle_ms_per_step']:.1f} ms per step"
                      + "; longest gaps: " + "; ".join(f"{g['ms']:.2f} ms before {g['next']}"
                                                      for g in main["longest_gaps"]))
+    during = (main or {}).get("idle_ms_per_step_during")
+    if during:
+        lines.append("main stream idle per step while the training thread was in: " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in during.items()))
     for name, s in sorted(summary.get("streams", {}).items(), key=lambda kv: -kv[1]["busy_ms"]):
         copies = ", ".join(f"{k} {c['ms']:.1f} ms {c['bytes'] / 2**20:.1f} MiB"
                            for k, c in sorted(s["copies"].items()))
