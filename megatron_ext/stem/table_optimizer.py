@@ -177,7 +177,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         if self.tables:  # one wait for every chunk: counted once
             self.tables[0].stats["optimizer_seconds_exposed"] += waited
         for t, done, grad_wait in self._step_tasks:
-            took, before_read = done.result()[:2]
+            took, before_read = done.result()
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_before_fetch"] += before_read
             t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
@@ -410,9 +410,9 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     the time from the start of the step to the start of that micro-batch's fetch (routing its ids
     and stepping the rows it reads), the part of the optimizer time it waited for the host
     tier's gradients to arrive from the GPU (the copies of ``transfer.stage_to_host``), and the
-    time to collect the row gradients and exchange them with their owners. A table step that runs in the
-    background (overlapped) is logged with the iteration it overlaps, the next one. A
-    ``log_report`` of the STEM family; collective."""
+    time to collect the row gradients and exchange them with their owners. A table step that
+    runs in the background (overlapped) is logged with the iteration it overlaps, the next one.
+    A ``log_report`` of the STEM family; collective."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received", "stem/fetch-bytes-from-host",
               "stem/grad-bytes-to-host"]
