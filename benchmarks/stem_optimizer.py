@@ -73,9 +73,10 @@ def main() -> None:
     # 2026-11-26): on a 2-core VM that churn of ~300 MB of fresh pages per repetition slowed the
     # sparse step after it by about a third, while DeepSpeed's step, on pages it had just
     # touched, was not slowed (docs/benchmarks.md).
-    most = min(args.tokens, args.vocab)
-    grad_buf = torch.empty(most, args.d_ff)
+    op = deepspeed_op()
     if not args.fresh_buffers:
+        most = min(args.tokens, args.vocab)
+        grad_buf = torch.empty(most, args.d_ff)
         same_buf = torch.randn(most, args.d_ff, generator=g)
         dense_buf = RowAdamW([same_buf], mode="dense", kernel="deepspeed")
         dense_buf.step([(torch.arange(most), grad_buf.normal_(generator=g))], hyper)
@@ -107,9 +108,8 @@ def main() -> None:
         else:
             state = (same_buf[:n], dense_buf.exp_avg[0][:n], dense_buf.exp_avg_sq[0][:n])
         t0 = time.perf_counter()
-        deepspeed_op().adam_update(DEEPSPEED_OPTIMIZER_ID, 2, hyper.lr, hyper.beta1, hyper.beta2,
-                                   hyper.eps, hyper.weight_decay, True, state[0], grad, state[1],
-                                   state[2])
+        op.adam_update(DEEPSPEED_OPTIMIZER_ID, 2, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                       hyper.weight_decay, True, state[0], grad, state[1], state[2])
         dense_times.append(time.perf_counter() - t0)
     # What --stem-optimizer dense does each iteration: DeepSpeed's Adam over every owned row.
     whole = RowAdamW([table], mode="dense", kernel="deepspeed")

@@ -143,6 +143,7 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
     if launches:
         summary["launching_thread"] = max(launches, key=launches.get)
     ranges: Dict[str, dict] = {}
+    spans: Dict[str, list] = {}  # per thread: (start, end, name) of its STEM ranges
     for e in complete:
         name = str(e.get("name", ""))
         if e.get("cat") == "user_annotation" and name.startswith("stem/"):
@@ -151,22 +152,19 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
             r = per.setdefault(name, {"count": 0, "ms": 0.0})
             r["count"] += 1
             r["ms"] += float(e["dur"]) / 1e3
+            start = float(e["ts"])
+            spans.setdefault(tid, []).append((start, start + float(e["dur"]), name))
     summary["stem_ranges"] = ranges
     # The main stream's idle time by what the training thread was in meanwhile (its STEM
     # ranges; a starved GPU waits for the launches the thread is not making): the ranges on that
     # thread follow each other, so the overlaps add up.
     if streams and launches:
-        training = summary["launching_thread"]
-        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e["name"]))
-                 for e in complete if e.get("cat") == "user_annotation"
-                 and str(e.get("tid")) == training and str(e.get("name", "")).startswith("stem/")]
         during: Dict[str, float] = {}
         for a, b in idle:
-            for c, d, name in spans:
+            for c, d, name in spans.get(summary["launching_thread"], []):
                 overlap = min(b, d) - max(a, c)
                 if overlap > 0:
                     during[name] = during.get(name, 0.0) + overlap
-        n_steps = max(len(steps), 1)
         total = sum(b - a for a, b in idle)
         per_step = {k: v / 1e3 / n_steps for k, v in sorted(during.items())}
         per_step["outside them"] = max(total - sum(during.values()), 0.0) / 1e3 / n_steps
