@@ -369,6 +369,28 @@ def test_read_ahead_routes_the_host_copy_of_the_tokens():
     assert len(got) == 5 and tables.ids == [("now", batches[-1][0])]
 
 
+def test_read_ahead_does_not_keep_its_tables_alive():
+    """The read-ahead of a chunk is kept per tables, in a weak-key map: once the model (and so its
+    tables) is gone, so are its read-ahead and the tables, with their host memory and process
+    groups (a process that builds several models, e.g. a launch of several trainings)."""
+    import gc
+    import weakref
+
+    from megatron_ext.stem import read_ahead
+
+    tables = RecordingTables()
+    ahead = read_ahead.read_ahead_of(tables)
+    assert read_ahead.read_ahead_of(tables) is ahead
+    with torch.enable_grad():
+        ahead.take(lambda: (torch.zeros(1, 4, dtype=torch.long),) * 5, num_microbatches=1,
+                   next_step=False)
+    gone, gone_ahead = weakref.ref(tables), weakref.ref(ahead)
+    del tables, ahead
+    gc.collect()
+    assert gone() is None and gone_ahead() is None
+    assert len(read_ahead._READ_AHEAD) == 0
+
+
 def test_get_batch_keeps_the_host_tokens(mcore_single_rank):
     """TP rank 0 reads the batch from the data loader: with ``host_tokens`` the sixth item is the
     loader's tokens on the host, equal to the tokens the model gets."""

@@ -25,7 +25,10 @@ class TableReadAhead:
     read ahead for training."""
 
     def __init__(self, tables):
-        self.tables = tables
+        # Weakly: the read-ahead is the value of a WeakKeyDictionary keyed by the tables, and a
+        # strong reference from it would keep the tables (host memory, the model's STEM layers,
+        # their process groups) alive for the life of the process after their model is gone.
+        self._tables = weakref.ref(tables)
         self.next: Optional[tuple] = None  # (batch, Fetch) read ahead
         self.microbatch = 0  # training micro-batches taken in this step
 
@@ -34,7 +37,7 @@ class TableReadAhead:
         """The micro-batch to run now (the five tensors of ``read_batch()``'s tuple, which may
         add the tokens' host copy), its rows bound to the chunk's STEM layers. Collective over
         the data-parallel group."""
-        tables = self.tables
+        tables = self._tables()
         training = torch.is_grad_enabled()
         if training and self.next is not None:
             batch, fetch = self.next

@@ -3,6 +3,10 @@
 Extends upstream's ``megatron.training.training.destroy_global_state`` (what Megatron's in-process
 restart calls: global args, timers, the micro-batch calculator, the model-parallel groups, the
 rerun state machine) with what Megatron keeps elsewhere per process and what the plugin keeps:
+every process group but the default one (upstream destroys only its ``*_GLOO`` groups; the others
+lose their last Megatron reference but stay registered with ``torch.distributed``, and under gloo
+each keeps its context and its ``pt_gloo_runloop``/``gloo_tcp_loop`` threads for the life of the
+process: hundreds of threads per rank after a launch of a few dozen trainings),
 the tensorboard writer (flushed and closed), Megatron's aux-loss gradient scale and MoE metrics
 tracker (whose entries keep the layer count of the training that first recorded them), the plugin's
 log hooks and run report, and each registered family's own (its ``reset`` hook: STEM waits for the
@@ -47,4 +51,45 @@ def destroy_training_state() -> None:
     destroy_moe_metrics_tracker()
     reset_host_tensor_parallel_group()
     training.destroy_global_state()
+    forget_upstream_groups()
+    destroy_subgroups()
     gc.collect()
+
+
+def forget_upstream_groups() -> None:
+    """Drop the references to process groups that upstream keeps past ``destroy_global_state``
+    (megatron-core 0.19), so that destroyed groups are freed with their threads: module globals of
+    ``parallel_state`` that ``destroy_model_parallel`` does not reset
+    (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin), and the ``lru_cache`` of the
+    rotary embeddings' ``forward``, whose keys hold the embedding modules (and their ``cp_group``)
+    of every training that ran."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+    from torch.distributed import ProcessGroup
+
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, ProcessGroup):
+            setattr(parallel_state, name, None)
+    for cls in (RotaryEmbedding, YarnRotaryEmbedding):
+        cls.forward.cache_clear()
+
+
+def destroy_subgroups() -> None:
+    """Destroy every process group this rank belongs to except the default one (the next
+    training's ``initialize_megatron`` builds its own). A no-op without ``torch.distributed``.
+    In the order the groups were made, which is the same on every rank (upstream's
+    ``destroy_process_group(WORLD)`` keeps an order too: NCCL's abort was a collective in some
+    versions). A group still referenced somewhere fails when used, not silently."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    world = dist.group.WORLD
+    for group in list(_world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)

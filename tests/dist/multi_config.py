@@ -40,6 +40,21 @@ sys.path.insert(0, ROOT)
 
 OK = "MULTI-CONFIG OK"
 FAILED = "MULTI-CONFIG FAILED"
+# After a training's teardown, what this rank still has of torch.distributed: its registered
+# process groups and its gloo threads (tests/test_parallel_hybrid.py checks they do not pile up).
+LEFT = "MULTI-CONFIG LEFT"
+
+
+def gloo_threads() -> int:
+    """This process's threads named by gloo (its connection loops), from /proc."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += "gloo" in f.read()
+        except OSError:  # the thread has just ended
+            pass
+    return count
 
 
 def teardown() -> None:
@@ -50,6 +65,10 @@ def teardown() -> None:
     destroy_training_state()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+        from torch.distributed.distributed_c10d import _world
+
+        print(f"{LEFT} process groups {len(_world.pg_map)} gloo threads {gloo_threads()}",
+              flush=True)
 
 
 def run_one(entry_main, name: str, argv, log_dir: str, rank: int, expect_failure: bool = False,
