@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import gc
 
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training import training
@@ -63,15 +67,8 @@ def forget_upstream_groups() -> None:
     (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin), and the ``lru_cache`` of the
     rotary embeddings' ``forward``, whose keys hold the embedding modules (and their ``cp_group``)
     of every training that ran."""
-    from megatron.core import parallel_state
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,
-    )
-    from torch.distributed import ProcessGroup
-
     for name, value in list(vars(parallel_state).items()):
-        if isinstance(value, ProcessGroup):
+        if isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
     for cls in (RotaryEmbedding, YarnRotaryEmbedding):
         cls.forward.cache_clear()
@@ -83,13 +80,10 @@ def destroy_subgroups() -> None:
     In the order the groups were made, which is the same on every rank (upstream's
     ``destroy_process_group(WORLD)`` keeps an order too: NCCL's abort was a collective in some
     versions). A group still referenced somewhere fails when used, not silently."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return
-    from torch.distributed.distributed_c10d import _world
-
     world = dist.group.WORLD
-    for group in list(_world.pg_map):
+    # torch.distributed's registry of this rank's groups (private; no public list of groups).
+    for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
