@@ -292,6 +292,22 @@ def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 
     assert max(diffs) <= tol, f"{a.name} vs {b.name}: {ca} vs {cb} (max diff {max(diffs):.2e})"
 
 
+def assert_teardown_left_only_the_default_group(runs: Dict[str, Run]) -> None:
+    """Every training of ``runs`` (each in a shared launch) left only the default process group
+    registered after its teardown, and every rank as many gloo threads as the default group has
+    (``MULTI-CONFIG LEFT`` lines, ``tests/dist/multi_config.py``): a group still referenced after
+    its training, or a model kept alive with its groups, shows as more threads, and over a launch
+    as a growing count."""
+    threads = {}
+    for name, run in runs.items():
+        found = re.findall(r"MULTI-CONFIG LEFT process groups (\d+) gloo threads (\d+)", run.log)
+        assert found, f"{name}: no teardown report (not in a shared launch?)"
+        for rank, (groups, count) in enumerate(found):
+            assert int(groups) == 1, (name, rank, int(groups))
+            threads.setdefault(int(count), []).append((name, rank))
+    assert len(threads) == 1 and min(threads) > 0, {k: v[:4] for k, v in threads.items()}
+
+
 def require_ok(run: Run) -> Run:
     assert run.returncode == 0, f"{run.name} failed:\n{run.log[-6000:]}"
     return run

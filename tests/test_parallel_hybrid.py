@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -141,17 +142,7 @@ def test_stem_gpt_path_checkpoint_loads_into_managed_tables_on_the_hybrid_path(r
 
 
 def test_teardown_between_trainings_leaves_only_the_default_group(runs):
-    """A launch's trainings (TP=2, PP=2 and DP=2 groups among them) end with every process group
-    but the default one destroyed (megatron_ext.training.teardown), so gloo's threads do not pile
-    up across the trainings of a launch: each rank has as many after the last as after the first."""
-    import re
-
-    left = {}  # rank's line order -> [(groups, gloo threads) per training]
-    for name, run in runs.items():
-        found = re.findall(r"MULTI-CONFIG LEFT process groups (\d+) gloo threads (\d+)", run.log)
-        assert len(found) == 2, name  # one line from each rank
-        for rank, (groups, threads) in enumerate(found):
-            assert int(groups) == 1, (name, rank, groups)
-            left.setdefault(rank, set()).add(int(threads))
-    for rank, threads in left.items():
-        assert len(threads) == 1 and min(threads) > 0, (rank, threads)
+    """The launch's trainings (TP=2, PP=2, DP=2, managed and tiered tables) end with every process
+    group but the default one destroyed and freed (megatron_ext.training.teardown), so gloo's
+    threads do not pile up across the trainings of a launch."""
+    assert_teardown_left_only_the_default_group(runs)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -130,3 +131,11 @@ def test_build_prints_parameter_counts(runs):
     assert f"total {b.total:,}" in line
     assert f"active per token {b.active([1, 1, 1, 1]):,}" in line
     assert f"before the sparsification switch {b.active([2, 2, 1, 1]):,}" in line
+
+
+def test_teardown_frees_each_sigma_model_and_its_groups(runs):
+    """Each Sigma training's model is freed at its teardown with its process groups (the alltoall
+    dispatcher's last routing probabilities kept it alive: ``sigma.layer.release_layers``), under
+    both dispatchers, EP=2 with TP=2 + SP on 4 ranks among them."""
+    assert_teardown_left_only_the_default_group(runs)
+

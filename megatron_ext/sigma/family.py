@@ -30,6 +30,7 @@ from megatron_ext.sigma import monitor
 from megatron_ext.sigma.budget import SigmaBudget
 from megatron_ext.sigma.config import LBLS as SIGMA_LBLS
 from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk_schedule
+from megatron_ext.sigma.layer import release_layers
 from megatron_ext.sigma.monitor import report
 from megatron_ext.sigma.presets import FAMILY_FLAGS
 from megatron_ext.sigma.router import forget_routers
@@ -37,6 +38,13 @@ from megatron_ext.sigma.schedule import apply_schedule, sigma_layers
 from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
 NAME = "sigma"
+
+
+def reset() -> None:
+    """Back to a fresh process's state after a training: the finished model's routers out of the
+    registry, its layers' last autograd graphs dropped (``layer.release_layers``)."""
+    release_layers()
+    forget_routers()
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -264,5 +272,5 @@ FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", blo
                 config_from_args=config_from_args, default_flags=FAMILY_FLAGS,
                 check_args=check_args, validate_args=validate_args,
                 model_state=model_state, log_report=log_report, before_forward=before_forward,
-                at_iteration=at_iteration, reset=forget_routers, estimate_terms=SigmaTerms(),
+                at_iteration=at_iteration, reset=reset, estimate_terms=SigmaTerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})

@@ -37,9 +37,10 @@ _ROUTERS: "weakref.WeakSet[SigmaRouter]" = weakref.WeakSet()
 
 
 def forget_routers() -> None:
-    """Empty the registry after a training (``training/teardown.py``): the finished model
-    outlives it in reference cycles (Megatron DDP's gradient hooks keep it through autograd
-    nodes the collector does not free), so its routers would stay listed."""
+    """Empty the registry after a training (``training/teardown.py``): a finished model can
+    outlive it in reference cycles (Megatron DDP's gradient hooks keep it through autograd nodes
+    the collector does not free; ``layer.release_layers`` breaks the one Sigma's dispatchers
+    make), so its routers would stay listed."""
     _ROUTERS.clear()
 
 
