@@ -41,7 +41,8 @@ sys.path.insert(0, ROOT)
 OK = "MULTI-CONFIG OK"
 FAILED = "MULTI-CONFIG FAILED"
 # After a training's teardown, what this rank still has of torch.distributed: its registered
-# process groups and its gloo threads (tests/test_parallel_hybrid.py checks they do not pile up).
+# process groups and its gloo threads (multirank.assert_teardown_left_only_the_default_group checks
+# they do not pile up).
 LEFT = "MULTI-CONFIG LEFT"
 
 
