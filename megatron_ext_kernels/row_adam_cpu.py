@@ -40,7 +40,8 @@ one thread alone, so the results are the same bits either way. Measured on the d
 (2 threads, the sparse step of 3,379 Zipf rows of 5,632, median of 12): 10.61 vs 10.60 ms with
 static shares on idle cores; with one core kept busy by another process, 13.20 vs 17.85 ms.
 
-Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards);
+Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards, in a folder per
+virtualenv and CPU: ``_build_dir.py``);
 ``load()`` returns None when no compiler is available, and the caller falls back.
 """
 
@@ -50,6 +51,8 @@ import logging
 import os
 
 import torch
+
+from megatron_ext_kernels._build_dir import build_environment
 
 logger = logging.getLogger(__name__)
 
@@ -345,10 +348,11 @@ def load():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _MODULE = _Kernels(load_inline(
-                name="megatron_ext_row_adam_v8", cpp_sources=[_SOURCE],
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False))
+            with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
+                _MODULE = _Kernels(load_inline(
+                    name="megatron_ext_row_adam_v8", cpp_sources=[_SOURCE],
+                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain
             logger.warning("row-wise AdamW kernel unavailable (%s); falling back", exc)
             _MODULE = False

@@ -41,6 +41,7 @@ import torch
 
 from megatron_ext.stem.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
+from megatron_ext_kernels._build_dir import build_environment
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ def deepspeed_op():
         try:
             from deepspeed.ops.op_builder import CPUAdamBuilder
 
-            op = CPUAdamBuilder().load(verbose=False)
+            with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
+                op = CPUAdamBuilder().load(verbose=False)
             op.create_adam(DEEPSPEED_OPTIMIZER_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
             _DS_OP = op
         except Exception as exc:  # no compiler, no deepspeed: the torch kernel still works
