@@ -292,14 +292,16 @@ def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 
     assert max(diffs) <= tol, f"{a.name} vs {b.name}: {ca} vs {cb} (max diff {max(diffs):.2e})"
 
 
-def assert_teardown_left_only_the_default_group(runs: Dict[str, Run]) -> None:
-    """Every training of ``runs`` (each in a shared launch) left only the default process group
-    registered after its teardown, and every rank as many gloo threads as the default group has
-    (``MULTI-CONFIG LEFT`` lines, ``tests/dist/multi_config.py``): a group still referenced after
-    its training, or a model kept alive with its groups, shows as more threads, and over a launch
-    as a growing count."""
+def assert_teardown_left_only_the_default_group(runs) -> None:
+    """Every training of ``runs`` (a fixture's ``{name: Run}``, other values ignored, or Runs;
+    each in a shared launch) left only the default process group registered after its teardown,
+    and every rank as many gloo threads as the default group has (``MULTI-CONFIG LEFT`` lines,
+    ``tests/dist/multi_config.py``): a group still referenced after its training, or a model kept
+    alive with its groups, shows as more threads, and over a launch as a growing count."""
     threads = {}
-    for name, run in runs.items():
+    runs = runs.values() if isinstance(runs, dict) else runs
+    for run in (r for r in runs if isinstance(r, Run)):
+        name = run.name
         found = re.findall(r"MULTI-CONFIG LEFT process groups (\d+) gloo threads (\d+)", run.log)
         assert found, f"{name}: no teardown report (not in a shared launch?)"
         for rank, (groups, count) in enumerate(found):

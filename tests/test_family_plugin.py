@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from multirank import TINY_GPT, Launches, require_ok
+from multirank import TINY_GPT, Launches, assert_teardown_left_only_the_default_group, require_ok
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -55,3 +55,10 @@ def test_its_own_check_stops_a_bad_command(runs):
     bad = r["gelu_swiglu"]
     assert bad.returncode != 0
     assert "megatron-ext: --model-family=gelu is the non-gated GELU MLP: drop --swiglu" in bad.log
+
+
+def test_teardown_frees_every_training(runs):
+    """The launches' plugin family's trainings are each freed at their teardown with their process
+    groups."""
+    r, _ = runs
+    assert_teardown_left_only_the_default_group([r["gelu"], r["gpt_gelu"]])  # gelu_swiglu fails

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -145,3 +146,9 @@ def test_gpt_path_checkpoint_continues_on_the_hybrid_path(runs):
     gpt, resumed = require_ok(runs["gpt_path"]), require_ok(runs["gpt_to_hybrid"])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert resumed.curve(AFTER_RESUME) == gpt.curve(AFTER_RESUME)
+
+
+def test_teardown_frees_every_training(runs):
+    """The launches' Sigma trainings on the hybrid path are each freed at their teardown with their
+    process groups."""
+    assert_teardown_left_only_the_default_group(runs)

@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -117,3 +118,9 @@ def test_gpt_path_checkpoint_continues_on_the_hybrid_path(runs):
         gpt_values = dict(gpt.scalars[tag])
         for step, value in resumed.scalars[tag]:
             assert math.isclose(value, gpt_values[step], rel_tol=1e-6), (tag, step)
+
+
+def test_teardown_frees_every_training(runs):
+    """The launches' StructMoE trainings on the hybrid path are each freed at their teardown with
+    their process groups."""
+    assert_teardown_left_only_the_default_group(runs)

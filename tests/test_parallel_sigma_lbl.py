@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from multirank import TINY_GPT, Launches, require_ok
+from multirank import TINY_GPT, Launches, assert_teardown_left_only_the_default_group, require_ok
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -116,3 +116,9 @@ def test_logged_values_equal_the_dumped_global_statistics(runs):
             assert abs(logged - eq1) < 1e-6
             f_dev = dict(run.scalars[f"sigma/load_deviation_max_layer_{layer}"])[step]
             assert abs(f_dev - float(4 * stats[layer]["f"].max() - 1)) < 1e-6
+
+
+def test_teardown_frees_every_training(runs):
+    """The launches' Sigma LBL trainings are each freed at their teardown with their process
+    groups."""
+    assert_teardown_left_only_the_default_group([run for run, _ in runs.values()])

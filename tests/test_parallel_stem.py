@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok, torchrun
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok, torchrun)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -149,3 +150,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(runs):
             "SHA-256 differs from the manifest's")
     assert line in run.log, run.log[-3000:]
     assert "Traceback" not in run.log
+
+
+def test_teardown_frees_every_training(runs):
+    """The launches' STEM trainings (TP=2 + SP, PP=2, the fused kernel) are each freed at their
+    teardown with their process groups."""
+    assert_teardown_left_only_the_default_group(runs)

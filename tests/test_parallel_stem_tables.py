@@ -14,7 +14,8 @@ import re
 import pytest
 import torch
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -428,3 +429,11 @@ def test_incompatible_checkpoints_are_refused(runs, name, message):
     run = runs[name]
     assert run.returncode != 0
     assert message in run.log
+
+
+def test_teardown_frees_every_training(runs):
+    """Each training of the launches (managed-table trainings, the distributed optimizer with
+    overlapped reduce and gather among them) is freed at its teardown with its process groups: the
+    distributed optimizer's fp32 shards, views of the parameters with their autograd graph, kept the
+    model and optimizer alive through DDP's config (``teardown.release_model_configs``)."""
+    assert_teardown_left_only_the_default_group(runs)

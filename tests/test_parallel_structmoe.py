@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import (TINY_GPT, Launches, assert_close_curves,
+                       assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -107,3 +108,9 @@ def test_router_metrics_logged(runs, name):
     ref_lbl = dict(require_ok(runs["ref"]).scalars["load_balancing_loss"])
     for step in FIRST5:
         assert math.isclose(lbl[step], ref_lbl[step], rel_tol=1e-5)
+
+
+def test_teardown_frees_every_training(runs):
+    """The launches' StructMoE trainings (TP=2, TP=2 + SP, DP=2) are each freed at their teardown
+    with their process groups."""
+    assert_teardown_left_only_the_default_group(runs)

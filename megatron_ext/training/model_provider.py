@@ -16,6 +16,7 @@ from megatron_ext.models.hybrid import TokenIdsHybridModel, stack_has_token_laye
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import stage_has_token_layers, te_available
 from megatron_ext.training.batch import make_host_tensor_parallel_group
+from megatron_ext.training.teardown import track_model_config
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
@@ -27,6 +28,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
                          "installed (or has no GPU); use --transformer-impl local")
     if config is None:
         config = core_transformer_config_from_args(args)
+    track_model_config(config)  # its trainer callbacks are dropped at teardown (teardown.py)
     family = get_family(args.model_family)
     if family.heterogeneous_layers:
         # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.

@@ -9,7 +9,8 @@ each keeps its context and its ``pt_gloo_runloop``/``gloo_tcp_loop`` threads for
 process: hundreds of threads per rank after a launch of a few dozen trainings),
 the tensorboard writer (flushed and closed), Megatron's aux-loss gradient scale and MoE metrics
 tracker (whose entries keep the layer count of the training that first recorded them), the plugin's
-log hooks and run report, and each registered family's own (its ``reset`` hook: STEM waits for the
+log hooks and run report, the trainer's callbacks on the models' configs (which kept a model with
+the distributed optimizer alive: ``release_model_configs``), and each registered family's own (its ``reset`` hook: STEM waits for the
 host worker and forgets its table optimizers, Sigma empties its router registry). The default process group stays up: ``initialize_megatron`` finds it and
 builds the next training's groups. Every training seeds its generators itself.
 
@@ -19,6 +20,7 @@ Used by ``tests/dist/multi_config.py`` (several test trainings per launch of the
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -35,10 +37,43 @@ from megatron_ext.training.batch import reset_host_tensor_parallel_group
 from megatron_ext.training.checkpoint_hooks import WRITER
 
 
+# The config of every model ``model_provider`` built in this process, by id (weak: a freed model's
+# config goes; configs are dataclasses with ``__eq__``, so not hashable). See
+# ``release_model_configs``.
+_CONFIGS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+# What upstream's ``train()`` attaches to the model's config (megatron-core 0.19,
+# ``megatron.training.training.train``): bound methods of the optimizer and the DDP chunks.
+TRAINER_CALLBACKS = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+                     "finalize_model_grads_func")
+
+
+def track_model_config(config) -> None:
+    """Called by ``model_provider`` with the config of each model chunk it builds."""
+    _CONFIGS[id(config)] = config
+
+
+def release_model_configs() -> None:
+    """Detach the trainer's callbacks from every model config still alive, so that a finished
+    model and its optimizer can be freed. Upstream's ``DistributedOptimizer`` keeps the shards of
+    fp32 parameters as views made without ``detach()`` (``model_param.view(-1)[start:end]``; its
+    fp16/bf16 branch detaches). Their autograd graph holds each parameter's ``AccumulateGrad``
+    node, whose hook (Megatron DDP's backward post-hook) holds the DDP chunk, whose config holds
+    the optimizer's ``scale_loss`` (``grad_scale_func``): a cycle through autograd's C++ side,
+    which Python's collector cannot see, so the model, the optimizer and their process groups
+    lived for the rest of the process (60 gloo threads per rank more after each training of a
+    2-rank launch of tiny GPT trainings with ``--use-distributed-optimizer``, measured
+    2026-11-26). Without the config's link to the optimizer the cycle is an ordinary one."""
+    for config in list(_CONFIGS.values()):
+        for name in TRAINER_CALLBACKS:
+            if getattr(config, name, None) is not None:
+                setattr(config, name, None)
+
+
 def destroy_training_state() -> None:
     for family in families():
         if family.reset is not None:
             family.reset()
+    release_model_configs()
     WRITER.wait()
     try:
         writer = get_tensorboard_writer()
