@@ -21,7 +21,7 @@ import pytest
 
 from convert_support import (TIED, hf_logits, hf_model, reference_logits, to_hf,
                              tokens, train_flags, trained)
-from multirank import Launches
+from multirank import Launches, assert_teardown_left_only_the_default_group
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -219,3 +219,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoints, tmp_path):
     unchecked = run(str(tmp_path / "ck_garbage"), str(tmp_path / "hf_unchecked"),
                     "--no-verify-checkpoint")
     assert unchecked.returncode == 0, unchecked.stderr
+
+
+def test_teardown_frees_every_training(checkpoints):
+    """The trainings of the launch are each freed at their teardown with their process groups."""
+    assert_teardown_left_only_the_default_group([run for run, _ in checkpoints.values()])

@@ -18,7 +18,7 @@ import pytest
 
 from convert_support import (hf_logits, hf_model, reference_logits, to_hf, tokens,
                              train_flags, trained)
-from multirank import ROOT, Launches
+from multirank import ROOT, Launches, assert_teardown_left_only_the_default_group
 from rank_server import run_python
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
@@ -113,3 +113,8 @@ def test_a_pattern_without_a_hugging_face_layout_is_refused(checkpoints, tmp_pat
                            "Hugging Face layout"), proc.stderr
     assert "Traceback" not in proc.stderr
     assert not os.path.exists(out) and not [f for f in os.listdir(tmp_path) if ".partial-" in f]
+
+
+def test_teardown_frees_every_training(checkpoints):
+    """The trainings of the launch are each freed at their teardown with their process groups."""
+    assert_teardown_left_only_the_default_group([run for run, _ in checkpoints.values()])
