@@ -77,6 +77,11 @@ for mod, dist in need:
     except Exception as e:
         pin = f"{dist}=={pins[dist]}" if dist in pins else (dist or "this checkout")
         missing.append(f"  {pin}: import {mod} failed ({type(e).__name__}: {e})")
+try:  # only the host_optimizer step needs it: named, not fatal
+    importlib.import_module("deepspeed")
+except Exception as e:
+    print(f"[gpu-evidence] deepspeed is missing ({type(e).__name__}: {e}): the host_optimizer "
+          "step will fail; scripts/gpu_wheels.sh carries it", file=sys.stderr)
 if missing:
     print("[gpu-evidence] missing packages (put their wheels in " + sys.argv[1] +
           "; scripts/gpu_wheels.sh fetches them on a machine with the registry):\n" +
