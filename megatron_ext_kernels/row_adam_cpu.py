@@ -40,9 +40,9 @@ one thread alone, so the results are the same bits either way. Measured on the d
 (2 threads, the sparse step of 3,379 Zipf rows of 5,632, median of 12): 10.61 vs 10.60 ms with
 static shares on idle cores; with one core kept busy by another process, 13.20 vs 17.85 ms.
 
-Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards, in a folder per
-virtualenv and CPU: ``_build_dir.py``);
-``load()`` returns None when no compiler is available, and the caller falls back.
+Built with ``torch.utils.cpp_extension.load_inline`` on first use (cached afterwards, in a folder
+per virtualenv and CPU: ``_build_dir.py``); ``load()`` returns None when no compiler is
+available, and the caller falls back.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """Back to a fresh process's state after a training, so that another can start in the same one.
 
 Extends upstream's ``megatron.training.training.destroy_global_state`` (what Megatron's in-process
-restart calls: global args, timers, the micro-batch calculator, the model-parallel groups, the
-rerun state machine) with what Megatron keeps elsewhere per process and what the plugin keeps:
-every process group but the default one (upstream destroys only its ``*_GLOO`` groups; the others
-lose their last Megatron reference but stay registered with ``torch.distributed``, and under gloo
-each keeps its context and its ``pt_gloo_runloop``/``gloo_tcp_loop`` threads for the life of the
-process: hundreds of threads per rank after a launch of a few dozen trainings),
-the tensorboard writer (flushed and closed), Megatron's aux-loss gradient scale and MoE metrics
-tracker (whose entries keep the layer count of the training that first recorded them), the plugin's
-log hooks and run report, the trainer's callbacks on the models' configs (which kept a model with
-the distributed optimizer alive: ``release_model_configs``), and each registered family's own (its ``reset`` hook: STEM waits for the
-host worker and forgets its table optimizers, Sigma empties its router registry). The default process group stays up: ``initialize_megatron`` finds it and
-builds the next training's groups. Every training seeds its generators itself.
+restart calls: global args, timers, the micro-batch calculator, the model-parallel groups, the rerun
+state machine) with what Megatron keeps elsewhere per process and what the plugin keeps: every
+process group but the default one (upstream destroys only its ``*_GLOO`` groups; the others lose
+their last Megatron reference but stay registered with ``torch.distributed``, and under gloo each
+keeps its context and its ``pt_gloo_runloop``/``gloo_tcp_loop`` threads for the life of the process:
+hundreds of threads per rank after a launch of a few dozen trainings), the tensorboard writer
+(flushed and closed), Megatron's aux-loss gradient scale and MoE metrics tracker (whose entries keep
+the layer count of the training that first recorded them), the plugin's log hooks and run report,
+the trainer's callbacks on the models' configs (which kept a model with the distributed optimizer
+alive: ``release_model_configs``), and each registered family's own (its ``reset`` hook: STEM waits
+for the host worker and forgets its table optimizers, Sigma empties its router registry). The
+default process group stays up: ``initialize_megatron`` finds it and builds the next training's
+groups. Every training seeds its generators itself.
 
 Used by ``tests/dist/multi_config.py`` (several test trainings per launch of the ranks).
 """
