@@ -291,6 +291,12 @@ def _device_info(python: str) -> Dict[str, object]:
             "except Exception as e: d['triton'] = None\n"
             "try:\n import megatron.core as m; d['megatron_core'] = m.__version__\n"
             "except Exception as e: d['megatron_core'] = None\n"
+            # Without importing them (seconds of a lease): the CPU baseline's package and the
+            # JIT builds' tool (host_optimizer; the row kernels).
+            "import importlib.metadata as md, shutil\n"
+            "try:\n d['deepspeed'] = md.version('deepspeed')\n"
+            "except Exception: d['deepspeed'] = None\n"
+            "d['ninja'] = shutil.which('ninja')\n"
             "print(json.dumps(d))\n")
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
