@@ -11,9 +11,9 @@ hundreds of threads per rank after a launch of a few dozen trainings), the tenso
 the layer count of the training that first recorded them), the plugin's log hooks and run report,
 the trainer's callbacks on the models' configs (which kept a model with the distributed optimizer
 alive: ``release_model_configs``), and each registered family's own (its ``reset`` hook: STEM waits
-for the host worker and forgets its table optimizers, Sigma empties its router registry). The
-default process group stays up: ``initialize_megatron`` finds it and builds the next training's
-groups. Every training seeds its generators itself.
+for the host worker and forgets its table optimizers, Sigma drops its dispatchers' last autograd
+graphs and empties its router registry). The default process group stays up: ``initialize_megatron``
+finds it and builds the next training's groups. Every training seeds its generators itself.
 
 Used by ``tests/dist/multi_config.py`` (several test trainings per launch of the ranks).
 """
