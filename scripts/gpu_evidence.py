@@ -150,6 +150,16 @@ def _rows_host_optimizer(path: str) -> List[Row]:
                      f"{s['kernel']}")]
 
 
+def _rows_host_gather(path: str) -> List[Row]:
+    s = _load(path)
+    ms = s["ms"]
+    return [Row("host_gather", f"host rows gathered and cast to {name}, vs its fp32 gather",
+                s[f"{name}_vs_fp32_copy"], "x",
+                note=f"{ms[f'compiled {name}']:.2f} ms for {s['rows']} rows x {s['width']}, "
+                     f"{s['threads']} threads; torch {s[f'{name}_torch_vs_compiled']:.2f}x that")
+            for name in ("bf16", "fp16")]
+
+
 def _rows_worker_schedule(path: str) -> List[Row]:
     s = _load(path)
     chunks = s["owed step, chunks"]
@@ -259,6 +269,11 @@ def plan() -> List[Step]:
              [PY, "benchmarks/stem_optimizer.py", "--vocab", "128256", "--d-ff", "8192",
               "--json", f"{RES}/host_optimizer.json"],
              180, "host_optimizer.json", _rows_host_optimizer),
+        # The host side of a fetch: rows cast to the wire dtype into the staging buffer (bf16
+        # ran at a third of the fp32 gather's speed here until 2026-11-26).
+        Step("host_gather", "host rows gathered and cast to the wire dtype, this host",
+             [PY, "benchmarks/stem_host_gather.py", "--json", f"{RES}/host_gather.json"],
+             120, "host_gather.json", _rows_host_gather),
         Step("stem_worker_schedule", "host worker: the table step in chunks vs as one task",
              [PY, "benchmarks/stem_worker_schedule.py", "--rows", "16032", "--width", "8192",
               "--compute-ms", "100", "--json", f"{RES}/stem_worker_schedule.json"],

@@ -30,7 +30,8 @@ def test_print_only_names_every_benchmark(tmp_path):
     out = p.stdout
     for needle in ("benchmarks/stem_mlp.py", "benchmarks/structmoe_kernel.py",
                    "benchmarks/structmoe_step.py", "benchmarks/sigma_step.py",
-                   "benchmarks/stem_placement.py", "launch/scaling.py --preset stem_350m",
+                   "benchmarks/stem_placement.py", "benchmarks/stem_host_gather.py",
+                   "launch/scaling.py --preset stem_350m",
                    "launch/scaling.py --preset dense_350m", "-m pytest",
                    "tests/test_kernel_stem_gate.py"):
         assert needle in out, f"{needle!r} missing from the plan:\n{out}"
@@ -136,6 +137,15 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert idle.value == 7.5 and "trace_1b_tiered.json.gz" in idle.note
     assert "stem/wait-read 5.3 ms; outside them 2.2 ms" in idle.note
     assert "gpu tables, GPU main stream idle per step" not in by  # no trace of that run
+    (tmp_path / "hg.json").write_text(json.dumps({
+        "rows": 2000, "width": 8192, "threads": 15,
+        "ms": {"compiled bf16": 1.2, "compiled fp16": 1.8, "compiled fp32": 1.3},
+        "bf16_vs_fp32_copy": 0.92, "fp16_vs_fp32_copy": 1.38,
+        "bf16_torch_vs_compiled": 2.1, "fp16_torch_vs_compiled": 1.1}))
+    by = {r.metric: r for r in gpu_evidence._rows_host_gather(str(tmp_path / "hg.json"))}
+    bf16 = by["host rows gathered and cast to bf16, vs its fp32 gather"]
+    assert bf16.value == 0.92 and "1.20 ms for 2000 rows x 8192, 15 threads" in bf16.note
+    assert by["host rows gathered and cast to fp16, vs its fp32 gather"].value == 1.38
 
 
 def test_wheel_script_lists_pinned_packages():

@@ -230,6 +230,44 @@ def _clock(steps: int, betas=(0.5, 0.9), seed: int = 0) -> RowClock:
     return clock
 
 
+def _cast_cases() -> torch.Tensor:
+    """fp32 values whose casts are easy to get wrong, by their bits: signed zeros, the smallest
+    and largest subnormals, the largest finite value (rounds to inf in bf16), the infinities,
+    NaNs whose payload is only in the low 16 bits (a rounding add without the NaN check makes
+    them inf) or everywhere (0xFFFFFFFF: the add wraps to zero), and bf16 ties (low 16 bits
+    exactly 0x8000) with the kept bit even and odd, one below and one above each; for fp16 its
+    largest value, the tie above it (rounds to inf), its smallest subnormal, the tie below it
+    (rounds to zero) and ties at 1 (low 13 bits 0x1000, kept bit even and odd)."""
+    bits = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF,
+            0x7F800000, 0xFF800000, 0x7F800001, 0xFFC00000, 0xFFFFFFFF, 0x7FC00000,
+            0x477FE000, 0x477FF000, 0x33800000, 0x33000000, 0xB3000001, 0x3F801000, 0x3F803000]
+    for base in (0x3F800000, 0x3F810000, 0xC0490000, 0x3F7F0000):  # kept bit even / odd
+        bits += [base + 0x8000, base + 0x7FFF, base + 0x8001]
+    as_int32 = [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
+    return torch.tensor(as_int32, dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_gather_casts_like_torch(dtype):
+    """The compiled gather-with-cast of rows wide enough for the vector loop and its remainder
+    (200 columns) holding every hard case of ``_cast_cases`` (and random values around them)
+    gives torch's cast bit for bit; a NaN stays a NaN."""
+    _, kernel = _row_kernel()
+    cases = _cast_cases()
+    g = torch.Generator().manual_seed(5)
+    shard = torch.randn(30, 200, generator=g) * 3
+    for r in range(0, 30, 3):  # the hard cases at varied columns of every third row
+        shard[r, (torch.arange(cases.numel()) * 7 + r) % 200] = cases
+    index = torch.tensor([3, 0, 27, 3, 12, 29, 6, 0])
+    out = torch.empty(index.numel(), 200, dtype=dtype)
+    kernel.gather_rows_(shard, index, out)
+    want = shard[index].to(dtype)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    int_type = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    assert torch.equal(out.view(int_type)[~nan], want.view(int_type)[~nan])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_row_kernels_match_torch(dtype):
     """The compiled gather-with-cast equals the torch ops it replaces (bitwise: round-to-nearest-

@@ -1,0 +1,94 @@
+"""The host side of a fetch of host-resident STEM rows: rows of an fp32 host shard gathered and
+cast to the wire dtype (bf16 in bf16 training, fp16, fp32) straight into a reused buffer, as
+``stem/store.py`` does into the pinned staging buffer before the copy to the GPU. In one run:
+
+- the compiled gather (``megatron_ext_kernels/row_adam_cpu.py``, ``gather_rows_``) for each wire
+  dtype, against its own fp32 gather (a plain row copy: what the cast may cost on top), and
+- torch's ``index_select`` + cast into the same buffer (the store's fallback without a compiler).
+
+Rows are a uniform draw from the shard (cold rows, as the host tier of tiered tables holds them),
+sorted as the exchange hands them over. Medians of ``--reps``, the variants interleaved.
+
+    .venv/bin/python benchmarks/stem_host_gather.py     # 2000 of 16032 rows x 8192 (1B, DP=8)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shard-rows", type=int, default=16032)
+    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--reps", type=int, default=12)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not 0 < args.rows <= args.shard_rows:
+        raise SystemExit(f"--rows must be in 1..--shard-rows ({args.shard_rows}), got {args.rows}")
+
+    from megatron_ext_kernels import row_adam_cpu
+
+    kernel = row_adam_cpu.load()
+    if kernel is None:
+        raise SystemExit("the compiled row kernels do not build here (no C++ compiler?)")
+    g = torch.Generator().manual_seed(0)
+    shard = torch.randn(args.shard_rows, args.width, generator=g)
+    index = torch.randperm(args.shard_rows, generator=g)[:args.rows].sort().values
+    outs = {name: torch.empty(args.rows, args.width, dtype=dt) for name, dt in DTYPES.items()}
+    gathered = torch.empty(args.rows, args.width)
+
+    def compiled(name):
+        kernel.gather_rows_(shard, index, outs[name])
+
+    def with_torch(name):
+        torch.index_select(shard, 0, index, out=gathered)
+        outs[name].copy_(gathered)
+
+    variants = {f"{kind} {name}": (fn, name) for name in DTYPES
+                for kind, fn in (("compiled", compiled), ("torch", with_torch))}
+    times = {v: [] for v in variants}
+    for rep in range(args.reps + 1):  # the first round warms up (pages, the kernel's threads)
+        for label, (fn, name) in variants.items():
+            t0 = time.perf_counter()
+            fn(name)
+            if rep:
+                times[label].append(time.perf_counter() - t0)
+    for name, dt in DTYPES.items():  # what the compiled gather wrote is the cast, bit for bit
+        compiled(name)
+        assert torch.equal(outs[name], shard[index].to(dt)), name
+    ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
+    params = args.rows * args.width
+    print(f"STEM host gather | {args.rows} of {args.shard_rows} rows x {args.width} "
+          f"({params / 1e6:.1f} M params) | {kernel.team_size(row_adam_cpu.threads())} threads")
+    summary = {"rows": args.rows, "shard_rows": args.shard_rows, "width": args.width,
+               "threads": kernel.team_size(row_adam_cpu.threads()), "ms": ms}
+    base = ms["compiled fp32"]
+    for name, dt in DTYPES.items():
+        c, t = ms[f"compiled {name}"], ms[f"torch {name}"]
+        moved = params * (4 + dt.itemsize) / (c * 1e-3) / 1e9
+        summary[f"{name}_vs_fp32_copy"] = c / base
+        summary[f"{name}_torch_vs_compiled"] = t / c
+        print(f"  {name}: compiled {c:6.2f} ms ({params / c / 1e6:.2f} G params/s, {moved:.1f} "
+              f"GB/s read+written; {c / base:.2f}x its fp32 gather) | torch {t:6.2f} ms "
+              f"({t / c:.2f}x the compiled one)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
