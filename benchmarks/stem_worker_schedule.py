@@ -62,8 +62,8 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
                         a.rows, parallel_state.get_data_parallel_group())
     adam = RowAdamW(tables.store.shards, mode="sparse", lazy=tables.store.lazy)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # its table step only
-    optimizer.mode, optimizer._step_tasks = "sparse", []
+    optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # its table step and drain
+    optimizer.mode, optimizer.tables, optimizer._step_tasks = "sparse", [tables], []
     read_ahead = TableReadAhead(tables)
     most = len(torch.unique(torch.cat([mb.reshape(-1) for mb in ids_steps[0]]))) * 2
     noise = [torch.randn(most, a.width, generator=g) * 1e-3 for _ in layers]  # row gradients
@@ -80,11 +80,8 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
             time.sleep(a.compute_ms / 1e3)  # the micro-batch computes (on the GPU)
             step_ids.append(batch[0].reshape(-1))
         t = time.perf_counter()
-        WORKER.wait()  # the optimizer's drain: the previous table step's rest
+        optimizer.drain()  # the previous table step's rest
         drained = time.perf_counter() - t
-        for _, done in optimizer._step_tasks:
-            done.result()
-        optimizer._step_tasks.clear()
         # The step's row gradients summed per touched row (what collect_grads hands over).
         touched = torch.unique(torch.cat(step_ids))
         local = tables.ownership.local_index(touched)

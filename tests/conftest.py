@@ -48,7 +48,8 @@ def fresh_aux_loss_scale():
 # instead of one long file running alone last.
 FILE_SECONDS = {
     "test_parallel_stem_tables.py": 365, "test_convert_to_hf.py": 145, "test_parallel_stem.py": 111,
-    "test_parallel_sigma.py": 101, "test_parallel_structmoe.py": 96, "test_cli_errors.py": 90,
+    "test_gpu_plan_smoke.py": 110, "test_parallel_sigma.py": 101, "test_parallel_structmoe.py": 96,
+    "test_cli_errors.py": 90,
     "test_parallel_hybrid.py": 86, "test_estimate.py": 81, "test_parallel_hybrid_sigma.py": 80,
     "test_parallel_stem_tp_padding.py": 75, "test_convert_to_hf_hybrid.py": 71,
     "test_convert_from_hf.py": 60, "test_parallel_hybrid_structmoe.py": 45,

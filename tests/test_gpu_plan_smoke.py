@@ -1,0 +1,65 @@
+"""Every benchmark the GPU evidence runner (``scripts/gpu_evidence.py``) runs on a lease runs here,
+on the CPU: the step's own command with flags for a tiny shape appended (argparse keeps the last
+value), and its result file read by the runner's reader for that step. A benchmark broken since
+the last lease, or a reader that no longer matches its benchmark's output, fails here instead of
+in the lease's minutes (``benchmarks/stem_worker_schedule.py`` unpacked the optimizer's step
+tasks as pairs after they became triples, and failed at its first step from e159412 until
+2026-11-26; no test ran it). ``launch/scaling.py``'s steps are covered by
+``tests/test_scaling_harness.py`` (a 2-rank CPU sweep)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import gpu_evidence  # noqa: E402
+
+# Per step: flags that shrink it to a CPU-sized run of the same code.
+TINY = {
+    "stem_mlp": ["--hidden", "64", "--ffn", "128", "--vocab", "256", "--tokens", "64",
+                 "--reps", "2", "--warmup", "1"],
+    "structmoe_kernel": ["--hidden", "64", "--ffn", "128", "--experts", "4", "--rank", "8",
+                         "--tokens", "64", "--reps", "2", "--warmup", "1", "--cpu-smoke"],
+    "structmoe_step": ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128",
+                       "--experts", "4", "--rank", "8", "--seq", "32", "--micro-batch", "1",
+                       "--vocab", "256", "--reps", "2", "--warmup", "1"],
+    "sigma_step": ["--layers", "2", "--hidden", "64", "--heads", "4", "--groups", "2",
+                   "--experts", "8", "--expert-ffn", "32", "--seq", "32", "--micro-batch", "1",
+                   "--vocab", "256", "--reps", "2", "--warmup", "1"],
+    # The lease's main step: two of its variants, the tiered one traced as there.
+    "stem_placement": ["--shape", "tiny", "--iters", "6", "--skip", "4",
+                       "--variants", "gpu,tiered", "--profile", "tiered"],
+    "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
+    "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
+    "stem_worker_schedule": ["--rows", "512", "--width", "64", "--tokens", "256",
+                             "--compute-ms", "2", "--steps", "3", "--skip", "1"],
+}
+
+
+def _benchmark_steps():
+    return [s for s in gpu_evidence.plan()
+            if s.kind == "python" and s.argv[1].startswith("benchmarks/")]
+
+
+def test_every_benchmark_step_has_a_tiny_run():
+    """A benchmark step added to the plan needs its tiny flags here."""
+    names = {s.name for s in _benchmark_steps()}
+    assert names == set(TINY), f"plan's benchmark steps {sorted(names)} vs tiny runs {sorted(TINY)}"
+
+
+@pytest.mark.parametrize("step", _benchmark_steps(), ids=lambda s: s.name)
+def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
+    argv = gpu_evidence._expand(step.argv, sys.executable, str(tmp_path)) + TINY[step.name]
+    os.makedirs(tmp_path / "work", exist_ok=True)
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    rows = step.rows(str(tmp_path / step.result))
+    assert rows and all(r.step == step.name for r in rows), rows
+    assert all(r.value is not None for r in rows), rows
