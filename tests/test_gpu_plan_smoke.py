@@ -56,7 +56,6 @@ def test_every_benchmark_step_has_a_tiny_run():
 @pytest.mark.parametrize("step", _benchmark_steps(), ids=lambda s: s.name)
 def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     argv = gpu_evidence._expand(step.argv, sys.executable, str(tmp_path)) + TINY[step.name]
-    os.makedirs(tmp_path / "work", exist_ok=True)
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
