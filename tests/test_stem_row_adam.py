@@ -249,17 +249,22 @@ def _cast_cases() -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_gather_casts_like_torch(dtype):
-    """The compiled gather-with-cast of rows wide enough for the vector loop and its remainder
-    (200 columns) holding every hard case of ``_cast_cases`` (and random values around them)
+    """The compiled gather-with-cast of rows wide enough for the vector loop, and not a multiple
+    of its width (203 columns: the last 3 take the scalar remainder), holding every hard case of
+    ``_cast_cases`` (and random values around them) in the vector columns and in the remainder,
     gives torch's cast bit for bit; a NaN stays a NaN."""
     _, kernel = _row_kernel()
     cases = _cast_cases()
+    n, width = cases.numel(), 203
     g = torch.Generator().manual_seed(5)
-    shard = torch.randn(30, 200, generator=g) * 3
+    shard = torch.randn(33, width, generator=g) * 3
     for r in range(0, 30, 3):  # the hard cases at varied columns of every third row
-        shard[r, (torch.arange(cases.numel()) * 7 + r) % 200] = cases
-    index = torch.tensor([3, 0, 27, 3, 12, 29, 6, 0])
-    out = torch.empty(index.numel(), 200, dtype=dtype)
+        shard[r, (torch.arange(n) * 5 + r) % width] = cases
+    for i in range(0, n, 3):  # and, three by three, in the last columns of the rows between
+        part = cases[i: i + 3]
+        shard[i + 1, width - part.numel():] = part
+    index = torch.cat([torch.randperm(33, generator=g), torch.tensor([3, 0])])
+    out = torch.empty(index.numel(), width, dtype=dtype)
     kernel.gather_rows_(shard, index, out)
     want = shard[index].to(dtype)
     nan = torch.isnan(want)
