@@ -269,9 +269,9 @@ def plan() -> List[Step]:
              [PY, "benchmarks/stem_optimizer.py", "--vocab", "128256", "--d-ff", "8192",
               "--json", f"{RES}/host_optimizer.json"],
              180, "host_optimizer.json", _rows_host_optimizer),
-        # The host side of a fetch: rows cast to the wire dtype into the staging buffer (bf16
-        # ran at a third of the fp32 gather's speed on the development machine until
-        # 2026-11-26, fp16 at 0.7).
+        # The host side of a fetch: rows cast to the wire dtype into the staging buffer (until
+        # 2026-11-26 the bf16 gather took 3.1x the fp32 one's time on the development machine,
+        # the fp16 gather 1.3x).
         Step("host_gather", "host rows gathered and cast to the wire dtype, this host",
              [PY, "benchmarks/stem_host_gather.py", "--json", f"{RES}/host_gather.json"],
              120, "host_gather.json", _rows_host_gather),
