@@ -4,7 +4,9 @@ cast to the wire dtype (bf16 in bf16 training, fp16, fp32) straight into a reuse
 
 - the compiled gather (``megatron_ext_kernels/row_adam_cpu.py``, ``gather_rows_``) for each wire
   dtype, against its own fp32 gather (a plain row copy: what the cast may cost on top), and
-- torch's ``index_select`` + cast into the same buffer (the store's fallback without a compiler).
+- torch's ``index_select`` + cast into the same buffer (the store's fallback without a compiler),
+- the compiled gather from a copy of the shard on ordinary 4 KiB pages (the store puts host
+  shards on transparent huge pages, ``megatron_ext/stem/host_memory.py``; this is what that saves).
 
 Rows are a uniform draw from the shard (cold rows, as the host tier of tiered tables holds them),
 sorted as the exchange hands them over. Medians of ``--reps``, the variants interleaved.
@@ -40,13 +42,15 @@ def main() -> None:
     if not 0 < args.rows <= args.shard_rows:
         raise SystemExit(f"--rows must be in 1..--shard-rows ({args.shard_rows}), got {args.rows}")
 
+    from megatron_ext.stem import host_memory
     from megatron_ext_kernels import row_adam_cpu
 
     kernel = row_adam_cpu.load()
     if kernel is None:
         raise SystemExit("the compiled row kernels do not build here (no C++ compiler?)")
     g = torch.Generator().manual_seed(0)
-    shard = torch.randn(args.shard_rows, args.width, generator=g)
+    shard = host_memory.empty((args.shard_rows, args.width)).normal_(generator=g)  # as the store
+    shard_4k = host_memory.copy(shard, huge=False)
     index = torch.randperm(args.shard_rows, generator=g)[:args.rows].sort().values
     outs = {name: torch.empty(args.rows, args.width, dtype=dt) for name, dt in DTYPES.items()}
     gathered = torch.empty(args.rows, args.width)
@@ -54,12 +58,16 @@ def main() -> None:
     def compiled(name):
         kernel.gather_rows_(shard, index, outs[name])
 
+    def compiled_4k(name):
+        kernel.gather_rows_(shard_4k, index, outs[name])
+
     def with_torch(name):
         torch.index_select(shard, 0, index, out=gathered)
         outs[name].copy_(gathered)
 
     variants = {f"{kind} {name}": (fn, name) for name in DTYPES
-                for kind, fn in (("compiled", compiled), ("torch", with_torch))}
+                for kind, fn in (("compiled", compiled), ("torch", with_torch),
+                                 ("compiled-4k", compiled_4k))}
     times = {v: [] for v in variants}
     for rep in range(args.reps + 1):  # the first round warms up (pages, the kernel's threads)
         for label, (fn, name) in variants.items():
@@ -74,17 +82,23 @@ def main() -> None:
     params = args.rows * args.width
     print(f"STEM host gather | {args.rows} of {args.shard_rows} rows x {args.width} "
           f"({params / 1e6:.1f} M params) | {kernel.team_size(row_adam_cpu.threads())} threads")
+    huge = host_memory.huge_bytes([shard]) or 0
+    print(f"  shard: {huge / 2**20:.0f} of {shard.numel() * 4 / 2**20:.0f} MiB on huge pages "
+          f"(transparent huge pages: {host_memory.thp_setting()})")
     summary = {"rows": args.rows, "shard_rows": args.shard_rows, "width": args.width,
-               "threads": kernel.team_size(row_adam_cpu.threads()), "ms": ms}
+               "threads": kernel.team_size(row_adam_cpu.threads()), "ms": ms,
+               "shard_bytes_on_huge_pages": huge}
     base = ms["compiled fp32"]
     for name, dt in DTYPES.items():
-        c, t = ms[f"compiled {name}"], ms[f"torch {name}"]
+        c, t, small = ms[f"compiled {name}"], ms[f"torch {name}"], ms[f"compiled-4k {name}"]
         moved = params * (4 + dt.itemsize) / (c * 1e-3) / 1e9
         summary[f"{name}_vs_fp32_copy"] = c / base
         summary[f"{name}_torch_vs_compiled"] = t / c
+        summary[f"{name}_4k_pages_vs_huge"] = small / c
         print(f"  {name}: compiled {c:6.2f} ms ({params / c / 1e6:.2f} G params/s, {moved:.1f} "
               f"GB/s read+written; {c / base:.2f}x its fp32 gather) | torch {t:6.2f} ms "
-              f"({t / c:.2f}x the compiled one)")
+              f"({t / c:.2f}x the compiled one) | from 4 KiB pages {small:6.2f} ms "
+              f"({small / c:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)

@@ -11,7 +11,10 @@ catch-up and the step of the same rows again at once (none owing; but the rows a
 caches, so the difference is not the catch-up alone: on contiguous rows out of the caches the
 fused catch-up costs about 3%, docs/benchmarks.md), plus the dense optimizer over the whole table.
 The repetitions reuse their tensors, as both optimizers do in training (``--fresh-buffers``: new
-ones at each repetition, as this benchmark did before 2026-11-26).
+ones at each repetition, as this benchmark did before 2026-11-26). The table, the moments and
+DeepSpeed's tensors are allocated as the tables' store allocates host rows: on transparent huge
+pages (``megatron_ext/stem/host_memory.py``; ``--no-huge-pages``: ordinary pages, as before
+2026-11-27).
 """
 
 from __future__ import annotations
@@ -40,9 +43,13 @@ def main() -> None:
     parser.add_argument("--fresh-buffers", action="store_true",
                         help="allocate the gradients and DeepSpeed's tensors anew at each "
                              "repetition (the benchmark before 2026-11-26) instead of reusing them")
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                        help="host tensors on transparent huge pages, as the store allocates "
+                             "them (default); --no-huge-pages: ordinary 4 KiB pages")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
+    from megatron_ext.stem import host_memory
     from megatron_ext.stem.row_adam import (
         DEEPSPEED_OPTIMIZER_ID,
         AdamHyper,
@@ -60,8 +67,13 @@ def main() -> None:
         ids = torch.multinomial(1.0 / ranks, args.tokens, replacement=True, generator=g)
         return torch.unique(ids)
 
-    table = torch.randn(args.vocab, args.d_ff, generator=g)
-    sparse = RowAdamW([table], mode="sparse", kernel=args.kernel)
+    huge = args.huge_pages
+
+    def host_randn(rows: int) -> torch.Tensor:
+        return host_memory.empty((rows, args.d_ff), huge=huge).normal_(generator=g)
+
+    table = host_randn(args.vocab)
+    sparse = RowAdamW([table], mode="sparse", kernel=args.kernel, huge_pages=huge)
     for _ in range(3):  # varied step counts and owed decay
         rows = batch_rows()
         sparse.step([(rows, torch.randn(rows.numel(), args.d_ff, generator=g))], hyper)
@@ -77,8 +89,8 @@ def main() -> None:
     if not args.fresh_buffers:
         most = min(args.tokens, args.vocab)
         grad_buf = torch.empty(most, args.d_ff)
-        same_buf = torch.randn(most, args.d_ff, generator=g)
-        dense_buf = RowAdamW([same_buf], mode="dense", kernel="deepspeed")
+        same_buf = host_randn(most)
+        dense_buf = RowAdamW([same_buf], mode="dense", kernel="deepspeed", huge_pages=huge)
         dense_buf.step([(torch.arange(most), grad_buf.normal_(generator=g))], hyper)
     sparse_times, sparse_params, owing, again_times = [], [], [], []
     dense_times = []
@@ -101,8 +113,8 @@ def main() -> None:
         again_times.append(time.perf_counter() - t0)
         # DeepSpeed's dense CPU Adam on a tensor with as many parameters.
         if args.fresh_buffers:
-            same = torch.randn(n, args.d_ff, generator=g)
-            dense = RowAdamW([same], mode="dense", kernel="deepspeed")
+            same = host_randn(n)
+            dense = RowAdamW([same], mode="dense", kernel="deepspeed", huge_pages=huge)
             dense.step([(torch.arange(n), grad)], hyper)  # first step allocates the grad buffer
             state = (same, dense.exp_avg[0], dense.exp_avg_sq[0])
         else:
@@ -112,7 +124,8 @@ def main() -> None:
                        hyper.weight_decay, True, state[0], grad, state[1], state[2])
         dense_times.append(time.perf_counter() - t0)
     # What --stem-optimizer dense does each iteration: DeepSpeed's Adam over every owned row.
-    whole = RowAdamW([table], mode="dense", kernel="deepspeed")
+    on_huge = host_memory.huge_bytes([table, *sparse.exp_avg, *sparse.exp_avg_sq])
+    whole = RowAdamW([table], mode="dense", kernel="deepspeed", huge_pages=huge)
     rows = batch_rows()
     grad = torch.randn(rows.numel(), args.d_ff, generator=g)
     whole.step([(rows, grad)], hyper)
@@ -125,6 +138,8 @@ def main() -> None:
     summary = {"vocab": args.vocab, "d_ff": args.d_ff, "tokens": args.tokens,
                "touched_rows": int(statistics.median(p // args.d_ff for p in sparse_params)),
                "threads": torch.get_num_threads(), "fresh_buffers": args.fresh_buffers,
+               "huge_pages": huge, "sparse_state_bytes_on_huge_pages": on_huge,
+               "transparent_huge_pages": host_memory.thp_setting(),
                "sparse_params_per_s": sparse_rate, "deepspeed_dense_params_per_s": dense_rate,
                "ratio": sparse_rate / dense_rate,
                "sparse_step_s": statistics.median(sparse_times),
@@ -133,6 +148,11 @@ def main() -> None:
                "dense_whole_table_step_s": whole_s}
     print(f"STEM CPU optimizer | vocab {args.vocab} d_ff {args.d_ff}, {args.tokens} tokens -> "
           f"~{summary['touched_rows']} touched rows | {summary['threads']} threads")
+    state = 3 * table.numel() * table.element_size()
+    pages = (f"{(on_huge or 0) / 2**30:.2f} of {state / 2**30:.2f} GiB of the sparse state on "
+             f"huge pages (transparent huge pages: {summary['transparent_huge_pages']})"
+             if huge else "ordinary pages (--no-huge-pages)")
+    print(f"  host tensors: {pages}")
     summary["kernel"] = sparse.kernel
     print(f"  sparse row-wise AdamW      : {sparse_rate / 1e9:.3f} G params/s ({sparse.kernel})")
     print(f"  DeepSpeed CPU Adam (dense) : {dense_rate / 1e9:.3f} G params/s (same size)")

@@ -147,7 +147,8 @@ def _rows_host_optimizer(path: str) -> List[Row]:
     return [Row("host_optimizer", "sparse CPU AdamW over DeepSpeed dense CPU Adam, this host",
                 s["ratio"], "x", 0.8, "higher",
                 note=f"{s['sparse_params_per_s'] / 1e9:.2f} G params/s, {s['threads']} threads, "
-                     f"{s['kernel']}")]
+                     f"{s['kernel']}, {(s['sparse_state_bytes_on_huge_pages'] or 0) / 2**30:.1f} "
+                     f"GiB of the state on huge pages (THP {s['transparent_huge_pages']})")]
 
 
 def _rows_host_gather(path: str) -> List[Row]:
@@ -157,7 +158,10 @@ def _rows_host_gather(path: str) -> List[Row]:
                 s[f"{name}_vs_fp32_copy"], "x",
                 note=f"{ms[f'compiled {name}']:.2f} ms for {s['rows']} rows x {s['width']}, "
                      f"{s['threads']} threads; torch {s[f'{name}_torch_vs_compiled']:.2f}x that")
-            for name in ("bf16", "fp16")]
+            for name in ("bf16", "fp16")] + [
+        Row("host_gather", "bf16 gather from a shard on 4 KiB pages vs on huge pages (the "
+            "store's)", s["bf16_4k_pages_vs_huge"], "x",
+            note=f"{s['shard_bytes_on_huge_pages'] / 2**20:.0f} MiB of the shard on huge pages")]
 
 
 def _rows_worker_schedule(path: str) -> List[Row]:

@@ -93,6 +93,14 @@ def test_structmoe_width_flags():
                                                    "--structmoe-ffn-hidden-size", "96"]))
 
 
+def test_stem_host_huge_pages_flag():
+    from megatron_ext.models.registry import family_config as stem_config_from_args
+
+    family = ["--model-family", "stem"]
+    assert stem_config_from_args(parse(family)).host_huge_pages
+    assert not stem_config_from_args(parse(family + ["--no-stem-host-huge-pages"])).host_huge_pages
+
+
 def test_stem_needs_gated_activation():
     from megatron_ext.training.arguments import validate_extension_args
 

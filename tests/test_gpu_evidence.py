@@ -141,11 +141,14 @@ def test_goals_read_from_benchmark_results(tmp_path):
         "rows": 2000, "width": 8192, "threads": 15,
         "ms": {"compiled bf16": 1.2, "compiled fp16": 1.8, "compiled fp32": 1.3},
         "bf16_vs_fp32_copy": 0.92, "fp16_vs_fp32_copy": 1.38,
-        "bf16_torch_vs_compiled": 2.1, "fp16_torch_vs_compiled": 1.1}))
+        "bf16_torch_vs_compiled": 2.1, "fp16_torch_vs_compiled": 1.1,
+        "bf16_4k_pages_vs_huge": 1.18, "shard_bytes_on_huge_pages": 500 * 2**20}))
     by = {r.metric: r for r in gpu_evidence._rows_host_gather(str(tmp_path / "hg.json"))}
     bf16 = by["host rows gathered and cast to bf16, vs its fp32 gather"]
     assert bf16.value == 0.92 and "1.20 ms for 2000 rows x 8192, 15 threads" in bf16.note
     assert by["host rows gathered and cast to fp16, vs its fp32 gather"].value == 1.38
+    pages = by["bf16 gather from a shard on 4 KiB pages vs on huge pages (the store's)"]
+    assert pages.value == 1.18 and "500 MiB of the shard on huge pages" in pages.note
 
 
 def test_wheel_script_lists_pinned_packages():

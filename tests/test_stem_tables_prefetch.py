@@ -65,6 +65,21 @@ def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
     assert tables.stats["fetch_seconds_hidden"] >= 0
 
 
+@pytest.mark.parametrize("huge", [True, False])
+def test_tables_hand_the_huge_page_choice_to_the_store(mcore_single_rank, huge):
+    """--stem-host-huge-pages reaches the store, which allocates the host shards and binds the
+    moments (tests/test_stem_host_memory.py checks the pages themselves)."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.stem.tables import StemTables
+
+    layers = [FakeLayer(torch.randn(VOCAB, 8))]
+    tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab",
+                                           host_huge_pages=huge), VOCAB,
+                        parallel_state.get_data_parallel_group())
+    assert tables.store.huge_pages is huge and tables.store.lazy.huge_pages is huge
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_rows_through_pinned_staging(dtype):
     """Rows of several shards, side by side, in the wire dtype: through the reusable pinned buffer

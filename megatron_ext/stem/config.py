@@ -56,6 +56,8 @@ class StemConfig:
     # The lookup-and-gate: ``triton`` the fused kernel (megatron_ext_kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the kernel on a CUDA device with Triton.
     kernel: str = "auto"
+    # Host-resident rows (shards and moments) on transparent huge pages (stem/host_memory.py).
+    host_huge_pages: bool = True
 
     @property
     def managed_tables(self) -> bool:

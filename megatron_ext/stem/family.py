@@ -101,6 +101,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="threads of the CPU row kernels (table step, row gather) per rank; 0: "
                            "the cores of the rank's affinity mask / ranks on the node (not "
                            "OMP_NUM_THREADS, which torchrun sets to 1 for several ranks)")
+    stem.add_argument("--stem-host-huge-pages", action=argparse.BooleanOptionalAction,
+                      default=True,
+                      help="host-resident table rows and their Adam moments on transparent huge "
+                           "pages (madvise; fewer TLB misses for the scattered row reads and "
+                           "steps; needs the kernel's THP mode madvise or always)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
                       help="lookup-and-gate: triton = the fused kernel (megatron_ext_kernels/stem_gate.py), "
                            "torch = the plain-PyTorch path, auto = triton on a CUDA device")
@@ -116,7 +121,8 @@ def config_from_args(args) -> StemConfig:
                       sharding=args.stem_table_sharding, ownership=args.stem_row_ownership,
                       optimizer=args.stem_optimizer, prefetch=args.stem_prefetch,
                       kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier,
-                      tier_count_tokens=args.stem_tier_count_tokens)
+                      tier_count_tokens=args.stem_tier_count_tokens,
+                      host_huge_pages=args.stem_host_huge_pages)
 
 
 def stem_config(args) -> Optional[StemConfig]:

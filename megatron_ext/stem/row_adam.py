@@ -39,6 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext.stem import host_memory
 from megatron_ext.stem.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
 from megatron_ext_kernels._build_dir import build_environment
@@ -107,11 +108,13 @@ class RowAdamW(LazyView):
     ``shards``: fp32 tensors ``[rows, width]`` (host or device), updated in place. ``step()``
     takes, per shard, the local indices of the touched rows (unique) and their gradients.
     ``lazy`` (sparse): the ``LazyRows`` of these shards that whoever reads them settles (default:
-    a private one); this optimizer gives it the moments.
+    a private one); this optimizer gives it the moments. ``huge_pages``: host moments (and the
+    dense optimizer's gradient) on transparent huge pages (``host_memory.py``); sparse: the
+    ``lazy``'s choice.
     """
 
     def __init__(self, shards: Sequence[torch.Tensor], mode: str = "dense", kernel: str = "auto",
-                 lazy: Optional["LazyRows"] = None):
+                 lazy: Optional["LazyRows"] = None, huge_pages: bool = True):
         if mode not in MODES:
             raise ValueError(f"--stem-optimizer={mode!r}: allowed {', '.join(MODES)}")
         if kernel not in KERNELS:
@@ -150,11 +153,13 @@ class RowAdamW(LazyView):
             if lazy is not None and [d.shape for d in lazy.shards] != \
                     [s.shape for s in self.shards]:
                 raise ValueError("the lazy-row state is for other shards")
-            self.lazy = lazy if lazy is not None else LazyRows(self.shards)
+            self.lazy = lazy if lazy is not None else LazyRows(self.shards,
+                                                               huge_pages=huge_pages)
             self.exp_avg, self.exp_avg_sq = self.lazy.bind_moments()
         else:
-            self.exp_avg = [torch.zeros_like(s) for s in self.shards]
-            self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
+            self.exp_avg = [host_memory.zeros_like(s, huge_pages) for s in self.shards]
+            self.exp_avg_sq = [host_memory.zeros_like(s, huge_pages) for s in self.shards]
+        self.huge_pages = huge_pages
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
 
     @property
@@ -199,7 +204,7 @@ class RowAdamW(LazyView):
         hyper = plan.hyper
         shard = self.shards[i]
         if self._dense_grads[i] is None:
-            self._dense_grads[i] = torch.zeros_like(shard)
+            self._dense_grads[i] = host_memory.zeros_like(shard, self.huge_pages)
         grad = self._dense_grads[i]
         grad.zero_()
         grad.index_copy_(0, rows, rows_grad.to(torch.float32))
@@ -409,13 +414,15 @@ class LazyRows:
     the coefficients). Every read of a row settles it first (the
     rows' store does, for fetches and checkpoints), and the sparse step settles and steps the rows
     it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse optimizer)
-    allocates the moments; with the clock never moved (the dense optimizer) nothing is owed and
+    allocates the moments (host ones on transparent huge pages if ``huge_pages``,
+    ``host_memory.py``); with the clock never moved (the dense optimizer) nothing is owed and
     ``settle`` returns at once."""
 
     def __init__(self, shards: Sequence, clock: Optional[RowClock] = None,
                  last: Optional[List[torch.Tensor]] = None,
-                 touched: Optional[List[torch.Tensor]] = None):
+                 touched: Optional[List[torch.Tensor]] = None, huge_pages: bool = True):
         self.shards = list(shards)
+        self.huge_pages = huge_pages
         self.clock = clock if clock is not None else RowClock()
         self.last = last if last is not None else \
             [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
@@ -429,8 +436,8 @@ class LazyRows:
         """The Adam moments of the shards (zeros, allocated on first call), which the catch-up
         reads and the sparse optimizer steps."""
         if self.exp_avg is None:
-            self.exp_avg = [torch.zeros_like(s) for s in self.shards]
-            self.exp_avg_sq = [torch.zeros_like(s) for s in self.shards]
+            self.exp_avg = [host_memory.zeros_like(s, self.huge_pages) for s in self.shards]
+            self.exp_avg_sq = [host_memory.zeros_like(s, self.huge_pages) for s in self.shards]
         return self.exp_avg, self.exp_avg_sq
 
     def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:

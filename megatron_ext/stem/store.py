@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
+from megatron_ext.stem import host_memory
 from megatron_ext.stem.row_adam import LazyRows
 from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
 from megatron_ext.stem.transfer import to_device
@@ -35,31 +36,36 @@ class TableStore:
 
     ``tables``: the drawn ``[vocab, F/tp]`` values of each layer (every placement starts from the
     same numbers); ``placement``: ``gpu`` keeps the shards on ``device``, ``cpu`` in host memory,
-    ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host memory."""
+    ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host memory.
+    ``huge_pages``: host shards and their moments on transparent huge pages
+    (``host_memory.py``, ``--stem-host-huge-pages``)."""
 
     def __init__(self, tables, owned_ids: torch.Tensor, placement: str, device: torch.device,
-                 num_hot: Optional[int] = None):
+                 num_hot: Optional[int] = None, huge_pages: bool = True):
         cuda = torch.cuda.is_available()
         self.shards: List = []
-        # Host shards are ordinary (pageable) memory: only the CPU reads and writes them (the
-        # row gather, the CPU optimizer); rows and gradients cross to and from the GPU through
-        # the reusable pinned buffers (``PinnedStaging``). Pinning the shards themselves would
-        # lock up to twice their size: PyTorch's pinned allocator rounds each allocation up to
-        # a power of two (a 4.2 GB table shard: 8 GiB locked).
+        self.huge_pages = huge_pages
+        # Host shards are ordinary (pageable) memory, on huge pages: only the CPU reads and
+        # writes them (the row gather, the CPU optimizer), a row at a time at scattered places;
+        # rows and gradients cross to and from the GPU through the reusable pinned buffers
+        # (``PinnedStaging``). Pinning the shards themselves would lock up to twice their
+        # size: PyTorch's pinned allocator rounds each allocation up to a power of two (a 4.2 GB
+        # table shard: 8 GiB locked).
         for full in tables:
-            shard = full[owned_ids].to(torch.float32).contiguous()
-            del full
-            if placement == "tiered":
-                hot, cold = shard[:num_hot].to(device), shard[num_hot:]
-                if hot.device != shard.device:  # the hot rows left: keep the host tier's alone
-                    cold = cold.clone()
-                shard = TieredShard(hot.contiguous(), cold.contiguous())
+            if placement == "tiered":  # the first num_hot owned rows are the GPU tier
+                hot = full[owned_ids[:num_hot]].to(device=device, dtype=torch.float32)
+                cold = host_memory.index_select(full, owned_ids[num_hot:], torch.float32,
+                                                huge_pages)
+                shard = TieredShard(hot.contiguous(), cold)
             elif placement == "gpu" and cuda:
-                shard = shard.to(device)
+                shard = full[owned_ids].to(device=device, dtype=torch.float32).contiguous()
+            else:  # host memory (cpu placement; gpu placement without CUDA)
+                shard = host_memory.index_select(full, owned_ids, torch.float32, huge_pages)
+            del full
             self.shards.append(shard)
         self.placement = placement
-        self.lazy = TieredLazyRows(self.shards) if placement == "tiered" else \
-            LazyRows(self.shards)
+        self.lazy = TieredLazyRows(self.shards, huge_pages) if placement == "tiered" else \
+            LazyRows(self.shards, huge_pages=huge_pages)
         self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
         # The part of a sparse table step still to run (``table_optimizer.OwedStep``): rows a
         # read needs are stepped first. Set and cleared by the optimizer; used on the worker.

@@ -37,7 +37,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_ext.stem import checkpoint
+from megatron_ext.stem import checkpoint, host_memory
 from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
@@ -129,8 +129,10 @@ class StemTablesOptimizer(ChainedOptimizer):
         # One row optimizer per chunk, over its store's shards and lazy-row state; all advance
         # their clocks alike at every step.
         lazy = (lambda t: t.store.lazy) if mode == "sparse" else (lambda t: None)
-        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, lazy=lazy(t)) if t.tiered
-                          else RowAdamW(t.store.shards, mode=mode, lazy=lazy(t))
+        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, lazy=lazy(t),
+                                         huge_pages=t.store.huge_pages) if t.tiered
+                          else RowAdamW(t.store.shards, mode=mode, lazy=lazy(t),
+                                        huge_pages=t.store.huge_pages)
                           for t in tables]
         self.dp_size = tables[0].dp_size if tables else 1
         self.replicated = bool(tables) and tables[0].ownership is None
@@ -454,9 +456,25 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
             wandb_writer.log({name: value}, iteration)
 
 
+def host_row_tensors(optimizer: StemTablesOptimizer) -> List[torch.Tensor]:
+    """The host-resident tensors of the table rows: shards (a tiered one's host tier) and their
+    Adam moments."""
+    parts = [r.cold if isinstance(r, TieredRowAdamW) else r for r in optimizer.row_adams]
+    return [t for r in parts for t in (*r.shards, *r.exp_avg, *r.exp_avg_sq)
+            if t.device.type == "cpu"]
+
+
 def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     tables = sum(t.host_bytes() for t in optimizer.tables)
     moments = 2 * tables
+    pages = ""
+    if tables:
+        if not all(t.store.huge_pages for t in optimizer.tables):
+            pages = " (ordinary pages: --no-stem-host-huge-pages)"
+        else:
+            huge = host_memory.huge_bytes(host_row_tensors(optimizer))
+            pages = (f" ({huge / 2**20:.1f} MiB on huge pages, transparent huge pages: "
+                     f"{host_memory.thp_setting() or 'unknown'})" if huge is not None else "")
 
     cores = row_adam_cpu.affinity_cores()  # the CPU optimizer's threads share them
     threads = row_adam_cpu.threads() if optimizer.kernel == "rowwise" else \
@@ -470,7 +488,7 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
     return (f"STEM tables on this rank: {len(optimizer.shards)} shards, "
             f"{sum(s.shape[0] for s in optimizer.shards):,} rows{tier}; host memory: tables (fp32, "
             f"also the master copy) {tables / 2**20:.1f} MiB, Adam moments {moments / 2**20:.1f} "
-            f"MiB, total {(tables + moments) / 2**20:.1f} MiB; optimizer "
+            f"MiB, total {(tables + moments) / 2**20:.1f} MiB{pages}; optimizer "
             f"{optimizer.mode} ({optimizer.kernel} kernel, {threads} CPU "
             f"threads, {cores} cores in this process's affinity mask; row gathers "
             f"{row_adam_cpu.threads()} threads)")

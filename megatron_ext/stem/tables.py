@@ -93,7 +93,8 @@ class StemTables:
             self.exchange = ReplicatedExchange(vocab_size, dp_group)
             self.owned_ids = torch.arange(vocab_size)
         self.store = TableStore((layer.release_initial_table() for layer in self.layers),
-                                self.owned_ids, stem.placement, self.device, num_hot)
+                                self.owned_ids, stem.placement, self.device, num_hot,
+                                huge_pages=stem.host_huge_pages)
         self.binding = RowBinding(self.layers)
         # Rows travel in the model's 16-bit dtype when it has one (the layers cast them to it,
         # so what they compute is the same).

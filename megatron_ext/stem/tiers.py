@@ -184,14 +184,16 @@ class TieredLazyRows(LazyRows):
     (host, local order), viewed as those of each tier (``hot``, ``cold``: what each tier's optimizer uses); each
     tier's moments live with its rows."""
 
-    def __init__(self, shards: Sequence[TieredShard]):
-        super().__init__(shards)
+    def __init__(self, shards: Sequence[TieredShard], huge_pages: bool = True):
+        super().__init__(shards, huge_pages=huge_pages)
         self.hot = LazyRows([s.hot for s in self.shards], self.clock,
                             [m[: s.num_hot] for m, s in zip(self.last, self.shards)],
-                            [m[: s.num_hot] for m, s in zip(self.touched, self.shards)])
+                            [m[: s.num_hot] for m, s in zip(self.touched, self.shards)],
+                            huge_pages)
         self.cold = LazyRows([s.cold for s in self.shards], self.clock,
                              [m[s.num_hot:] for m, s in zip(self.last, self.shards)],
-                             [m[s.num_hot:] for m, s in zip(self.touched, self.shards)])
+                             [m[s.num_hot:] for m, s in zip(self.touched, self.shards)],
+                             huge_pages)
 
     def bind_moments(self):
         raise TypeError("a tiered store's moments are bound per tier (hot, cold)")
@@ -212,15 +214,15 @@ class TieredRowAdamW(LazyView):
     ``lazy`` (sparse): the shards' ``TieredLazyRows`` (default: a private one)."""
 
     def __init__(self, shards: Sequence[TieredShard], mode: str = "dense",
-                 lazy: Optional[TieredLazyRows] = None):
+                 lazy: Optional[TieredLazyRows] = None, huge_pages: bool = True):
         self.shards = list(shards)
         self.mode = mode
-        self.lazy = lazy if lazy is not None else TieredLazyRows(self.shards)
+        self.lazy = lazy if lazy is not None else TieredLazyRows(self.shards, huge_pages)
         sparse = mode == "sparse"
         self.hot = RowAdamW([s.hot for s in self.shards], mode=mode,
-                            lazy=self.lazy.hot if sparse else None)
+                            lazy=self.lazy.hot if sparse else None, huge_pages=huge_pages)
         self.cold = RowAdamW([s.cold for s in self.shards], mode=mode,
-                             lazy=self.lazy.cold if sparse else None)
+                             lazy=self.lazy.cold if sparse else None, huge_pages=huge_pages)
 
     @property
     def kernel(self) -> str:
