@@ -14,7 +14,7 @@ The repetitions reuse their tensors, as both optimizers do in training (``--fres
 ones at each repetition, as this benchmark did before 2026-11-26). The table, the moments and
 DeepSpeed's tensors are allocated as the tables' store allocates host rows: on transparent huge
 pages (``megatron_ext/stem/host_memory.py``; ``--no-huge-pages``: ordinary pages, as before
-2026-11-27).
+2026-11-26, eleventh session).
 """
 
 from __future__ import annotations
