@@ -42,7 +42,8 @@ def main() -> None:
                         default="auto", help="sparse kernel (auto: rowwise when it builds)")
     parser.add_argument("--fresh-buffers", action="store_true",
                         help="allocate the gradients and DeepSpeed's tensors anew at each "
-                             "repetition (the benchmark before 2026-11-26) instead of reusing them")
+                             "repetition (the benchmark before 2026-11-26; with --no-huge-pages "
+                             "as it was then) instead of reusing them")
     parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                         help="host tensors on transparent huge pages, as the store allocates "
                              "them (default); --no-huge-pages: ordinary 4 KiB pages")

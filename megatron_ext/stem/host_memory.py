@@ -6,9 +6,11 @@ The host rows are read and stepped a few at a time at scattered places (a micro-
 every row of every tensor (parameters, first and second moment) costs TLB misses, whose page
 walks through gigabytes of page tables miss the caches (in a virtual machine each walk is two
 dimensional, guest and host). 2 MiB pages cut the page-table entries 512-fold. Measured on the
-development machine (``benchmarks/stem_optimizer.py``, each setting in its own process,
-alternated): the sparse step of ~3,400 Zipf rows of a 50,304 x 5,632 shard ran 1.35-1.4x faster
-on huge pages, DeepSpeed's dense step over contiguous tensors 1.25x (docs/benchmarks.md).
+development machine (docs/benchmarks.md, "Huge pages, adopted"): the sparse step of ~3,400 Zipf
+rows of a 50,304 x 5,632 shard 1.15-1.69x faster (``benchmarks/stem_optimizer.py``, the two page
+sizes in alternate processes), the dense step over the whole shard 5-11%, the row gathers of a
+fetch up to 1.18x (``benchmarks/stem_host_gather.py``). Where page walks are cheap the gain is
+small (earlier probes on other machines of the same kind: 0-14%).
 
 PyTorch's CPU allocator asks for huge pages only when ``THP_MEM_ALLOC_ENABLE=1`` is set before
 its first large allocation, and then for every tensor of the process. Here only the host rows'
@@ -18,8 +20,8 @@ advised ``MADV_HUGEPAGE`` with ``madvise(2)``, and only then is it filled, so it
 from their first fault. (A smaller tensor may come from the heap; the part advised stays advised
 after it is freed, which is harmless.)
 This needs the kernel's transparent huge pages set to ``madvise`` or ``always``
-(``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off Linux) the advice is
-refused and the tensors are ordinary, with the same values. ``--no-stem-host-huge-pages`` turns
+(``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off Linux) the advice has
+no effect and the tensors are ordinary, with the same values. ``--no-stem-host-huge-pages`` turns
 the advice off (each function's ``huge``; ``TableStore``'s ``huge_pages``).
 """
 
@@ -39,6 +41,7 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _libc = None
+
 
 def thp_setting(path: str = _THP_SETTING) -> Optional[str]:
     """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or None
