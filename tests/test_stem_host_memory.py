@@ -17,7 +17,7 @@ needs_thp = pytest.mark.skipif(
     reason=f"transparent huge pages unavailable here ({MODE})")
 
 # 40 MiB per tensor: above glibc's largest mmap threshold (32 MiB), so each tensor is a mapping
-# of its own (a smaller one may come from the heap, from memory an earlier tensor advised).
+# of its own; smaller ones are not advised (host_memory.MIN_ADVISED_BYTES).
 ROWS, WIDTH = 2560, 4096
 
 
@@ -37,6 +37,16 @@ def test_helpers_give_plain_torch_values():
         z = host_memory.zeros_like(src, huge)
         assert z.is_contiguous() and z.shape == src.shape and not z.any()
     assert host_memory.advise_huge_pages(torch.empty(10)) == 0  # no whole 2 MiB page inside
+
+
+@needs_thp
+def test_tensors_that_may_come_from_the_heap_are_not_advised():
+    """At most 34 MiB: possibly heap memory, where advice would outlive the tensor."""
+    small = host_memory.empty((host_memory.MIN_ADVISED_BYTES // 4,)).fill_(1.0)
+    assert host_memory.advise_huge_pages(small) == 0
+    assert host_memory.page_stats([small])[0] == 0
+    large = torch.empty(host_memory.MIN_ADVISED_BYTES // 4 + 1)
+    assert host_memory.advise_huge_pages(large) > 0
 
 
 def test_thp_setting_reads_the_bracketed_mode(tmp_path):

@@ -17,8 +17,8 @@ its first large allocation, and then for every tensor of the process. Here only 
 tensors ask: each is allocated empty (a fresh, untouched mapping: glibc maps every allocation
 above its mmap threshold, at most 32 MiB, on its own), its whole 2 MiB-aligned interior is
 advised ``MADV_HUGEPAGE`` with ``madvise(2)``, and only then is it filled, so its pages are huge
-from their first fault. (A smaller tensor may come from the heap; the part advised stays advised
-after it is freed, which is harmless.)
+from their first fault. Tensors of 34 MiB or less stay on ordinary pages (``MIN_ADVISED_BYTES``:
+they may come from the heap, where advice outlives them and slowed a CPU run).
 This needs the kernel's transparent huge pages set to ``madvise`` or ``always``
 (``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off Linux) the advice has
 no effect and the tensors are ordinary, with the same values. ``--no-stem-host-huge-pages`` turns
@@ -37,6 +37,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
+# glibc serves every allocation above its mmap threshold (dynamic, at most 32 MiB on 64-bit) from
+# a mapping of its own. Smaller tensors may come from the heap, and advice given there outlives
+# the tensor: later heap allocations (a CPU run's activations) would get huge pages that the
+# heap's trimming then splits. So only tensors above this size, always mappings of their own,
+# are advised (a precaution: one run of the main job's mode, 7 MiB host tiers, was slower with
+# heap advice, 603 against 560 ms per step, but not in a way that isolated the cause;
+# docs/benchmarks.md).
+MIN_ADVISED_BYTES = (32 << 20) + HUGE_PAGE
 MADV_HUGEPAGE = 14  # linux/mman.h
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -68,11 +76,13 @@ def _madvise(address: int, length: int, advice: int) -> int:
 
 def advise_huge_pages(t: torch.Tensor) -> int:
     """Advise the 2 MiB pages wholly inside ``t``'s storage onto huge pages; the bytes advised
-    (0: too small, not on the CPU, or refused by the kernel). Pages already touched keep their
-    size until the kernel's background collapse, so call it before filling ``t``."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return 0
+    (0: not on the CPU, at most ``MIN_ADVISED_BYTES`` (possibly heap memory), or refused by the
+    kernel). Pages already touched keep their size until the kernel's background collapse, so
+    call it before filling ``t``."""
     storage = t.untyped_storage()
+    if t.device.type != "cpu" or not sys.platform.startswith("linux") or \
+            storage.nbytes() <= MIN_ADVISED_BYTES:
+        return 0
     start = storage.data_ptr()
     end = start + storage.nbytes()
     lo = -(-start // HUGE_PAGE) * HUGE_PAGE
