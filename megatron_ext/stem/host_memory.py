@@ -18,7 +18,7 @@ tensors ask: each is allocated empty (a fresh, untouched mapping: glibc maps eve
 above its mmap threshold, at most 32 MiB, on its own), its whole 2 MiB-aligned interior is
 advised ``MADV_HUGEPAGE`` with ``madvise(2)``, and only then is it filled, so its pages are huge
 from their first fault. Tensors of 34 MiB or less stay on ordinary pages (``MIN_ADVISED_BYTES``:
-they may come from the heap, where advice outlives them and slowed a CPU run).
+they may come from the heap, where advice would outlive them and reach later allocations).
 This needs the kernel's transparent huge pages set to ``madvise`` or ``always``
 (``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off Linux) the advice has
 no effect and the tensors are ordinary, with the same values. ``--no-stem-host-huge-pages`` turns
