@@ -10,6 +10,7 @@ from megatron_ext.stem import host_memory
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import TableStore
 from megatron_ext.stem.table_optimizer import host_row_tensors
+from megatron_ext.stem.tiers import TieredRowAdamW
 
 MODE = host_memory.thp_setting()
 needs_thp = pytest.mark.skipif(
@@ -36,7 +37,7 @@ def test_helpers_give_plain_torch_values():
         assert torch.equal(host_memory.copy(src[100:], huge=huge), src[100:])
         z = host_memory.zeros_like(src, huge)
         assert z.is_contiguous() and z.shape == src.shape and not z.any()
-    assert host_memory.advise_huge_pages(torch.empty(10)) == 0  # no whole 2 MiB page inside
+    assert host_memory.advise_huge_pages(torch.empty(10)) == 0  # at or below MIN_ADVISED_BYTES
 
 
 @needs_thp
@@ -79,7 +80,7 @@ def test_advised_tensors_are_on_huge_pages():
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_store_and_optimizer_put_host_rows_on_huge_pages(placement, mode):
     """The host shard (a tiered shard's host tier) and its moments, as the table optimizer binds
-    them; with huge_pages=False none of them (in THP mode madvise)."""
+    them; with huge_pages=False none of them."""
     vocab = ROWS + 64
     table = torch.randn(vocab, WIDTH)
     owned = torch.randperm(vocab)
@@ -109,7 +110,6 @@ def test_report_lists_the_host_row_tensors():
 
     store = TableStore(iter([torch.randn(20, 4)]), torch.arange(20), "tiered",
                        torch.device("cpu"), 5)
-    from megatron_ext.stem.tiers import TieredRowAdamW
 
     holder = Holder()
     holder.row_adams = [TieredRowAdamW(store.shards, mode="sparse", lazy=store.lazy)]

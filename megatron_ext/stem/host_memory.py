@@ -86,9 +86,7 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     start = storage.data_ptr()
     end = start + storage.nbytes()
     lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return 0
+    hi = end // HUGE_PAGE * HUGE_PAGE  # above MIN_ADVISED_BYTES, whole 2 MiB pages lie inside
     err = _madvise(lo, hi - lo, MADV_HUGEPAGE)
     if err:
         logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): ordinary pages", err)
