@@ -137,6 +137,15 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert idle.value == 7.5 and "trace_1b_tiered.json.gz" in idle.note
     assert "stem/wait-read 5.3 ms; outside them 2.2 ms" in idle.note
     assert "gpu tables, GPU main stream idle per step" not in by  # no trace of that run
+    (tmp_path / "ho.json").write_text(json.dumps({
+        "ratio": 0.66, "ratio_cold": 0.84, "sparse_params_per_s": 0.9e9, "threads": 15,
+        "kernel": "rowwise", "sparse_state_bytes_on_huge_pages": 2**30,
+        "transparent_huge_pages": "madvise", "deepspeed_dense_params_per_s": 1.4e9,
+        "deepspeed_dense_cold_params_per_s": 1.07e9, "dense_whole_table_params_per_s": 1.0e9}))
+    rows = gpu_evidence._rows_host_optimizer(str(tmp_path / "ho.json"))
+    assert [(r.value, r.met) for r in rows] == [(0.66, False), (0.84, True)]
+    assert "1.07 G params/s there, 1.40 on its reused window, 1.00 over the whole table" in \
+        rows[1].note
     (tmp_path / "hg.json").write_text(json.dumps({
         "rows": 2000, "width": 8192, "threads": 15,
         "ms": {"compiled bf16": 1.2, "compiled fp16": 1.8, "compiled fp32": 1.3},
