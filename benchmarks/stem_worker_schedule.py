@@ -50,7 +50,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
 
     from megatron_ext.stem.config import StemConfig
     from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-    from megatron_ext.stem.table_optimizer import OwedStep, StemTablesOptimizer
+    from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
     from megatron_ext.stem.tables import StemTables
     from megatron_ext.stem.worker import WORKER
     from megatron_ext.stem.read_ahead import TableReadAhead
@@ -62,8 +62,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
                         a.rows, parallel_state.get_data_parallel_group())
     adam = RowAdamW(tables.store.shards, mode="sparse", lazy=tables.store.lazy)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # its table step and drain
-    optimizer.mode, optimizer.tables, optimizer._step_tasks = "sparse", [tables], []
+    steps = TableSteps("sparse")  # the table optimizer's row steps and their drain
     read_ahead = TableReadAhead(tables)
     most = len(torch.unique(torch.cat([mb.reshape(-1) for mb in ids_steps[0]]))) * 2
     noise = [torch.randn(most, a.width, generator=g) * 1e-3 for _ in layers]  # row gradients
@@ -80,7 +79,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
             time.sleep(a.compute_ms / 1e3)  # the micro-batch computes (on the GPU)
             step_ids.append(batch[0].reshape(-1))
         t = time.perf_counter()
-        optimizer.drain()  # the previous table step's rest
+        steps.drain([tables])  # the previous table step's rest
         drained = time.perf_counter() - t
         # The step's row gradients summed per touched row (what collect_grads hands over).
         touched = torch.unique(torch.cat(step_ids))
@@ -90,7 +89,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
         if s + 1 < len(ids_steps):
             plan = adam.begin_step(hyper)
             t = time.perf_counter()
-            optimizer._step_table(tables, adam, plan, grads, None)
+            steps.step_table(tables, adam, plan, grads, None)
             submit = time.perf_counter() - t
         else:
             submit = 0.0

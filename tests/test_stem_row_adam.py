@@ -322,7 +322,7 @@ def test_host_row_kernels_match_torch(dtype):
 
 @pytest.mark.parametrize("kernel", kernels("sparse"))
 def test_sparse_step_in_parts_with_reads_between(kernel):
-    """The overlapped table step (``StemTablesOptimizer._step_table``): an iteration's rows step
+    """The overlapped table step (``TableSteps.step_table``): an iteration's rows step
     in two parts, and rows outside the second part are read (brought up to date) between them. The
     result is bitwise that of the one-call step followed by the same reads, and the
     reference's."""

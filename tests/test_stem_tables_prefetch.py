@@ -111,7 +111,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
     wait is counted apart (``stem/optimizer-seconds-grad-wait``), inside the step's time."""
     import time
 
-    from megatron_ext.stem.table_optimizer import OwedStep, StemTablesOptimizer
+    from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
     from megatron_ext.stem.worker import WORKER
     from megatron_ext.stem.read_ahead import TableReadAhead
 
@@ -152,8 +152,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
                 self.at = time.perf_counter() + 0.02
             time.sleep(max(self.at - time.perf_counter(), 0.0))
 
-    optimizer = StemTablesOptimizer.__new__(StemTablesOptimizer)  # only its table step
-    optimizer.mode, optimizer._step_tasks = "sparse", []
+    steps = TableSteps("sparse")  # the table optimizer's row steps, without Megatron's part
     read_ahead = TableReadAhead(tables)
     for step in range(2):
         for m in range(3):
@@ -173,7 +172,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
         # After the first step the next step's first micro-batch waits for this step.
         assert (tables.deferred is not None) == (step == 0)
         stepped.clear()
-        optimizer._step_table(tables, SGD(), None, [(local, x) for x in grads], Arrived())
+        steps.step_table(tables, SGD(), None, [(local, x) for x in grads], Arrived())
         assert tables.deferred is None
         if step == 1:
             WORKER.wait()
@@ -181,15 +180,14 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
             assert sorted(stepped) == sorted((i, int(r)) for i in range(2) for r in local)
     WORKER.wait()
     assert tables.store.owed_step is None
-    results = [done.result() for _, done, _ in optimizer._step_tasks]
+    results = [done.result() for _, done, _ in steps.tasks]
     assert sum(took for took, _ in results) > 0
     if slow:  # the reads stepped their rows (part of the step) before the rest was done
         assert sum(in_reads for _, in_reads in results) > 0
         assert all(in_reads < took for took, in_reads in results)
     # Step 1 ran at once (nothing to overlap: its stats are in), step 0 in the background:
     # drained into the stats as the optimizer's next prepare_grads would.
-    optimizer.tables = [tables]
-    optimizer.drain()
+    steps.drain([tables])
     waited = tables.stats["optimizer_seconds_grad_wait"]
     assert 2 * 0.02 <= waited < tables.stats["optimizer_seconds"]
     assert next(reader) is batches[6]  # read ahead exactly one micro-batch: the step's first

@@ -117,6 +117,82 @@ class OwedStep:
         return self.seconds, self.seconds_in_reads
 
 
+class TableSteps:
+    """The row steps of each iteration's tables as they run, and the wait for them: what
+    ``StemTablesOptimizer`` does with an iteration's row gradients once they are final (its
+    ``step_with_ready_grads``), apart from Megatron's optimizer, so that it runs alone as well
+    (``benchmarks/stem_worker_schedule.py``, tests). ``mode``: ``--stem-optimizer``."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        # (table, future of (seconds, seconds before its read), the step's gradient waits), not
+        # waited for yet
+        self.tasks = []
+
+    def drain(self, tables: Sequence) -> None:
+        """Wait for the tables' host work (the last step's rows, reads queued behind it). The
+        waited time counts as exposed optimizer time (once, on the first of ``tables``); the
+        background steps' own times are counted now, with the iteration they overlapped."""
+        waited = WORKER.wait()
+        if tables:  # one wait for every chunk: counted once
+            tables[0].stats["optimizer_seconds_exposed"] += waited
+        for t, done, grad_wait in self.tasks:
+            took, before_read = done.result()
+            t.stats["optimizer_seconds"] += took
+            t.stats["optimizer_seconds_before_fetch"] += before_read
+            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
+        self.tasks.clear()
+
+    def step_table(self, t, adam, plan, grads, arrived, made=None) -> None:
+        """Step one chunk's rows. Without a deferred read (no overlap), here and now. With one,
+        on the worker. Dense steps every row in one pass, so its whole step precedes the read.
+        Sparse leaves the step with the store (``OwedStep``) and runs it in the background in
+        chunks; the deferred read, and every later read of this step, runs before the rest of it
+        and steps the rows it needs first. ``made``: the event after which the GPU holds what
+        they read (``worker.mark``), so their GPU work and copies overlap the model's step."""
+
+        grad_wait = [0.0]  # seconds the step waited for its host gradients' copy (in its time)
+
+        def step(positions=None):
+            """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
+            start = time.perf_counter()
+            with record_function("stem/table-step"):
+                if arrived is not None:  # the gradients are read only after their copy landed
+                    with record_function("stem/wait-grads"):
+                        arrived.synchronize()
+                    grad_wait[0] += time.perf_counter() - start
+                for i, (rows, grad) in enumerate(grads):
+                    if positions is not None:
+                        rows, grad = take_rows(rows, grad, positions[i])
+                    if rows.numel() or self.mode != "sparse":
+                        adam.step_rows(i, rows, grad, plan)
+            return time.perf_counter() - start
+
+        fetch = t.deferred
+        if fetch is None:
+            t.stats["optimizer_seconds_exposed"] += WORKER.wait()
+            took = step()
+            t.stats["optimizer_seconds"] += took
+            t.stats["optimizer_seconds_exposed"] += took
+            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
+            return
+        # Read on the worker's side stream.
+        WORKER.hand_over(x for _, g in grads for x in grad_tensors(g))
+        if self.mode != "sparse":
+            def whole():
+                took = step()
+                return took, took
+
+            self.tasks.append((t, WORKER.submit(whole, after=made), grad_wait))
+            t.release(fetch, after=made)
+            return
+        owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
+        # The worker is idle for this store: the step drained it.
+        owed.store, t.store.owed_step = t.store, owed
+        t.release(fetch, after=made)
+        self.tasks.append((t, WORKER.submit_background(owed, after=made), grad_wait))
+
+
 class StemTablesOptimizer(ChainedOptimizer):
     def __init__(self, inner, tables: List, mode: str):
         chained = list(inner.chained_optimizers) if isinstance(inner, ChainedOptimizer) \
@@ -141,9 +217,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
         self._staging = PinnedStaging()
         self._copy_stream = None  # the host tier's gradients leave the GPU on it (made on use)
-        # (table, future of (seconds, seconds before its read), the step's gradient waits), not
-        # waited for yet
-        self._step_tasks = []
+        self.steps = TableSteps(mode)  # the row steps as they run on the host worker
         self._step_count = 0   # iterations stepped (every rank, with tables or not)
 
     @property
@@ -171,19 +245,9 @@ class StemTablesOptimizer(ChainedOptimizer):
             adam.materialize()
 
     def drain(self) -> None:
-        """Wait for the tables' host work (the last step's rows, reads queued behind it): before
-        their state is read whole (checkpoints, dumps) or the gradient staging buffer is reused.
-        The waited time counts as exposed optimizer time; the background steps' own times are
-        counted now, with the iteration they overlapped."""
-        waited = WORKER.wait()
-        if self.tables:  # one wait for every chunk: counted once
-            self.tables[0].stats["optimizer_seconds_exposed"] += waited
-        for t, done, grad_wait in self._step_tasks:
-            took, before_read = done.result()
-            t.stats["optimizer_seconds"] += took
-            t.stats["optimizer_seconds_before_fetch"] += before_read
-            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
-        self._step_tasks.clear()
+        """Wait for the tables' host work (``TableSteps.drain``): before their state is read
+        whole (checkpoints, dumps) or the gradient staging buffer is reused."""
+        self.steps.drain(self.tables)
 
     # -- gradients -----------------------------------------------------------------------------
     def prepare_grads(self) -> bool:
@@ -307,58 +371,9 @@ class StemTablesOptimizer(ChainedOptimizer):
         hyper = self._hyper()
         self._step_count += 1
         for t, adam, table_grads in zip(self.tables, self.row_adams, grads):
-            self._step_table(t, adam, adam.begin_step(hyper), table_grads, arrived, made)
+            self.steps.step_table(t, adam, adam.begin_step(hyper), table_grads, arrived, made)
         self._grads = None
         return success
-
-    def _step_table(self, t, adam, plan, grads, arrived, made=None) -> None:
-        """Step one chunk's rows. Without a deferred read (no overlap), here and now. With one,
-        on the worker. Dense steps every row in one pass, so its whole step precedes the read.
-        Sparse leaves the step with the store (``OwedStep``) and runs it in the background in
-        chunks; the deferred read, and every later read of this step, runs before the rest of it
-        and steps the rows it needs first. ``made``: the event after which the GPU holds what
-        they read (``worker.mark``), so their GPU work and copies overlap the model's step."""
-
-        grad_wait = [0.0]  # seconds the step waited for its host gradients' copy (in its time)
-
-        def step(positions=None):
-            """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
-            start = time.perf_counter()
-            with record_function("stem/table-step"):
-                if arrived is not None:  # the gradients are read only after their copy landed
-                    with record_function("stem/wait-grads"):
-                        arrived.synchronize()
-                    grad_wait[0] += time.perf_counter() - start
-                for i, (rows, grad) in enumerate(grads):
-                    if positions is not None:
-                        rows, grad = take_rows(rows, grad, positions[i])
-                    if rows.numel() or self.mode != "sparse":
-                        adam.step_rows(i, rows, grad, plan)
-            return time.perf_counter() - start
-
-        fetch = t.deferred
-        if fetch is None:
-            t.stats["optimizer_seconds_exposed"] += WORKER.wait()
-            took = step()
-            t.stats["optimizer_seconds"] += took
-            t.stats["optimizer_seconds_exposed"] += took
-            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
-            return
-        # Read on the worker's side stream.
-        WORKER.hand_over(x for _, g in grads for x in grad_tensors(g))
-        if self.mode != "sparse":
-            def whole():
-                took = step()
-                return took, took
-
-            self._step_tasks.append((t, WORKER.submit(whole, after=made), grad_wait))
-            t.release(fetch, after=made)
-            return
-        owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
-        # The worker is idle for this store: the step drained it.
-        owed.store, t.store.owed_step = t.store, owed
-        t.release(fetch, after=made)
-        self._step_tasks.append((t, WORKER.submit_background(owed, after=made), grad_wait))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
