@@ -98,10 +98,11 @@ def main() -> None:
         dense_buf = RowAdamW([same_buf], mode="dense", kernel="deepspeed", huge_pages=huge)
         dense_buf.step([(torch.arange(most), grad_buf.normal_(generator=g))], hyper)
     # DeepSpeed again, on a window of a table-sized state that moves on at every repetition, so
-    # that no window is in the caches when it is stepped (in training DeepSpeed's dense step walks
-    # the whole shard, never cache-resident; the window above is reused, partly cache-resident:
-    # the host's last-level cache can hold a good part of it). The sparse rows are a mix: the
-    # hottest were stepped at the previous repetition, the tail comes from memory.
+    # that, where that state is larger than the caches (3.4 GB at the default shape), no window
+    # is in them when it is stepped: in training DeepSpeed's dense step walks the whole shard.
+    # The window above is reused, and the host's last-level cache can hold much of it. The sparse
+    # rows are a mix: the hottest were stepped at the previous repetition, the tail comes from
+    # memory.
     cold_rows = args.vocab  # as large as the table: a window comes back after ~vocab / rows
     cold_state = [host_randn(cold_rows) for _ in range(3)]
     cold_state[2].abs_()  # a second moment is never negative
