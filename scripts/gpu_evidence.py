@@ -150,7 +150,8 @@ def _rows_host_optimizer(path: str) -> List[Row]:
                      f"{s['kernel']}, {(s['sparse_state_bytes_on_huge_pages'] or 0) / 2**30:.1f} "
                      f"GiB of the state on huge pages (THP {s['transparent_huge_pages']})"),
             Row("host_optimizer", "sparse CPU AdamW over DeepSpeed dense CPU Adam on a window "
-                "moving through a table-sized state (as training walks it), this host", s["ratio_cold"], "x", 0.8, "higher",
+                "moving through a table-sized state (as training walks it), this host",
+                s["ratio_cold"], "x", 0.8, "higher",
                 note=f"DeepSpeed {s['deepspeed_dense_cold_params_per_s'] / 1e9:.2f} G params/s "
                      f"there, {s['deepspeed_dense_params_per_s'] / 1e9:.2f} on its reused window, "
                      f"{s['dense_whole_table_params_per_s'] / 1e9:.2f} over the whole table")]
