@@ -92,3 +92,88 @@ def test_spec_list_places_stem_layers(mcore_single_rank, ratio):
     bad[1, 3] = 128
     with pytest.raises(ValueError, match="outside the STEM tables"):
         model(bad, pos, None)
+
+
+def _tiny_stem_gpt():
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.models.gpt import TokenIdsGPTModel
+    from megatron_ext.stem.specs import decoder_block_spec
+
+    config = TransformerConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64,
+                               num_attention_heads=4, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False,
+                               normalization="RMSNorm", use_cpu_initialization=True)
+    model = TokenIdsGPTModel(config=config,
+                             transformer_layer_spec=decoder_block_spec(config, StemConfig(), 128,
+                                                                       False),
+                             vocab_size=128, max_sequence_length=16,
+                             position_embedding_type="rope")
+    model.needs_token_ids = True  # as the model provider marks it
+    return model
+
+
+def _count_range_reads(tokens, reads):
+    """Record every ``min``/``max`` of ``tokens`` itself: the range read that, on a GPU, waits
+    for every kernel queued before."""
+    for name in ("min", "max"):
+        method = getattr(tokens, name)
+        setattr(tokens, name, lambda *a, _m=method, _n=name, **k: reads.append(_n) or _m(*a, **k))
+    return tokens
+
+
+def test_ids_checked_on_the_host_are_not_read_back(mcore_single_rank):
+    """``check_host_token_ids`` checks the host copy and the forward then does not read the
+    device ids; unchecked ids are read (and refused) by the forward as before."""
+    model = _tiny_stem_gpt()
+    pos = torch.arange(16).unsqueeze(0).expand(2, 16)
+    reads = []
+    tokens = _count_range_reads(torch.randint(0, 128, (2, 16)), reads)
+    model(tokens, pos, None)
+    assert sorted(reads) == ["max", "min"]
+    reads.clear()
+    model.check_host_token_ids(tokens, tokens.clone())
+    model(tokens, pos, None)
+    assert reads == []
+    for bad_id in (128, -1):
+        bad = tokens.clone()
+        bad[1, 3] = bad_id
+        with pytest.raises(ValueError, match=f"token id {bad_id} is outside the STEM tables"):
+            model.check_host_token_ids(tokens.clone(), bad)
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("take_batch", [False, True])
+def test_forward_step_checks_the_host_copy(mcore_single_rank, monkeypatch, host, take_batch):
+    """The trainer's forward step checks the ids on the batch's host copy where it has one, so
+    the model's forward reads nothing back (once per micro-batch on a GPU, a wait for the
+    previous micro-batch's backward); without a host copy (context parallelism, TP ranks without
+    a host group) the forward reads and checks the device ids. With and without a family's
+    ``take_batch`` (STEM's managed tables)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.training import forward_step as fs
+
+    class Timer:
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
+
+    reads = []
+    tokens = _count_range_reads(torch.randint(0, 128, (2, 16)), reads)
+    labels = torch.randint(0, 128, (2, 16))
+    batch = (tokens, labels, torch.ones(2, 16), None, torch.arange(16).unsqueeze(0).expand(2, 16),
+             tokens.clone() if host else None)
+    family = SimpleNamespace(before_forward=None, take_batch=(
+        (lambda model, read_batch, args, cfg: read_batch()[:5]) if take_batch else None))
+    monkeypatch.setattr(fs, "get_args", lambda: SimpleNamespace())
+    monkeypatch.setattr(fs, "get_timers", lambda: lambda *a, **k: Timer())
+    monkeypatch.setattr(fs, "_family_and_config", lambda args: (family, None))
+    monkeypatch.setattr(fs, "get_batch", lambda *a, host_tokens=False: batch if host_tokens
+                        else batch[:5])
+    output, loss = fs.forward_step(iter(()), _tiny_stem_gpt())
+    assert output.shape == (2, 16) and loss(output)[1] == 32
+    assert reads == ([] if host else ["min", "max"])

@@ -14,6 +14,9 @@ from typing import Optional
 
 import torch
 
+# Set on a micro-batch's device ids whose host copy was checked (``check_host_token_ids``).
+_CHECKED = "_megatron_ext_ids_checked"
+
 
 class TokenIdsMixin:
     """Mixed into an upstream language model (``GPTModel``, ``HybridModel``) before it."""
@@ -23,10 +26,25 @@ class TokenIdsMixin:
         self.table_vocab_size = table_vocab_size if table_vocab_size is not None else self.vocab_size
 
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
-        """Refuse ids outside the tables with a message instead of an index error deep inside."""
-        if input_ids.numel() == 0:
+        """Refuse ids outside the tables with a message instead of an index error deep inside.
+        Ids whose host copy was checked (``check_host_token_ids``) are not read again; others
+        are read back from their device, which on a GPU waits for every kernel queued before
+        (once per micro-batch)."""
+        if input_ids.numel() == 0 or getattr(input_ids, _CHECKED, False):
             return
         lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one host sync
+        self._refuse_outside(lo, hi)
+
+    def check_host_token_ids(self, input_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
+        """Check the micro-batch's ids on their host copy ``host_ids`` (``training/batch.py``:
+        the data loader's, where this rank has it) and mark ``input_ids``, the device tensor
+        this model's forward will receive, as checked: the forward then does not read the ids
+        back from the GPU."""
+        if host_ids.numel():
+            self._refuse_outside(int(host_ids.min()), int(host_ids.max()))
+        setattr(input_ids, _CHECKED, True)
+
+    def _refuse_outside(self, lo: int, hi: int) -> None:
         if lo < 0 or hi >= self.table_vocab_size:
             raise ValueError(
                 f"token id {lo if lo < 0 else hi} is outside the STEM tables (vocab size "

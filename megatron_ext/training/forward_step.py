@@ -40,13 +40,21 @@ def forward_step(data_iterator, model):
     token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
     family, cfg = _family_and_config(args)
 
+    def read_batch():
+        """The five tensors and the tokens' host copy (or None), the ids checked on the host
+        where there is one: the model's forward then need not read them back from the GPU,
+        which would wait for every kernel queued before (the previous micro-batch's backward)."""
+        batch = get_batch(data_iterator, args, vp_stage, token_layers_here, host_tokens=True)
+        if token_layers_here and batch[0] is not None and batch[5] is not None:
+            get_attr_wrapped_model(model, "check_host_token_ids")(batch[0], batch[5])
+        return batch
+
     if family.take_batch is not None:  # e.g. STEM's managed tables: rows bound, read-ahead
         # read_batch gives the five tensors and the tokens' host copy (or None); take_batch
         # returns the five.
-        batch = family.take_batch(model, lambda: get_batch(
-            data_iterator, args, vp_stage, token_layers_here, host_tokens=True), args, cfg)
+        batch = family.take_batch(model, read_batch, args, cfg)
     else:
-        batch = get_batch(data_iterator, args, vp_stage, token_layers_here)
+        batch = read_batch()[:5]
     tokens, labels, loss_mask, attention_mask, position_ids = batch
     timers("batch-generator").stop()
     if family.before_forward is not None:  # e.g. Sigma's top-k of this step
