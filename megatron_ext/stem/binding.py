@@ -13,6 +13,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from megatron_ext.stem.transfer import to_device
+
 
 class RowBinding:
     def __init__(self, layers: Sequence):
@@ -44,7 +46,7 @@ class RowBinding:
                          for u, leaves in self._pending]
                 grads.append(torch.cat(parts).float())
             unique, inverse = torch.unique(ids, return_inverse=True)
-            inverse = inverse.to(grads[0].device)
+            inverse = to_device(inverse, grads[0].device)  # pageable .to() would sync
             summed = [torch.zeros(unique.numel(), g.shape[1], device=g.device).index_add_(
                 0, inverse, g) for g in grads]
         else:
