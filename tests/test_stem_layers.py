@@ -177,3 +177,32 @@ def test_forward_step_checks_the_host_copy(mcore_single_rank, monkeypatch, host,
     output, loss = fs.forward_step(iter(()), _tiny_stem_gpt())
     assert output.shape == (2, 16) and loss(output)[1] == 32
     assert reads == ([] if host else ["min", "max"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_context_of_host_checked_ids_does_not_wait_for_the_gpu():
+    """On a GPU, the block context of ids checked on their host copy is made without waiting for
+    the kernels queued before (CUDA's sync debug mode "error" raises at any synchronisation);
+    ids not checked on the host are read back, which it catches."""
+    from megatron_ext.models.token_ids import TokenIdsMixin
+
+    class Ids(TokenIdsMixin, torch.nn.Module):
+        pass
+
+    model = Ids(table_vocab_size=128)
+    host = torch.randint(0, 128, (2, 16))
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # kernels queued ahead, as the previous micro-batch's backward
+        busy = busy @ busy.t() / 4096
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        checked = host.pin_memory().to("cuda", non_blocking=True)
+        model.check_host_token_ids(checked, host)
+        context = model.block_context(checked)
+        unchecked = host.pin_memory().to("cuda", non_blocking=True)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            model.block_context(unchecked)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(context.cpu(), host.t())
