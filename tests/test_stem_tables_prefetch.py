@@ -195,6 +195,96 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
         assert torch.equal(shard, want[tables.owned_ids])
 
 
+def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
+    """Tiered tables (ids below 30 in the GPU tier), two steps of three micro-batches with
+    prefetch and the overlapped sparse step, the gradients split by tier as the table optimizer
+    splits them: the host rows that the next step's first micro-batch reads first
+    (``split_grads``'s ``first``). That micro-batch's read waits for those rows' gradients alone
+    (``Arrival.synchronize_first``), and steps no host row before the rest have landed but
+    those; the rest of the step waits for all (``synchronize``). With plain SGD as the row rule,
+    every bound row equals a plain table updated by the same rule, so the rows and gradients
+    were reordered together."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.stem.read_ahead import TableReadAhead
+    from megatron_ext.stem.table_optimizer import TableSteps
+    from megatron_ext.stem.tables import StemTables
+    from megatron_ext.stem.tiers import TierGrads, split_grads
+    from megatron_ext.stem.worker import WORKER
+
+    g = torch.Generator().manual_seed(5)
+    full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
+    layers = [FakeLayer(t.clone()) for t in full]
+    tables = StemTables(layers, StemConfig(placement="tiered", sharding="vocab"), VOCAB,
+                        parallel_state.get_data_parallel_group(),
+                        hot_mask=torch.arange(VOCAB) < 30)
+    device = torch.device("cpu")
+    batches = [(torch.multinomial(torch.arange(VOCAB, 0, -1).float(), 32, replacement=True,
+                                  generator=g).view(2, 16),) for _ in range(7)]
+    weights = [torch.randn(16, 2, t.shape[1], generator=g) for t in full]
+    reader = iter(batches)
+    expected = [t.clone() for t in full]
+    lr = 0.5
+
+    class Arrival:  # the host tier's gradients landing: the first rows, then all
+        def __init__(self, first_rows):
+            self.first_rows, self.landed, self.calls = first_rows, set(), []
+
+        def synchronize_first(self):
+            self.calls.append("first")
+            self.landed.add("first")
+
+        def synchronize(self):
+            self.calls.append("all")
+            self.landed.update(("first", "all"))
+
+    class SGD:  # the row rule on both tiers, in the tiered optimizer's step interface
+        mode = "sparse"
+
+        def step_rows(self, i, rows, grad, plan):
+            assert isinstance(grad, TierGrads)
+            shard, n = tables.store.shards[i], grad.num_hot
+            cold = rows[n:]
+            if cold.numel():
+                assert "all" in arrival.landed or (
+                    "first" in arrival.landed and torch.isin(cold, arrival.first_rows).all()), \
+                    "a host row stepped before its gradient landed"
+            shard.hot.index_add_(0, rows[:n], grad.hot.to(shard.hot.dtype), alpha=-lr)
+            shard.cold.index_add_(0, cold - shard.num_hot, grad.cold, alpha=-lr)
+
+    steps = TableSteps("sparse")
+    read_ahead = TableReadAhead(tables)
+    arrivals = []
+    for step in range(2):
+        for m in range(3):
+            batch = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
+            loss = 0.0
+            for layer, want, w in zip(layers, expected, weights):
+                rows, inverse = layer.bound
+                looked_up = rows[inverse]
+                assert torch.equal(looked_up.detach(), want[batch[0].t()]), (step, m)
+                loss = loss + (looked_up * w).sum()
+            loss.backward()
+        WORKER.wait()
+        local, grads = tables.collect_grads()
+        for want, x in zip(expected, grads):
+            want.index_add_(0, tables.owned_ids[local], x, alpha=-lr)
+        first = tables.deferred.route.requested if tables.deferred is not None else None
+        split = [split_grads(s, local, x, first) for s, x in zip(tables.store.shards, grads)]
+        cold_first = split[0][1].cold_first
+        arrival = Arrival(None if first is None else torch.as_tensor(first))
+        arrivals.append((arrival, cold_first, split[0][1].cold.shape[0]))
+        steps.step_table(tables, SGD(), None, split, arrival)
+    WORKER.wait()
+    steps.drain([tables])
+    (overlapped, first_rows, cold_rows), (last, _, _) = arrivals
+    assert 0 < first_rows < cold_rows  # the test has host rows of both kinds
+    assert overlapped.calls[0] == "first" and "all" in overlapped.calls[1:]
+    assert last.calls == ["all"]  # nothing read ahead after the last step: all, at once
+    for shard, want in zip(tables.store.shards, expected):
+        assert torch.equal(shard.full(), want[tables.owned_ids])
+
+
 class SlowJob:
     """A background job of ``n`` chunks of ``pause`` seconds, recording its chunks in ``log``."""
 

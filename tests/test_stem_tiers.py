@@ -174,6 +174,23 @@ def test_tiered_step_in_parts_of_split_gradients(mode):
     assert not torch.equal(parts_shard.full(), init)
 
 
+def test_split_puts_the_host_rows_read_first_ahead():
+    """``split_grads``'s ``first`` (the rows the next step's first micro-batch reads): its host
+    rows come first among the host rows, their gradients with them, and ``within_first`` tells
+    whether positions need no host gradient past them."""
+    g = torch.Generator().manual_seed(6)
+    shard = _tiered(torch.randn(12, 4, generator=g), 5)
+    rows = torch.tensor([9, 2, 0, 11, 4, 6])
+    grad = torch.randn(rows.numel(), 4, generator=g)
+    ordered, split = split_grads(shard, rows, grad, torch.tensor([6, 0, 11, 3]))
+    assert ordered.tolist() == [2, 0, 4, 11, 6, 9] and split.cold_first == 2
+    assert torch.equal(split.hot, grad[[1, 2, 4]]) and torch.equal(split.cold, grad[[3, 5, 0]])
+    assert split.within_first(torch.tensor([3, 4, 1])) and split.within_first(torch.tensor([0]))
+    assert not split.within_first(torch.tensor([3, 5]))
+    _, plain = split_grads(shard, rows, grad)
+    assert plain.cold_first == 0 and not plain.within_first(torch.tensor([3]))
+
+
 @pytest.mark.parametrize("eps", [1e-8, 0.3])
 def test_tiered_sparse_matches_the_documented_semantics(eps):
     """The tiered sparse optimizer (the GPU tier's torch path, the host tier's production kernel)
@@ -362,3 +379,26 @@ def test_host_tier_gradients_leave_the_gpu_beside_the_current_stream():
     assert not arrived.query(), "the current stream's later work waited for the copies"
     arrived.synchronize()
     check(views, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_first_rows_of_the_host_tier_gradients_land_first():
+    """``stage_to_host`` with ``first``: the leading rows of every gradient (those the next step's
+    first micro-batch reads) are copied before the rest, and ``synchronize_first`` waits for
+    them alone (the other 512 MiB are still on their way when it returns); then every row
+    lands."""
+    grads = [torch.randn(2048, 32768, device="cuda"), torch.randn(5, 32768, device="cuda"),
+             torch.randn(1, 32768, device="cuda")]  # 256 MiB + a few rows
+    first = [3, 5, 0]
+    staging, copy = PinnedStaging(), torch.cuda.Stream()
+    staging.view(sum(g.numel() for g in grads), torch.float32)  # the pinned block, made once
+    torch.cuda.synchronize()
+    late = [torch.full((2048, 32768), 7.0, device="cuda")]  # more to copy after the first rows
+    views, arrived = stage_to_host(grads + late, staging, copy, first + [0])
+    arrived.synchronize_first()
+    assert not arrived.query(), "the first rows waited for the whole copy"
+    for g, view, n in zip(grads, views, first):
+        assert torch.equal(view[:n], g[:n].cpu())
+    arrived.synchronize()
+    for g, view in zip(grads + late, views):
+        assert torch.equal(view, g.cpu())

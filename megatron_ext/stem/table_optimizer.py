@@ -41,8 +41,14 @@ from megatron_ext.stem import checkpoint, host_memory
 from megatron_ext.stem.exchange import comm_device
 from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.store import PinnedStaging
-from megatron_ext.stem.tiers import TieredRowAdamW, grad_tensors, split_grads, take_rows
-from megatron_ext.stem.transfer import stage_to_host
+from megatron_ext.stem.tiers import (
+    TierGrads,
+    TieredRowAdamW,
+    grad_tensors,
+    split_grads,
+    take_rows,
+)
+from megatron_ext.stem.transfer import Arrival, stage_to_host
 from megatron_ext.stem.worker import WORKER, mark
 from megatron_ext_kernels import row_adam_cpu
 
@@ -158,8 +164,12 @@ class TableSteps:
             start = time.perf_counter()
             with record_function("stem/table-step"):
                 if arrived is not None:  # the gradients are read only after their copy landed
+                    # (those of the rows the next step's first micro-batch reads land first)
+                    first = positions is not None and all(
+                        isinstance(g, TierGrads) and g.within_first(p)
+                        for (_, g), p in zip(grads, positions))
                     with record_function("stem/wait-grads"):
-                        arrived.synchronize()
+                        (arrived.synchronize_first if first else arrived.synchronize)()
                     grad_wait[0] += time.perf_counter() - start
                 for i, (rows, grad) in enumerate(grads):
                     if positions is not None:
@@ -316,12 +326,18 @@ class StemTablesOptimizer(ChainedOptimizer):
         stuck behind the model's optimizer step nor hold it back, and the CPU steps the rows
         while the GPU runs that step."""
         if self.tiered:
-            per_table = [[split_grads(s, rows, g) for s, (rows, g) in zip(t.store.shards, per)]
-                         for t, per in zip(self.tables, self._grads)]
+            # The host rows that the next step's first micro-batch reads (its read waits for
+            # their step, ``OwedStep``) go first, so that read waits for their copy alone.
+            per_table = []
+            for t, per in zip(self.tables, self._grads):
+                first = t.deferred.route.requested if t.deferred is not None else None
+                per_table.append([split_grads(s, rows, g, first)
+                                  for s, (rows, g) in zip(t.store.shards, per)])
             cold = [tg for per in per_table for _, tg in per if tg.cold.is_cuda]
             if not cold:  # no CUDA: every tier is on the host
                 return per_table, None
-            views, arrived = self._to_host([tg.cold for tg in cold])
+            views, arrived = self._to_host([tg.cold for tg in cold],
+                                           [tg.cold_first for tg in cold])
             for tg, view in zip(cold, views):
                 tg.cold = view
             return per_table, arrived
@@ -344,14 +360,16 @@ class StemTablesOptimizer(ChainedOptimizer):
             base += len(t.store.shards)
         return per_table, arrived
 
-    def _to_host(self, grads: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], object]:
+    def _to_host(self, grads: Sequence[torch.Tensor], first: Optional[Sequence[int]] = None
+                 ) -> Tuple[List[torch.Tensor], Arrival]:
         """GPU ``grads`` copied as fp32 into views of the pinned staging buffer on the
-        optimizer's copy stream (``transfer.stage_to_host``), so that neither the host nor the
-        model's optimizer step queued next waits for them; returns the views and the event that
-        marks the copies' end (the buffer is reused at the next step, after ``drain``)."""
+        optimizer's copy stream (``transfer.stage_to_host``; the ``first`` rows of each before
+        the others), so that neither the host nor the model's optimizer step queued next waits
+        for them; returns the views and their ``Arrival`` (the buffer is reused at the next step,
+        after ``drain``)."""
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
-        return stage_to_host(grads, self._staging, self._copy_stream)
+        return stage_to_host(grads, self._staging, self._copy_stream, first)
 
     def step_with_ready_grads(self) -> bool:
         if self._grads is None:

@@ -136,10 +136,12 @@ class TierGrads:
     """The gradients of a tiered shard's rows, split by tier (``split_grads``): the rows they go
     with are local indices, hot first; ``hot`` holds the first ``num_hot`` rows' gradients (on the
     GPU tier's device), ``cold`` the others'. The optimizer moves ``cold`` to the host before the
-    model's step (``table_optimizer``), so the host tier's step does not wait for the GPU."""
+    model's step (``table_optimizer``), so the host tier's step does not wait for the GPU; its
+    first ``cold_first`` rows (those the next step's first micro-batch reads) go first
+    (``transfer.stage_to_host``)."""
 
-    def __init__(self, hot: torch.Tensor, cold: torch.Tensor):
-        self.hot, self.cold = hot, cold
+    def __init__(self, hot: torch.Tensor, cold: torch.Tensor, cold_first: int = 0):
+        self.hot, self.cold, self.cold_first = hot, cold, cold_first
 
     @property
     def num_hot(self) -> int:
@@ -147,6 +149,12 @@ class TierGrads:
 
     def tensors(self) -> tuple:
         return self.hot, self.cold
+
+    def within_first(self, positions: torch.Tensor) -> bool:
+        """Whether the rows at ``positions`` (of the rows these gradients go with) need no host
+        gradient beyond the first ``cold_first``."""
+        cold = positions[positions >= self.num_hot]
+        return cold.numel() == 0 or int(cold.max()) - self.num_hot < self.cold_first
 
     def take(self, rows: torch.Tensor, keep: torch.Tensor) -> tuple:
         """``(rows[keep], their TierGrads)``, in ascending position (hot first still; the order
@@ -158,13 +166,22 @@ class TierGrads:
                                      self.cold.index_select(0, to_device(cold, self.cold.device)))
 
 
-def split_grads(shard: "TieredShard", rows: torch.Tensor, grad: torch.Tensor) -> tuple:
+def split_grads(shard: "TieredShard", rows: torch.Tensor, grad: torch.Tensor,
+                first: Optional[torch.Tensor] = None) -> tuple:
     """``(rows, TierGrads)``: local ``rows`` hot first, and ``grad``'s rows split alike (both
-    parts where ``grad`` is)."""
+    parts where ``grad`` is). The host rows that are also in ``first`` (local indices: the rows
+    the next step's first micro-batch reads of this rank) come first among the host rows, and
+    their count is the ``TierGrads``' ``cold_first``."""
     hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
+    cold_first = 0
+    if first is not None and cold_rows.numel():
+        needed = torch.isin(cold_rows + shard.num_hot, first.cpu())
+        order = torch.cat([torch.nonzero(needed).squeeze(1), torch.nonzero(~needed).squeeze(1)])
+        cold_pos, cold_rows = cold_pos[order], cold_rows[order]
+        cold_first = int(needed.sum())
     rows = torch.cat([hot_rows, cold_rows + shard.num_hot])
     return rows, TierGrads(grad.index_select(0, to_device(hot_pos, grad.device)),
-                           grad.index_select(0, to_device(cold_pos, grad.device)))
+                           grad.index_select(0, to_device(cold_pos, grad.device)), cold_first)
 
 
 def take_rows(rows: torch.Tensor, grad, keep: torch.Tensor) -> tuple:
