@@ -39,7 +39,7 @@ class Arrival:
         return self._done.query()
 
     def synchronize_first(self) -> None:
-        (self._first or self._done).synchronize()
+        (self._first if self._first is not None else self._done).synchronize()
 
 
 def stage_to_host(grads: Sequence[torch.Tensor], staging, stream,
