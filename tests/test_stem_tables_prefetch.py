@@ -99,6 +99,21 @@ def test_gather_rows_through_pinned_staging(dtype):
         assert torch.equal(got.cpu(), want)
 
 
+def run_microbatches(read_ahead, reader, layers, expected, weights, step):
+    """Step ``step`` (of two) of three micro-batches through ``read_ahead`` from ``reader``: the
+    rows bound to each layer reproduce ``expected[ids]`` (the plain tables with every earlier
+    step applied), and a loss of the rows weighted by ``weights`` is backpropagated."""
+    for m in range(3):
+        batch = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
+        loss = 0.0
+        for layer, want, w in zip(layers, expected, weights):
+            rows, inverse = layer.bound
+            looked_up = rows[inverse]  # [s, b, F]
+            assert torch.equal(looked_up.detach().cpu(), want[batch[0].t().cpu()]), (step, m)
+            loss = loss + (looked_up * w).sum()
+        loss.backward()
+
+
 @pytest.mark.parametrize("slow", [False, True])
 def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, monkeypatch, slow):
     """Two steps of three micro-batches with host shards and prefetch, through the forward step's
@@ -155,15 +170,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
     steps = TableSteps("sparse")  # the table optimizer's row steps, without Megatron's part
     read_ahead = TableReadAhead(tables)
     for step in range(2):
-        for m in range(3):
-            batch = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
-            loss = 0.0
-            for layer, want, w in zip(layers, expected, weights):
-                rows, inverse = layer.bound
-                looked_up = rows[inverse]  # [s, b, F]
-                assert torch.equal(looked_up.detach().cpu(), want[batch[0].t().cpu()]), (step, m)
-                loss = loss + (looked_up * w).sum()
-            loss.backward()
+        run_microbatches(read_ahead, reader, layers, expected, weights, step)
         WORKER.wait()  # as the optimizer's prepare_grads does (drain) before collecting
         local, grads = tables.collect_grads()
         grads = [x.cpu() for x in grads]
@@ -256,15 +263,7 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
     read_ahead = TableReadAhead(tables)
     arrivals = []
     for step in range(2):
-        for m in range(3):
-            batch = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
-            loss = 0.0
-            for layer, want, w in zip(layers, expected, weights):
-                rows, inverse = layer.bound
-                looked_up = rows[inverse]
-                assert torch.equal(looked_up.detach(), want[batch[0].t()]), (step, m)
-                loss = loss + (looked_up * w).sum()
-            loss.backward()
+        run_microbatches(read_ahead, reader, layers, expected, weights, step)
         WORKER.wait()
         local, grads = tables.collect_grads()
         for want, x in zip(expected, grads):
