@@ -536,3 +536,56 @@ def test_fetch_from_host_ids_does_not_wait_for_the_gpu(mcore_single_rank):
     for layer, table in zip(layers, full):
         rows, inverse = layer.bound
         torch.testing.assert_close(rows[inverse].cpu(), table[ids.t()])
+
+
+def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkeypatch):
+    """The per-iteration table stats (``report_stats``): without ``--tensorboard-dir`` or
+    ``--wandb-project`` (no rank has a writer) they are reset and nothing is reduced; with one,
+    every rank joins the reduction and the writing rank writes the sums (one rank here: its
+    own counts)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_ext.stem import table_optimizer
+    from megatron_ext.stem.tables import StemTables
+
+    class Counters:  # a chunk's tables as the report reads them: counters and row sizes
+        reset_stats = StemTables.reset_stats
+        row_bytes = grad_row_bytes = 48
+
+    table = Counters()
+    table.reset_stats()
+
+    def count():
+        table.stats.update(unique_rows=5, fetch_rows_in=3, fetch_seconds=0.25)
+
+    monkeypatch.setattr(table_optimizer, "_ACTIVE",
+                        [SimpleNamespace(tables=[table], grad_seconds=0.5)])
+    reductions = []
+    reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, *a, **k: reductions.append(t.numel()) or reduce(t, *a, **k))
+
+    class Writer:
+        def __init__(self):
+            self.scalars = {}
+
+        def add_scalar(self, name, value, iteration):
+            self.scalars[name] = (value, iteration)
+
+    writer = Writer()
+    count()
+    table_optimizer.report_stats(SimpleNamespace(tensorboard_dir=None, wandb_project=""), 3, {},
+                                 None, None)
+    assert reductions == [] and table.stats["unique_rows"] == 0
+    assert table_optimizer._ACTIVE[0].grad_seconds == 0.0
+    with_tb = SimpleNamespace(tensorboard_dir="tb", wandb_project="")
+    count()
+    table_optimizer.report_stats(with_tb, 4, {}, None, None)  # a rank without the writer
+    assert reductions == [7, 7] and table.stats["unique_rows"] == 0
+    count()
+    table_optimizer.report_stats(with_tb, 5, {}, writer, None)
+    assert writer.scalars["stem/unique-rows-fetched"] == (5.0, 5)
+    assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48, 5)
+    assert writer.scalars["stem/fetch-seconds-exposed"] == (0.25, 5)

@@ -48,7 +48,7 @@ from megatron_ext.stem.tiers import (
     split_grads,
     take_rows,
 )
-from megatron_ext.stem.transfer import Arrival, stage_to_host
+from megatron_ext.stem.transfer import Arrival, stage_to_host, to_device
 from megatron_ext.stem.worker import WORKER, mark
 from megatron_ext_kernels import row_adam_cpu
 
@@ -447,7 +447,9 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     tier's gradients to arrive from the GPU (the copies of ``transfer.stage_to_host``), and the
     time to collect the row gradients and exchange them with their owners. A table step that
     runs in the background (overlapped) is logged with the iteration it overlaps, the next one.
-    A ``log_report`` of the STEM family; collective."""
+    A ``log_report`` of the STEM family; collective where Megatron makes a writer
+    (``--tensorboard-dir``, ``--wandb-project``), and only the writing rank reads the sums back
+    from the GPU; without either, nothing is reduced."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received", "stem/fetch-bytes-from-host",
               "stem/grad-bytes-to-host"]
@@ -455,6 +457,13 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
              "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
              "stem/optimizer-seconds-grad-wait", "stem/grad-exchange-seconds"]
     if not _ACTIVE:  # no managed tables in this run (the same on every rank)
+        return
+    if not (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)):
+        # No writer on any rank (Megatron makes them from these flags): nothing to reduce.
+        for optimizer in _ACTIVE:
+            for t in optimizer.tables:
+                t.reset_stats()
+            optimizer.grad_seconds = 0.0
         return
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
@@ -477,9 +486,11 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
         maxes = torch.maximum(maxes, local)
         optimizer.grad_seconds = 0.0
     device = comm_device(dist.group.WORLD)
-    sums, maxes = sums.to(device), maxes.to(device)
+    sums, maxes = to_device(sums, device), to_device(maxes, device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    if writer is None and wandb_writer is None:  # only the writing rank reads them back
+        return
     values = dict(zip(summed, sums.tolist()))
     values.update(zip(maxed, maxes.tolist()))
     for name, value in values.items():
