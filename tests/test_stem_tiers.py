@@ -388,17 +388,17 @@ def test_first_rows_of_the_host_tier_gradients_land_first():
     them alone (the other 512 MiB are still on their way when it returns); then every row
     lands."""
     grads = [torch.randn(2048, 32768, device="cuda"), torch.randn(5, 32768, device="cuda"),
-             torch.randn(1, 32768, device="cuda")]  # 256 MiB + a few rows
-    first = [3, 5, 0]
+             torch.randn(1, 32768, device="cuda")]  # 256 MiB and a few rows
+    grads.append(torch.full((2048, 32768), 7.0, device="cuda"))  # none of it first
+    first = [3, 5, 0, 0]
     staging, copy = PinnedStaging(), torch.cuda.Stream()
     staging.view(sum(g.numel() for g in grads), torch.float32)  # the pinned block, made once
     torch.cuda.synchronize()
-    late = [torch.full((2048, 32768), 7.0, device="cuda")]  # more to copy after the first rows
-    views, arrived = stage_to_host(grads + late, staging, copy, first + [0])
+    views, arrived = stage_to_host(grads, staging, copy, first)
     arrived.synchronize_first()
     assert not arrived.query(), "the first rows waited for the whole copy"
     for g, view, n in zip(grads, views, first):
         assert torch.equal(view[:n], g[:n].cpu())
     arrived.synchronize()
-    for g, view in zip(grads + late, views):
+    for g, view in zip(grads, views):
         assert torch.equal(view, g.cpu())
