@@ -17,9 +17,7 @@ needs_thp = pytest.mark.skipif(
     MODE not in ("madvise", "always") or host_memory.page_stats([torch.empty(0)]) is None,
     reason=f"transparent huge pages unavailable here ({MODE})")
 
-# 40 MiB per tensor: above glibc's largest mmap threshold (32 MiB), so each tensor is a mapping
-# of its own; smaller ones are not advised (host_memory.MIN_ADVISED_BYTES).
-ROWS, WIDTH = 2560, 4096
+ROWS, WIDTH = 2560, 4096  # 40 MiB per tensor
 
 
 def _nbytes(t):
@@ -37,17 +35,40 @@ def test_helpers_give_plain_torch_values():
         assert torch.equal(host_memory.copy(src[100:], huge=huge), src[100:])
         z = host_memory.zeros_like(src, huge)
         assert z.is_contiguous() and z.shape == src.shape and not z.any()
-    assert host_memory.advise_huge_pages(torch.empty(10)) == 0  # at or below MIN_ADVISED_BYTES
+    big = torch.randn(3000, 256, generator=g)  # above MIN_MAPPED_BYTES: a mapping of its own
+    mapped = host_memory.index_select(big, torch.arange(2999, -1, -1))
+    assert mapped.data_ptr() % host_memory.HUGE_PAGE == 0 and torch.equal(mapped, big.flip(0))
+    assert torch.equal(host_memory.copy(big, torch.float64), big.double())
+    assert host_memory.empty((5, 0)).shape == (5, 0)
+
+
+def _heap_is_advised():
+    with open("/proc/self/smaps") as f:
+        blocks = f.read().split("\n")
+    for i, line in enumerate(blocks):
+        if line.endswith("[heap]"):
+            flags = next(b for b in blocks[i:] if b.startswith("VmFlags:"))
+            return " hg" in flags
+    return False
 
 
 @needs_thp
-def test_tensors_that_may_come_from_the_heap_are_not_advised():
-    """At most 34 MiB: possibly heap memory, where advice would outlive the tensor."""
-    small = host_memory.empty((host_memory.MIN_ADVISED_BYTES // 4,)).fill_(1.0)
-    assert host_memory.advise_huge_pages(small) == 0
+def test_large_tensors_get_a_mapping_of_their_own_when_the_heap_has_room():
+    """With 48 MiB of freed heap chunks that fit the request (what glibc's ``malloc`` then
+    serves a 40 MiB tensor from, touched memory), the host rows still get a fresh mapping of
+    their own, advised whole before their first touch, and the heap is not advised. Small
+    tensors stay ordinary ones."""
+    pieces = [torch.empty(1 << 18).fill_(1.0) for _ in range(49)]  # 1 MiB each, on the heap
+    fence = pieces.pop()  # the last one keeps the freed pieces off the heap's top (no trim)
+    del pieces
+    before = _thp_fault_counts()
+    t = host_memory.empty((ROWS, WIDTH)).fill_(1.0)
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+    _advised_and_granted([t], before)
+    assert not _heap_is_advised()
+    small = host_memory.empty((host_memory.MIN_MAPPED_BYTES // 4 - 1,)).fill_(1.0)
     assert host_memory.page_stats([small])[0] == 0
-    large = torch.empty(host_memory.MIN_ADVISED_BYTES // 4 + 1)
-    assert host_memory.advise_huge_pages(large) > 0
+    del fence
 
 
 def test_thp_setting_reads_the_bracketed_mode(tmp_path):
@@ -68,15 +89,15 @@ def _thp_fault_counts():
             counts.get("thp_fault_fallback", 0) + counts.get("thp_fault_fallback_charge", 0))
 
 
-def _advised_and_granted(tensors, partial_pages, faults_before):
-    """All of ``tensors`` but their partial 2 MiB pages at the ends is advised, and the kernel
+def _advised_and_granted(tensors, faults_before):
+    """All of ``tensors`` is advised, and the kernel
     acted on the advice when they were filled (after ``faults_before``, ``_thp_fault_counts``):
     it granted huge pages to some of them, or, where no 2 MiB of contiguous memory was free (a
     busy, fragmented machine), it tried and recorded the fall back to ordinary pages. Memory that
     is not advised takes neither path (``madvise`` mode)."""
     advised, huge = host_memory.page_stats(tensors)
     total = sum(_nbytes(t) for t in tensors)
-    assert total - partial_pages * host_memory.HUGE_PAGE <= advised <= total
+    assert advised == total
     fell_back = _thp_fault_counts()[1] - faults_before[1]
     assert huge > 0 or (MODE == "madvise" and fell_back > 0), (huge, fell_back)
 
@@ -85,7 +106,7 @@ def _advised_and_granted(tensors, partial_pages, faults_before):
 def test_advised_tensors_are_on_huge_pages():
     before = _thp_fault_counts()
     t = host_memory.empty((ROWS, WIDTH)).fill_(1.0)
-    _advised_and_granted([t], 2, before)
+    _advised_and_granted([t], before)
     plain = host_memory.empty((ROWS, WIDTH), huge=False).fill_(1.0)
     assert host_memory.page_stats([plain])[0] == 0
 
@@ -113,7 +134,7 @@ def test_store_and_optimizer_put_host_rows_on_huge_pages(placement, mode):
         optimizer.step([(rows, torch.randn(3, WIDTH))], AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1))
         tensors = [host, *optimizer.exp_avg, *optimizer.exp_avg_sq]
         if huge:
-            _advised_and_granted(tensors, 6, before)
+            _advised_and_granted(tensors, before)
         else:
             assert host_memory.page_stats(tensors)[0] == 0
 

@@ -14,21 +14,27 @@ small (earlier probes on other machines of the same kind: 0-14%).
 
 PyTorch's CPU allocator asks for huge pages only when ``THP_MEM_ALLOC_ENABLE=1`` is set before
 its first large allocation, and then for every tensor of the process. Here only the host rows'
-tensors ask: each is allocated empty (a fresh, untouched mapping: glibc maps every allocation
-above its mmap threshold, at most 32 MiB, on its own), its whole 2 MiB-aligned interior is
-advised ``MADV_HUGEPAGE`` with ``madvise(2)``, and only then is it filled, so its pages are huge
-from their first fault. Tensors of 34 MiB or less stay on ordinary pages (``MIN_ADVISED_BYTES``:
-they may come from the heap, where advice would outlive them and reach later allocations).
-This needs the kernel's transparent huge pages set to ``madvise`` or ``always``
-(``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off Linux) the advice has
-no effect and the tensors are ordinary, with the same values. ``--no-stem-host-huge-pages`` turns
-the advice off (each function's ``huge``; ``TableStore``'s ``huge_pages``).
+tensors ask: each tensor of 2 MiB or more is a private anonymous mapping of its own (``mmap``),
+starting on a 2 MiB boundary, advised ``MADV_HUGEPAGE`` with ``madvise(2)`` as a whole before
+anything touches it, so its pages are huge from their first fault, and unmapped when the tensor
+is freed. Taking them from PyTorch's allocator instead (glibc's ``malloc``) does not work: a large
+request is served from the heap whenever the heap has a free chunk that fits (freed smaller
+tensors coalesce into one), whatever glibc's mmap threshold, and heap memory was touched
+before, so the advice finds ordinary pages already there and stays on the heap after the tensor
+(reproduced: ``tests/test_stem_host_memory.py``; it made a CI run fail on 2026-11-26). Smaller
+tensors stay ordinary torch tensors. This needs the kernel's transparent huge pages set to
+``madvise`` or ``always`` (``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off
+Linux) the advice has no effect and the tensors are ordinary, with the same values.
+``--no-stem-host-huge-pages`` turns it off (each function's ``huge``; ``TableStore``'s
+``huge_pages``): ordinary torch tensors.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import sys
 from typing import Optional, Sequence, Tuple
 
@@ -37,18 +43,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-# glibc serves every allocation above its mmap threshold (dynamic, at most 32 MiB on 64-bit) from
-# a mapping of its own. Smaller tensors may come from the heap, and advice given there outlives
-# the tensor: later heap allocations (a CPU run's activations) would get huge pages that the
-# heap's trimming then splits. So only tensors above this size, always mappings of their own,
-# are advised (a precaution: one run of the main job's mode, 7 MiB host tiers, was slower with
-# heap advice, 603 against 560 ms per step, but not in a way that isolated the cause;
-# docs/benchmarks.md).
-MIN_ADVISED_BYTES = (32 << 20) + HUGE_PAGE
-MADV_HUGEPAGE = 14  # linux/mman.h
+# Tensors of at least this many bytes get a mapping of their own (``empty``): one 2 MiB page at
+# least. Smaller ones stay ordinary torch tensors.
+MIN_MAPPED_BYTES = HUGE_PAGE
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-_libc = None
+_CAN_MAP = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def thp_setting(path: str = _THP_SETTING) -> Optional[str]:
@@ -63,45 +62,32 @@ def thp_setting(path: str = _THP_SETTING) -> Optional[str]:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def _madvise(address: int, length: int, advice: int) -> int:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-def advise_huge_pages(t: torch.Tensor) -> int:
-    """Advise the 2 MiB pages wholly inside ``t``'s storage onto huge pages; the bytes advised
-    (0: not on the CPU, at most ``MIN_ADVISED_BYTES`` (possibly heap memory), or refused by the
-    kernel). Pages already touched keep their size until the kernel's background collapse, so
-    call it before filling ``t``."""
-    storage = t.untyped_storage()
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or \
-            storage.nbytes() <= MIN_ADVISED_BYTES:
-        return 0
-    start = storage.data_ptr()
-    end = start + storage.nbytes()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE  # above MIN_ADVISED_BYTES, whole 2 MiB pages lie inside
-    err = _madvise(lo, hi - lo, MADV_HUGEPAGE)
-    if err:
-        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): ordinary pages", err)
-        return 0
-    return hi - lo
+def _address(buf: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # releases the buffer export
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
           huge: bool = True) -> torch.Tensor:
-    """An uninitialised host tensor, advised onto huge pages if ``huge`` (fill it before
-    reading it)."""
-    t = torch.empty(tuple(shape), dtype=dtype)
-    if huge:
-        advise_huge_pages(t)
-    return t
+    """An uninitialised host tensor; with ``huge`` and at least ``MIN_MAPPED_BYTES``, in a
+    mapping of its own on a 2 MiB boundary advised onto huge pages as a whole (fill it before
+    reading it). The mapping lives as long as the tensor (``torch.frombuffer`` holds it)."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if not (huge and _CAN_MAP) or nbytes < MIN_MAPPED_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -_address(buf) % HUGE_PAGE  # mmap gives whole 4 KiB pages: a page multiple
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, size)
+    except OSError as e:  # a kernel without transparent huge pages: ordinary pages
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): ordinary pages", e)
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
 def zeros_like(t: torch.Tensor, huge: bool = True) -> torch.Tensor:
