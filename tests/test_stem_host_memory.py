@@ -17,7 +17,7 @@ needs_thp = pytest.mark.skipif(
     MODE not in ("madvise", "always") or host_memory.page_stats([torch.empty(0)]) is None,
     reason=f"transparent huge pages unavailable here ({MODE})")
 
-ROWS, WIDTH = 2560, 4096  # 40 MiB per tensor
+ROWS, WIDTH = 2560, 4096  # 40 MiB per tensor: above host_memory.MIN_MAPPED_BYTES
 
 
 def _nbytes(t):
@@ -35,8 +35,8 @@ def test_helpers_give_plain_torch_values():
         assert torch.equal(host_memory.copy(src[100:], huge=huge), src[100:])
         z = host_memory.zeros_like(src, huge)
         assert z.is_contiguous() and z.shape == src.shape and not z.any()
-    big = torch.randn(3000, 256, generator=g)  # above MIN_MAPPED_BYTES: a mapping of its own
-    mapped = host_memory.index_select(big, torch.arange(2999, -1, -1))
+    big = torch.randn(ROWS, WIDTH, generator=g)  # above MIN_MAPPED_BYTES: a mapping of its own
+    mapped = host_memory.index_select(big, torch.arange(ROWS - 1, -1, -1))
     assert mapped.data_ptr() % host_memory.HUGE_PAGE == 0 and torch.equal(mapped, big.flip(0))
     assert torch.equal(host_memory.copy(big, torch.float64), big.double())
     assert host_memory.empty((5, 0)).shape == (5, 0)

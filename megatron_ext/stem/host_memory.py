@@ -14,7 +14,7 @@ small (earlier probes on other machines of the same kind: 0-14%).
 
 PyTorch's CPU allocator asks for huge pages only when ``THP_MEM_ALLOC_ENABLE=1`` is set before
 its first large allocation, and then for every tensor of the process. Here only the host rows'
-tensors ask: each tensor of 2 MiB or more is a private anonymous mapping of its own (``mmap``),
+tensors ask: each tensor of 32 MiB or more is a private anonymous mapping of its own (``mmap``),
 starting on a 2 MiB boundary, advised ``MADV_HUGEPAGE`` with ``madvise(2)`` as a whole before
 anything touches it, so its pages are huge from their first fault, and unmapped when the tensor
 is freed. Taking them from PyTorch's allocator instead (glibc's ``malloc``) does not work: a large
@@ -43,9 +43,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-# Tensors of at least this many bytes get a mapping of their own (``empty``): one 2 MiB page at
-# least. Smaller ones stay ordinary torch tensors.
-MIN_MAPPED_BYTES = HUGE_PAGE
+# Tensors of at least this many bytes get a mapping of their own on huge pages (``empty``);
+# smaller ones stay ordinary torch tensors. The gain is where page walks cost: tensors of
+# hundreds of MiB to GiB, whose page tables do not stay in the caches. The main job's 7 MiB host
+# tiers, on huge pages, trained slower in each of three pairs of runs (562 vs 547 ms per step,
+# medians; the huge-page run went first in each pair, so the order may explain it:
+# docs/benchmarks.md, "Huge pages, adopted").
+MIN_MAPPED_BYTES = 32 << 20
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 _CAN_MAP = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 
