@@ -90,11 +90,11 @@ def _thp_fault_counts():
 
 
 def _advised_and_granted(tensors, faults_before):
-    """All of ``tensors`` is advised, and the kernel
-    acted on the advice when they were filled (after ``faults_before``, ``_thp_fault_counts``):
-    it granted huge pages to some of them, or, where no 2 MiB of contiguous memory was free (a
-    busy, fragmented machine), it tried and recorded the fall back to ordinary pages. Memory that
-    is not advised takes neither path (``madvise`` mode)."""
+    """All of ``tensors`` is advised, and the kernel acted on the advice when they were filled
+    (after ``faults_before``, ``_thp_fault_counts``): it granted huge pages to some of them, or,
+    where no 2 MiB of contiguous memory was free (a busy, fragmented machine), it tried and
+    recorded the fall back to ordinary pages. Memory that is not advised takes neither path
+    (``madvise`` mode)."""
     advised, huge = host_memory.page_stats(tensors)
     total = sum(_nbytes(t) for t in tensors)
     assert advised == total
