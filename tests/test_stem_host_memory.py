@@ -61,7 +61,7 @@ def test_large_tensors_get_a_mapping_of_their_own_when_the_heap_has_room():
     pieces = [torch.empty(1 << 18).fill_(1.0) for _ in range(49)]  # 1 MiB each, on the heap
     fence = pieces.pop()  # the last one keeps the freed pieces off the heap's top (no trim)
     del pieces
-    before = _thp_fault_counts()
+    before = _thp_fallbacks()
     t = host_memory.empty((ROWS, WIDTH)).fill_(1.0)
     assert t.data_ptr() % host_memory.HUGE_PAGE == 0
     _advised_and_granted([t], before)
@@ -78,33 +78,32 @@ def test_thp_setting_reads_the_bracketed_mode(tmp_path):
     assert host_memory.thp_setting(str(tmp_path / "absent")) is None
 
 
-def _thp_fault_counts():
-    """``/proc/vmstat``'s huge-page faults so far: (granted, fell back to ordinary pages)."""
+def _thp_fallbacks():
+    """``/proc/vmstat``'s huge-page faults so far that fell back to ordinary pages."""
     counts = {}
     with open("/proc/vmstat") as f:
         for line in f:
             name, value = line.split()
             counts[name] = int(value)
-    return (counts.get("thp_fault_alloc", 0),
-            counts.get("thp_fault_fallback", 0) + counts.get("thp_fault_fallback_charge", 0))
+    return counts.get("thp_fault_fallback", 0) + counts.get("thp_fault_fallback_charge", 0)
 
 
-def _advised_and_granted(tensors, faults_before):
+def _advised_and_granted(tensors, fallbacks_before):
     """All of ``tensors`` is advised, and the kernel acted on the advice when they were filled
-    (after ``faults_before``, ``_thp_fault_counts``): it granted huge pages to some of them, or,
+    (after ``fallbacks_before``, ``_thp_fallbacks``): it granted huge pages to some of them, or,
     where no 2 MiB of contiguous memory was free (a busy, fragmented machine), it tried and
     recorded the fall back to ordinary pages. Memory that is not advised takes neither path
     (``madvise`` mode)."""
     advised, huge = host_memory.page_stats(tensors)
     total = sum(_nbytes(t) for t in tensors)
     assert advised == total
-    fell_back = _thp_fault_counts()[1] - faults_before[1]
+    fell_back = _thp_fallbacks() - fallbacks_before
     assert huge > 0 or (MODE == "madvise" and fell_back > 0), (huge, fell_back)
 
 
 @needs_thp
 def test_advised_tensors_are_on_huge_pages():
-    before = _thp_fault_counts()
+    before = _thp_fallbacks()
     t = host_memory.empty((ROWS, WIDTH)).fill_(1.0)
     _advised_and_granted([t], before)
     plain = host_memory.empty((ROWS, WIDTH), huge=False).fill_(1.0)
@@ -122,7 +121,7 @@ def test_store_and_optimizer_put_host_rows_on_huge_pages(placement, mode):
     owned = torch.randperm(vocab)
     num_hot = 64 if placement == "tiered" else None
     for huge in (True, False):
-        before = _thp_fault_counts()
+        before = _thp_fallbacks()
         store = TableStore(iter([table]), owned, placement, torch.device("cpu"), num_hot,
                            huge_pages=huge)
         host = store.shards[0].cold if placement == "tiered" else store.shards[0]

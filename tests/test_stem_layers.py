@@ -60,25 +60,35 @@ def test_layer_out_of_range_is_refused():
         StemConfig(layers=[2, 8]).stem_layers(8)
 
 
-@pytest.mark.parametrize("ratio", ["1/3", "1/2", "full"])
-def test_spec_list_places_stem_layers(mcore_single_rank, ratio):
+def _tiny_stem_gpt(num_layers=3, ratio="1/3"):
+    """A STEM GPT of ``num_layers`` layers (STEM at ``--stem-ratio`` ``ratio``), vocabulary 128,
+    built on the CPU."""
     import torch.nn.functional as F
-    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.stem.mlp import StemMLP
     from megatron_ext.stem.specs import decoder_block_spec
 
-    config = TransformerConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64,
+    config = TransformerConfig(num_layers=num_layers, hidden_size=32, ffn_hidden_size=64,
                                num_attention_heads=4, gated_linear_unit=True,
                                activation_func=F.silu, add_bias_linear=False,
                                normalization="RMSNorm", use_cpu_initialization=True)
-    stem = StemConfig(ratio=ratio)
     model = TokenIdsGPTModel(config=config,
-                             transformer_layer_spec=decoder_block_spec(config, stem, 128, False),
+                             transformer_layer_spec=decoder_block_spec(
+                                 config, StemConfig(ratio=ratio), 128, False),
                              vocab_size=128, max_sequence_length=16,
                              position_embedding_type="rope")
+    model.needs_token_ids = True  # as the model provider marks it
+    return model
+
+
+@pytest.mark.parametrize("ratio", ["1/3", "1/2", "full"])
+def test_spec_list_places_stem_layers(mcore_single_rank, ratio):
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_ext.stem.mlp import StemMLP
+
+    model = _tiny_stem_gpt(8, ratio)
     kinds = [type(layer.mlp) for layer in model.decoder.layers]
     stem_ids = [i for i, k in enumerate(kinds) if k is StemMLP]
     assert stem_ids == EXPECTED[(8, ratio)]
@@ -92,26 +102,6 @@ def test_spec_list_places_stem_layers(mcore_single_rank, ratio):
     bad[1, 3] = 128
     with pytest.raises(ValueError, match="outside the STEM tables"):
         model(bad, pos, None)
-
-
-def _tiny_stem_gpt():
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_ext.models.gpt import TokenIdsGPTModel
-    from megatron_ext.stem.specs import decoder_block_spec
-
-    config = TransformerConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64,
-                               num_attention_heads=4, gated_linear_unit=True,
-                               activation_func=F.silu, add_bias_linear=False,
-                               normalization="RMSNorm", use_cpu_initialization=True)
-    model = TokenIdsGPTModel(config=config,
-                             transformer_layer_spec=decoder_block_spec(config, StemConfig(), 128,
-                                                                       False),
-                             vocab_size=128, max_sequence_length=16,
-                             position_embedding_type="rope")
-    model.needs_token_ids = True  # as the model provider marks it
-    return model
 
 
 def _count_range_reads(tokens, reads):

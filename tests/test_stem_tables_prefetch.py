@@ -33,17 +33,18 @@ class FakeLayer:
         self.bound = None
 
 
-def host_tables(g: torch.Generator):
-    """Two tables (widths 8 and 4) drawn from ``g``, managed in host shards with prefetch: (the
-    drawn tables, the fake layers, StemTables, the device rows go to)."""
+def host_tables(g: torch.Generator, placement: str = "cpu", hot_mask=None):
+    """Two tables (widths 8 and 4) drawn from ``g``, managed in host shards with prefetch (or
+    ``tiered``, the ids of ``hot_mask`` in the GPU tier): (the drawn tables, the fake layers,
+    StemTables, the device rows go to)."""
     from megatron.core import parallel_state
 
     from megatron_ext.stem.tables import StemTables
 
     full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
     layers = [FakeLayer(t.clone()) for t in full]
-    tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), VOCAB,
-                        parallel_state.get_data_parallel_group())
+    tables = StemTables(layers, StemConfig(placement=placement, sharding="vocab"), VOCAB,
+                        parallel_state.get_data_parallel_group(), hot_mask=hot_mask)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return full, layers, tables, device
 
@@ -211,21 +212,13 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
     those; the rest of the step waits for all (``synchronize``). With plain SGD as the row rule,
     every bound row equals a plain table updated by the same rule, so the rows and gradients
     were reordered together."""
-    from megatron.core import parallel_state
-
     from megatron_ext.stem.read_ahead import TableReadAhead
     from megatron_ext.stem.table_optimizer import TableSteps
-    from megatron_ext.stem.tables import StemTables
     from megatron_ext.stem.tiers import TierGrads, split_grads
     from megatron_ext.stem.worker import WORKER
 
     g = torch.Generator().manual_seed(5)
-    full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
-    layers = [FakeLayer(t.clone()) for t in full]
-    tables = StemTables(layers, StemConfig(placement="tiered", sharding="vocab"), VOCAB,
-                        parallel_state.get_data_parallel_group(),
-                        hot_mask=torch.arange(VOCAB) < 30)
-    device = torch.device("cpu")
+    full, layers, tables, _ = host_tables(g, "tiered", torch.arange(VOCAB) < 30)
     batches = [(torch.multinomial(torch.arange(VOCAB, 0, -1).float(), 32, replacement=True,
                                   generator=g).view(2, 16),) for _ in range(7)]
     weights = [torch.randn(16, 2, t.shape[1], generator=g) for t in full]
@@ -256,7 +249,8 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
                 assert "all" in arrival.landed or (
                     "first" in arrival.landed and torch.isin(cold, arrival.first_rows).all()), \
                     "a host row stepped before its gradient landed"
-            shard.hot.index_add_(0, rows[:n], grad.hot.to(shard.hot.dtype), alpha=-lr)
+            shard.hot.index_add_(0, rows[:n].to(shard.hot.device), grad.hot.to(shard.hot),
+                                 alpha=-lr)  # the GPU tier is on the model's device
             shard.cold.index_add_(0, cold - shard.num_hot, grad.cold, alpha=-lr)
 
     steps = TableSteps("sparse")
@@ -266,6 +260,7 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
         run_microbatches(read_ahead, reader, layers, expected, weights, step)
         WORKER.wait()
         local, grads = tables.collect_grads()
+        grads = [x.cpu() for x in grads]  # the host tier's part, as after its copy
         for want, x in zip(expected, grads):
             want.index_add_(0, tables.owned_ids[local], x, alpha=-lr)
         first = tables.deferred.route.requested if tables.deferred is not None else None

@@ -458,13 +458,6 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
              "stem/optimizer-seconds-grad-wait", "stem/grad-exchange-seconds"]
     if not _ACTIVE:  # no managed tables in this run (the same on every rank)
         return
-    if not (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)):
-        # No writer on any rank (Megatron makes them from these flags): nothing to reduce.
-        for optimizer in _ACTIVE:
-            for t in optimizer.tables:
-                t.reset_stats()
-            optimizer.grad_seconds = 0.0
-        return
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
@@ -485,6 +478,8 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
         local[-1] = optimizer.grad_seconds
         maxes = torch.maximum(maxes, local)
         optimizer.grad_seconds = 0.0
+    if not (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)):
+        return  # no writer on any rank (Megatron makes them from these flags): nothing to reduce
     device = comm_device(dist.group.WORLD)
     sums, maxes = to_device(sums, device), to_device(maxes, device)
     dist.all_reduce(sums)
