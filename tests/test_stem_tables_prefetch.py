@@ -558,9 +558,19 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     monkeypatch.setattr(table_optimizer, "_ACTIVE",
                         [SimpleNamespace(tables=[table], grad_seconds=0.5)])
     reductions = []
-    reduce = dist.all_reduce
-    monkeypatch.setattr(dist, "all_reduce",
-                        lambda t, *a, **k: reductions.append(t.numel()) or reduce(t, *a, **k))
+    gather = dist.all_gather
+    other = None  # what a second rank sends, when the test plays one
+
+    def all_gather(out, tensor, *args, **kwargs):
+        reductions.append(tensor.numel())
+        if other is None:
+            return gather(out, tensor, *args, **kwargs)
+        out[0].copy_(tensor)
+        out[1].copy_(other)
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 1 if other is None else 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("all_reduce"))
 
     class Writer:
         def __init__(self):
@@ -578,9 +588,18 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     with_tb = SimpleNamespace(tensorboard_dir="tb", wandb_project="")
     count()
     table_optimizer.report_stats(with_tb, 4, {}, None, None)  # a rank without the writer
-    assert reductions == [7, 7] and table.stats["unique_rows"] == 0
+    assert reductions == [14] and table.stats["unique_rows"] == 0  # one collective per report
     count()
     table_optimizer.report_stats(with_tb, 5, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (5.0, 5)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48, 5)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.25, 5)
+    # Two ranks: counts are summed, times are the slowest rank's.
+    other = torch.zeros(14, dtype=torch.float64)
+    other[0], other[1], other[7], other[9] = 2, 10, 0.5, 0.125  # unique rows, bytes, seconds
+    count()
+    table_optimizer.report_stats(with_tb, 6, {}, writer, None)
+    assert writer.scalars["stem/unique-rows-fetched"] == (7.0, 6)
+    assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48 + 10, 6)
+    assert writer.scalars["stem/fetch-seconds-exposed"] == (0.5, 6)
+    assert writer.scalars["stem/optimizer-seconds"] == (0.125, 6)

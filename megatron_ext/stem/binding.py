@@ -22,15 +22,16 @@ class RowBinding:
         self._pending: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
 
     def bind(self, unique_ids: torch.Tensor, rows: Sequence[torch.Tensor],
-             inverse: torch.Tensor) -> None:
+             inverse: torch.Tensor) -> bool:
         """Give each layer its rows (``unique_ids`` order) and the index of each token into them;
-        while training, keep the leaves for ``collect``."""
+        while training, keep the leaves for ``collect``. Returns whether it kept them."""
         grad = torch.is_grad_enabled()
         leaves = [r.detach().requires_grad_(grad) for r in rows]
         for layer, leaf in zip(self.layers, leaves):
             layer.bind_rows(leaf, inverse)
         if grad:
             self._pending.append((unique_ids, leaves))
+        return grad
 
     def collect(self, widths: Sequence[int], device: torch.device
                 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:

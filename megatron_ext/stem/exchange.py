@@ -5,12 +5,17 @@ own ids, from the training thread (the rows themselves are read from and written
 ``stem/store.py``, by host work that issues no collective).
 
 ``VocabExchange`` (``--stem-table-sharding vocab``): each rank owns the rows a ``RowOwnership``
-gives it. A fetch sends the batch's *deduplicated* ids to their owners (``route``: two small
-``all_to_all``), the owners read those rows from their store, and the rows come back the same way
-(``send_rows``: one ``all_to_all`` for every layer of the chunk): per rank and step this
+gives it. A fetch sends the batch's *deduplicated* ids to their owners (``route``: one small
+``all_to_all`` of padded blocks while they are small, else two: counts, then ids), the owners
+read those rows from their store, and the rows come back the same way (``send_rows``: one
+``all_to_all`` for every layer of the chunk): per rank and step this
 moves ``uniq(ids) x width`` values, the STEM paper's Table 1 accounting. Pushing gradients is the
-same route backwards; an owner sums the gradients of a row that several ranks send: this *is* the
-data-parallel reduction of the tables (Megatron's DDP never sees them).
+same route backwards, for the union of the step's fetches (``union_route``: every rank knows what
+it asked and what it was asked in those fetches, so that route costs no collective; one
+``all_to_all`` moves the gradients); an owner sums the gradients of a row that several ranks send:
+this *is* the data-parallel reduction of the tables (Megatron's DDP never sees them). Every
+collective is a point where the ranks wait for each other: on a busy host each costs the wake-ups
+of both ranks' communication threads, so the tables make as few as they can.
 
 ``ReplicatedExchange`` (``replicated``): every rank holds every row; fetches are local and a push
 gathers all ranks' (id, gradient) pairs and sums them, so every rank steps the same rows alike.
@@ -33,13 +38,15 @@ stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.transfer import to_device
+
+ONE_SHOT_ROUTE_BYTES = 256 * 1024
 
 
 def comm_device(group) -> torch.device:
@@ -55,6 +62,7 @@ class Route:
     send_counts: List[int]       # ids this rank asks of each owner
     recv_counts: List[int]       # ids each rank asks of this rank
     requested: torch.Tensor      # local shard indices asked of this rank (concatenated by asker)
+    requested_ids: Optional[torch.Tensor] = None  # the same rows' global ids (host)
 
     @property
     def rows_out(self) -> int:   # rows this rank serves
@@ -85,9 +93,19 @@ class VocabExchange:
             host_group = group
         self.host_group = host_group
         self.single = ownership.world == 1  # nothing to exchange
+        # One all-to-all for a route's counts and ids when every rank's ids for one owner fit a
+        # block that all ranks size alike without asking: the count, then at most as many ids
+        # as the owner owns, padded (int32). Used on the host group while a rank sends at most
+        # ``ONE_SHOT_ROUTE_BYTES`` (2 ranks of an 8,192-id vocabulary: 32 KiB); past that, two
+        # all-to-alls (counts, then only the ids).
+        base = getattr(ownership, "base", ownership)  # tiered: the same owners
+        self.block = 1 + max(base.num_owned(r) for r in range(ownership.world))
+        self.one_shot = (self.host_group is not None and not self.single and base.vocab < 2**31
+                         and ownership.world * self.block * 4 <= ONE_SHOT_ROUTE_BYTES)
 
     def route(self, unique_ids: torch.Tensor) -> Route:
-        """Exchange counts and ids (two small all-to-alls, on the host group when there is
+        """Exchange counts and ids (one all-to-all of padded blocks when ``one_shot``, else two
+        small all-to-alls; on the host group when there is
         one; none with one rank)."""
         ids = unique_ids.to(torch.long)
         if ids.is_cuda:  # callers pass host ids; a GPU tensor costs a wait for the GPU here
@@ -99,6 +117,8 @@ class VocabExchange:
         send = send_counts.tolist()
         if self.single:
             recv, requested = send, ids[order]
+        elif self.one_shot:
+            recv, requested = self._route_one_shot(ids[order], owners[order], send_counts)
         elif self.host_group is not None:
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts, group=self.host_group)
@@ -117,7 +137,58 @@ class VocabExchange:
                                    group=self.group)
             requested = requested.cpu()
         local = self.ownership.local_index(requested)
-        return Route(order=order, send_counts=send, recv_counts=recv, requested=local)
+        return Route(order=order, send_counts=send, recv_counts=recv, requested=local,
+                     requested_ids=requested)
+
+    def _route_one_shot(self, ids: torch.Tensor, owners: torch.Tensor,
+                        counts: torch.Tensor) -> Tuple[List[int], torch.Tensor]:
+        """``route``'s exchange in one all-to-all of fixed blocks (``one_shot``): ``ids`` in
+        owner order, ``owners`` theirs, ``counts`` per owner. Returns what each rank asks of this
+        one: the counts and the ids, concatenated by asker."""
+        world, block = self.ownership.world, self.block
+        out = torch.zeros(world, block, dtype=torch.int32)
+        out[:, 0] = counts
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(ids.numel()) - starts[owners]
+        out[owners, 1 + position] = ids.to(torch.int32)
+        back = torch.empty_like(out)
+        dist.all_to_all_single(back, out, group=self.host_group)
+        recv = back[:, 0].tolist()
+        if any(not 0 <= c < block for c in recv):
+            raise RuntimeError(f"STEM route: a rank asked for {recv} rows of at most "
+                               f"{block - 1} (ranks disagree on the table's ownership)")
+        filled = torch.arange(block - 1)[None, :] < back[:, :1]
+        return recv, back[:, 1:][filled].to(torch.long)
+
+    def union_route(self, unique_ids: torch.Tensor, routes: Sequence[Route]) -> Route:
+        """The route of ``unique_ids``, the sorted union of the unique ids of the fetches whose
+        routes are ``routes`` (the step's gradient push), made without a collective: what this
+        rank asks of each owner is its share of ``unique_ids`` (``route``'s send side), and what
+        each rank asks of this one is the union of what it asked in ``routes``, sorted by id,
+        the order in which that rank's share of its sorted ids reaches this owner. Every rank
+        must pass the routes of the same fetches (their unions are each other's receive
+        sides)."""
+        ids = unique_ids.to(torch.long)
+        if ids.is_cuda:
+            ids = ids.cpu()
+        owners = self.ownership.owner(ids)
+        order = torch.argsort(owners, stable=True)
+        world = self.ownership.world
+        send = torch.bincount(owners, minlength=world).tolist()
+        if self.single:
+            requested = ids[order]
+            recv = send
+        else:
+            parts = []
+            for asker in range(world):
+                asked = [torch.split(r.requested_ids, r.recv_counts)[asker] for r in routes]
+                parts.append(torch.unique(torch.cat(asked)) if asked else
+                             torch.empty(0, dtype=torch.long))
+            recv = [p.numel() for p in parts]
+            requested = torch.cat(parts)
+        local = self.ownership.local_index(requested)
+        return Route(order=order, send_counts=send, recv_counts=recv, requested=local,
+                     requested_ids=requested)
 
     def serve_device(self, out_device: torch.device) -> torch.device:
         """Where the rows an owner serves must be for ``send_rows``: the group's device."""
@@ -177,7 +248,12 @@ class ReplicatedExchange:
     def route(self, unique_ids: torch.Tensor) -> Route:
         ids = unique_ids.to(torch.long)
         n = ids.numel()
-        return Route(order=torch.arange(n), send_counts=[n], recv_counts=[n], requested=ids.cpu())
+        return Route(order=torch.arange(n), send_counts=[n], recv_counts=[n], requested=ids.cpu(),
+                     requested_ids=ids.cpu())
+
+    def union_route(self, unique_ids: torch.Tensor, routes: Sequence[Route]) -> Route:
+        """Every rank holds every row: the route of ``unique_ids`` is local."""
+        return self.route(unique_ids)
 
     def serve_device(self, out_device: torch.device) -> torch.device:
         """Every rank serves itself: its rows go straight where the layers want them."""

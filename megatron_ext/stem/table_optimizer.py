@@ -6,9 +6,10 @@ built them; this class adds the tables to each step:
 * ``prepare_grads``: the row gradients of the step are pushed to their owners and summed there
   (``StemTables.collect_grads``), then scaled as Megatron's DDP scales parameter gradients
   (``1 / data-parallel size``), divided by the loss scale when a grad scaler is active; a
-  non-finite table gradient skips the step like a non-finite parameter gradient does;
-* ``get_grad_norm``: the tables' squared norm (each row chunk counted once over TP x PP x DP) joins
-  the model's, so clipping uses one global norm;
+  non-finite table gradient skips the step like a non-finite parameter gradient does. One
+  all-reduce of the tables' squared gradient norm (each row chunk counted once over TP x PP x DP)
+  decides both: it is finite exactly when every table gradient is;
+* ``get_grad_norm``: that squared norm joins the model's, so clipping uses one global norm;
 * ``step_with_ready_grads``: table gradients are clipped with the coefficient Megatron's
   ``clip_grad_by_total_norm_fp32`` applies to the parameters, then the rows step with
   ``RowAdamW`` (``--stem-optimizer dense|sparse``, one per chunk's store) using the learning rate
@@ -224,6 +225,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.replicated = bool(tables) and tables[0].ownership is None
         self._grads: Optional[list] = None
         self._total_norm: Optional[float] = None
+        self._norm_sq: Optional[float] = None  # of the step's table gradients (prepare_grads)
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
         self._staging = PinnedStaging()
         self._copy_stream = None  # the host tier's gradients leave the GPU on it (made on use)
@@ -274,21 +276,23 @@ class StemTablesOptimizer(ChainedOptimizer):
         loss_scale = self.get_loss_scale()
         if loss_scale is not None:
             scale = scale / float(loss_scale.item() if torch.is_tensor(loss_scale) else loss_scale)
-        device = comm_device(dist.group.WORLD)
-        flag = torch.zeros(1, device=device)
         for _, g in (x for per_table in grads for x in per_table):
             g.mul_(scale)
-            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().to(device))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._grads = grads
+        # One all-reduce gives both the finiteness check and the tables' share of the gradient
+        # norm: the sum of squares (float64: no finite fp32 value overflows it) is finite exactly
+        # when every gradient is, on every rank.
+        self._norm_sq = self._reduce_norm_sq()
         self.grad_seconds = time.perf_counter() - start
-        return found_inf or bool(flag.item() > 0)
+        return found_inf or not math.isfinite(self._norm_sq)
 
     def _all_grads(self):
         return [x for per_table in self._grads or [] for x in per_table]
 
     @torch.no_grad()
-    def table_grad_norm_sq(self) -> float:
+    def _reduce_norm_sq(self) -> float:
+        """The squared norm of the tables' gradients over every rank (collective over the
+        world)."""
         device = comm_device(dist.group.WORLD)
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for _, g in self._all_grads():
@@ -297,6 +301,13 @@ class StemTablesOptimizer(ChainedOptimizer):
             local /= self.dp_size  # every data-parallel rank holds the same summed gradients
         dist.all_reduce(local)
         return float(local.item())
+
+    def table_grad_norm_sq(self) -> float:
+        """The squared norm of the step's table gradients, as ``prepare_grads`` reduced it (the
+        gradients have not changed since)."""
+        if self._norm_sq is None:
+            raise RuntimeError("the STEM tables' gradient norm is asked before prepare_grads")
+        return self._norm_sq
 
     @torch.no_grad()
     def get_grad_norm(self):
@@ -390,7 +401,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self._step_count += 1
         for t, adam, table_grads in zip(self.tables, self.row_adams, grads):
             self.steps.step_table(t, adam, adam.begin_step(hyper), table_grads, arrived, made)
-        self._grads = None
+        self._grads = self._norm_sq = None
         return success
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -480,14 +491,17 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
         optimizer.grad_seconds = 0.0
     if not (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)):
         return  # no writer on any rank (Megatron makes them from these flags): nothing to reduce
+    # One all-gather rather than an all-reduce each for the sums and the maxima: every
+    # collective is a wait for the other ranks.
     device = comm_device(dist.group.WORLD)
-    sums, maxes = to_device(sums, device), to_device(maxes, device)
-    dist.all_reduce(sums)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    local = to_device(torch.cat([sums, maxes]), device)
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, local)
     if writer is None and wandb_writer is None:  # only the writing rank reads them back
         return
-    values = dict(zip(summed, sums.tolist()))
-    values.update(zip(maxed, maxes.tolist()))
+    every = torch.stack(every).cpu()
+    values = dict(zip(summed, every[:, :len(summed)].sum(0).tolist()))
+    values.update(zip(maxed, every[:, len(summed):].amax(0).tolist()))
     for name, value in values.items():
         if writer is not None:
             writer.add_scalar(name, value, iteration)

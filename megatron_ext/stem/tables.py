@@ -106,6 +106,7 @@ class StemTables:
         self.overlap = stem.prefetch and self.store.on_host
         self.deferred: Optional[Fetch] = None  # started; its read waits for the table step
         self._open = 0  # fetches started and not finished
+        self._step_routes: List[Route] = []  # of the fetches whose gradients the step pushes
         self.stats = {}
         self.reset_stats()
 
@@ -199,7 +200,8 @@ class StemTables:
                 current.wait_event(event)
                 served.record_stream(current)
             rows = self.exchange.send_rows(fetch.route, served, self.widths, self.device)
-            self.binding.bind(fetch.unique, rows, fetch.inverse)
+            if self.binding.bind(fetch.unique, rows, fetch.inverse):  # their gradients: a push
+                self._step_routes.append(fetch.route)
         self._open -= 1
         self.stats["unique_rows"] += fetch.unique.numel()
         self.stats["fetch_rows_in"] += fetch.route.rows_in
@@ -224,7 +226,9 @@ class StemTables:
             raise RuntimeError("a STEM micro-batch read ahead was never used: read-ahead must "
                                "not cross an optimizer step")
         unique, summed = self.binding.collect(self.widths, self.device)
-        route = self.exchange.route(unique)
+        # The union of the step's fetches: both sides of its route are known (no collective).
+        route = self.exchange.union_route(unique, self._step_routes)
+        self._step_routes = []
         self.stats["grad_rows_out"] += route.rows_in
         self.stats["grad_rows_in"] += route.rows_out
         rows, grads = self.exchange.push(route, summed)

@@ -8,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_ext.stem import exchange
 from megatron_ext.stem.exchange import ReplicatedExchange, VocabExchange
 from megatron_ext.stem.ownership import SCHEMES, RowOwnership
 from megatron_ext.stem.store import gather_rows
@@ -27,6 +28,19 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = [torch.randn(VOCAB, w, generator=torch.Generator().manual_seed(7 + w))
               for w in WIDTHS]
+    # Routes in one all-to-all of padded blocks (the default at this size), then in two.
+    for one_shot_bytes in (exchange.ONE_SHOT_ROUTE_BYTES, 0):
+        exchange.ONE_SHOT_ROUTE_BYTES = one_shot_bytes
+        check_fetch_and_push(rank, world, tables)
+        check_groups(rank, world, tables, one_shot=bool(one_shot_bytes))
+    check_union_route(rank, world)
+    dist.barrier()
+    if rank == 0:
+        print(f"exchange ok on {world} ranks")
+    dist.destroy_process_group()
+
+
+def check_fetch_and_push(rank: int, world: int, tables) -> None:
     for scheme in SCHEMES + ("replicated",):
         for step in range(3):
             if scheme == "replicated":
@@ -66,11 +80,6 @@ def main() -> None:
                              f"!= {expect_ids.tolist()}")
                 if not torch.allclose(summed[wi].double(), ref[got_ids], atol=1e-6):
                     sys.exit(f"{scheme} step {step} rank {rank}: summed gradients differ")
-    check_groups(rank, world, tables)
-    dist.barrier()
-    if rank == 0:
-        print(f"exchange ok on {world} ranks")
-    dist.destroy_process_group()
 
 
 class CallLog:
@@ -91,9 +100,38 @@ class CallLog:
         dist.all_to_all_single = self._real
 
 
-def check_groups(rank: int, world: int, tables) -> None:
-    """Routing runs on the host group, rows and gradients on the exchange's group; with one rank
-    in the group nothing is exchanged, and both give the reference's rows and sums."""
+def check_union_route(rank: int, world: int) -> None:
+    """The push's route of a step's fetches, made without a collective (``union_route``), is
+    the route that exchanging the union of their ids gives (``route``), field by field: every
+    rank knows both of its sides. Micro-batches of different sizes, one of them empty on rank 1;
+    also no fetch at all, and one rank in the group."""
+    alone = [dist.new_group([r], backend="gloo") for r in range(world)][rank]
+    for scheme in SCHEMES:
+        for group, size in ((dist.group.WORLD, world), (alone, 1)):
+            ex = VocabExchange(RowOwnership(VOCAB, size, scheme), group)
+            for steps in ((0, 1, 2), (2,), ()):
+                fetched = [torch.unique(batch_ids(rank, s)) for s in steps]
+                routes = [ex.route(u) for u in fetched]
+                union = torch.unique(torch.cat(fetched)) if fetched else \
+                    torch.empty(0, dtype=torch.long)
+                with CallLog() as made:
+                    got = ex.union_route(union, routes)
+                if made.groups:
+                    sys.exit(f"{scheme}: union_route issued a collective")
+                want = ex.route(union)
+                for field in ("order", "send_counts", "recv_counts", "requested",
+                              "requested_ids"):
+                    a, b = getattr(got, field), getattr(want, field)
+                    same = torch.equal(a, b) if torch.is_tensor(a) else a == b
+                    if not same:
+                        sys.exit(f"{scheme} (group of {size}) steps {steps} rank {rank}: "
+                                 f"union_route's {field} {a} != route's {b}")
+
+
+def check_groups(rank: int, world: int, tables, one_shot: bool) -> None:
+    """Routing runs on the host group (one all-to-all with ``one_shot``, else two), rows and
+    gradients on the exchange's group; with one rank in the group nothing is exchanged, and both
+    give the reference's rows and sums."""
     device_group = dist.new_group(list(range(world)), backend="gloo")
     host_group = dist.new_group(list(range(world)), backend="gloo")
     alone = [dist.new_group([r], backend="gloo") for r in range(world)][rank]
@@ -124,6 +162,9 @@ def check_groups(rank: int, world: int, tables) -> None:
             else:
                 if not routed.groups or any(g is not host for g in routed.groups):
                     sys.exit(f"{scheme}: route used {routed.groups}, not only the host group")
+                if ex.one_shot != one_shot or len(routed.groups) != 2 - one_shot:
+                    sys.exit(f"{scheme}: one_shot {ex.one_shot}, {len(routed.groups)} "
+                             f"all-to-alls to route")
                 if not moved.groups or any(g is not group for g in moved.groups):
                     sys.exit(f"{scheme}: rows/gradients used {moved.groups}, not the group")
             for t, r in zip(tables, rows):
