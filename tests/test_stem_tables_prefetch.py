@@ -603,3 +603,45 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48 + 10, 6)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.5, 6)
     assert writer.scalars["stem/optimizer-seconds"] == (0.125, 6)
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_one_reduction_decides_the_skip_and_gives_the_norm(mcore_single_rank, monkeypatch, bad):
+    """``prepare_grads`` reduces the tables' squared gradient norm once (float64), and that one
+    reduction decides both: a non-finite table gradient makes it non-finite and skips the step; a
+    finite one is the norm ``get_grad_norm`` adds, against a reference of the gradients scaled as
+    the optimizer scales them (here by 1 / loss scale)."""
+    import torch.distributed as dist
+
+    from megatron_ext.stem.table_optimizer import StemTablesOptimizer
+
+    g = torch.Generator().manual_seed(3)
+    _, layers, tables, device = host_tables(g)
+    tables.fetch_now(torch.randint(0, VOCAB, (2, 16), generator=g).to(device))  # leaves kept
+    grads = []
+    for layer in layers:
+        rows, _ = layer.bound
+        rows.grad = torch.randn(rows.shape, generator=g).to(device)
+        grads.append(rows.grad.clone())
+    if bad is not None:
+        layers[1].bound[0].grad[2, 1] = bad
+
+    class Inner:  # the model's optimizer: nothing to prepare, a loss scale of 4
+        config = None
+
+        def prepare_grads(self):
+            return False
+
+        def get_loss_scale(self):
+            return torch.tensor([4.0])
+
+    optimizer = StemTablesOptimizer(Inner(), [tables], "dense")
+    reductions = []
+    reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, *a, **k: reductions.append(t.numel()) or reduce(t, *a, **k))
+    assert optimizer.prepare_grads() == (bad is not None)
+    assert reductions == [1]
+    if bad is None:
+        want = sum(float(((x.double() / 4.0) ** 2).sum()) for x in grads)
+        assert optimizer.table_grad_norm_sq() == pytest.approx(want, rel=1e-12)
