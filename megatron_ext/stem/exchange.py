@@ -38,7 +38,7 @@ stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class Route:
     send_counts: List[int]       # ids this rank asks of each owner
     recv_counts: List[int]       # ids each rank asks of this rank
     requested: torch.Tensor      # local shard indices asked of this rank (concatenated by asker)
-    requested_ids: Optional[torch.Tensor] = None  # the same rows' global ids (host)
+    requested_ids: torch.Tensor  # the same rows' global ids (host)
 
     @property
     def rows_out(self) -> int:   # rows this rank serves
@@ -98,22 +98,16 @@ class VocabExchange:
         # as the owner owns, padded (int32). Used on the host group while a rank sends at most
         # ``ONE_SHOT_ROUTE_BYTES`` (2 ranks of an 8,192-id vocabulary: 32 KiB); past that, two
         # all-to-alls (counts, then only the ids).
-        base = getattr(ownership, "base", ownership)  # tiered: the same owners
-        self.block = 1 + max(base.num_owned(r) for r in range(ownership.world))
-        self.one_shot = (self.host_group is not None and not self.single and base.vocab < 2**31
+        self.block = 1 + max(ownership.num_owned(r) for r in range(ownership.world))
+        self.one_shot = (self.host_group is not None and not self.single
+                         and ownership.vocab < 2**31
                          and ownership.world * self.block * 4 <= ONE_SHOT_ROUTE_BYTES)
 
     def route(self, unique_ids: torch.Tensor) -> Route:
         """Exchange counts and ids (one all-to-all of padded blocks when ``one_shot``, else two
         small all-to-alls; on the host group when there is
         one; none with one rank)."""
-        ids = unique_ids.to(torch.long)
-        if ids.is_cuda:  # callers pass host ids; a GPU tensor costs a wait for the GPU here
-            ids = ids.cpu()
-        owners = self.ownership.owner(ids)
-        order = torch.argsort(owners, stable=True)
-        world = self.ownership.world
-        send_counts = torch.bincount(owners, minlength=world)
+        ids, owners, order, send_counts = self._send_side(unique_ids)
         send = send_counts.tolist()
         if self.single:
             recv, requested = send, ids[order]
@@ -139,6 +133,17 @@ class VocabExchange:
         local = self.ownership.local_index(requested)
         return Route(order=order, send_counts=send, recv_counts=recv, requested=local,
                      requested_ids=requested)
+
+    def _send_side(self, unique_ids: torch.Tensor):
+        """What this rank asks of each owner: the ids (host, long), their owners, the
+        permutation into owner order (stable: ids in their order within an owner) and the count
+        per owner."""
+        ids = unique_ids.to(torch.long)
+        if ids.is_cuda:  # callers pass host ids; a GPU tensor costs a wait for the GPU here
+            ids = ids.cpu()
+        owners = self.ownership.owner(ids)
+        order = torch.argsort(owners, stable=True)
+        return ids, owners, order, torch.bincount(owners, minlength=self.ownership.world)
 
     def _route_one_shot(self, ids: torch.Tensor, owners: torch.Tensor,
                         counts: torch.Tensor) -> Tuple[List[int], torch.Tensor]:
@@ -168,22 +173,14 @@ class VocabExchange:
         the order in which that rank's share of its sorted ids reaches this owner. Every rank
         must pass the routes of the same fetches (their unions are each other's receive
         sides)."""
-        ids = unique_ids.to(torch.long)
-        if ids.is_cuda:
-            ids = ids.cpu()
-        owners = self.ownership.owner(ids)
-        order = torch.argsort(owners, stable=True)
-        world = self.ownership.world
-        send = torch.bincount(owners, minlength=world).tolist()
+        ids, _, order, send_counts = self._send_side(unique_ids)
+        send = send_counts.tolist()
         if self.single:
-            requested = ids[order]
-            recv = send
+            recv, requested = send, ids[order]
         else:
-            parts = []
-            for asker in range(world):
-                asked = [torch.split(r.requested_ids, r.recv_counts)[asker] for r in routes]
-                parts.append(torch.unique(torch.cat(asked)) if asked else
-                             torch.empty(0, dtype=torch.long))
+            by_asker = [torch.split(r.requested_ids, r.recv_counts) for r in routes]
+            parts = [torch.unique(torch.cat([asked[a] for asked in by_asker])) if routes else
+                     torch.empty(0, dtype=torch.long) for a in range(self.ownership.world)]
             recv = [p.numel() for p in parts]
             requested = torch.cat(parts)
         local = self.ownership.local_index(requested)

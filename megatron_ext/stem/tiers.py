@@ -58,8 +58,15 @@ class TieredOwnership:
         self.position = torch.full((base.vocab,), -1, dtype=torch.long)
         self.position[self.ordered] = torch.arange(self.ordered.numel())
 
+    @property
+    def vocab(self) -> int:
+        return self.base.vocab
+
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.base.owner(ids)
+
+    def num_owned(self, rank: int) -> int:
+        return self.base.num_owned(rank)
 
     def local_index(self, ids: torch.Tensor) -> torch.Tensor:
         local = self.position[ids.cpu()]
