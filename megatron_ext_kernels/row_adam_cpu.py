@@ -21,11 +21,13 @@ Per row ``r = rows[j]``, with the iteration's ``step = lr / (1 - b1^t)``,
     p[r] -= step * m[r] / (sqrt(v[r]) * inv_bc2_sqrt + eps)
     last[r] = touched[r] = t
 
-Two helpers for host-resident rows share the module: ``catch_up_rows_`` (the catch-up alone, in
-place, when a row is read) and ``gather_rows_`` (rows gathered and cast to the wire dtype straight
-into a staging buffer, with no temporaries: each large temporary costs page faults, which
-dominated the fetch time on a GPU machine; the bf16 and fp16 casts vectorised, with torch's
-bits, ``benchmarks/stem_host_gather.py``).
+Three helpers for host-resident rows share the module: ``gather_rows_`` (rows gathered and cast
+to the wire dtype straight into a staging buffer, with no temporaries: each large temporary costs
+page faults, which dominated the fetch time on a GPU machine; the bf16 and fp16 casts vectorised,
+with torch's bits, ``benchmarks/stem_host_gather.py``), ``gather_current_rows_`` (the same, of
+rows as the catch-up would leave them, computed on the way and written nowhere else: a fetch's
+read, one pass that reads each row and its moments once and writes only the output) and
+``catch_up_rows_`` (the catch-up alone, in place: rows read whole, for checkpoints).
 
 Threads and the GIL: each call runs an OpenMP team of ``threads()`` threads (``set_threads``;
 ``--stem-cpu-threads``; by default the cores of this process's affinity mask shared among the
@@ -60,6 +62,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <cmath>
+#include <vector>
 #include <omp.h>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -113,6 +116,14 @@ static inline Owed owed_at(const Clock& k, int64_t s, int64_t s0) {
               (float)(k.eps * std::pow(k.b2, (double)(s - s0) / 2.0))};
 }
 
+// A parameter brought forward by its catch-up: p owed - move m/(sqrt(v) + e), 0 where v = 0. One
+// function for the in-place catch-up and the read of a row that leaves it as it is
+// (gather_current_rows_), so that both give the same bits.
+static inline float caught_up(float pc, float mc, float vc, const Owed& o) {
+  const float ratio = vc > 0.0f ? mc / (std::sqrt(vc) + o.e) : 0.0f;
+  return pc * o.owed - o.move * ratio;
+}
+
 // One row's catch-up (CATCH_UP: p = p owed - move m/(sqrt(v) + e), 0 where v = 0; m, v
 // scaled) and, STEP, its AdamW step with gradient gr, in one pass over its columns. No aliasing
 // between a row's parameter, moments and gradient (__restrict__): without this promise the
@@ -126,8 +137,7 @@ static inline void row_pass(float* __restrict__ pr, float* __restrict__ mr, floa
   for (int64_t c = 0; c < width; ++c) {
     float pc = pr[c], mc = mr[c], vc = vr[c];
     if (CATCH_UP) {
-      const float ratio = vc > 0.0f ? mc / (std::sqrt(vc) + o.e) : 0.0f;
-      pc = pc * o.owed - o.move * ratio;
+      pc = caught_up(pc, mc, vc, o);
       mc = mc * o.ms;
       vc = vc * o.vs;
     }
@@ -249,50 +259,43 @@ static inline uint16_t bf16_bits(uint32_t u) {
 
 typedef uint32_t __attribute__((may_alias)) float_bits;  // fp32 rows read as their bits
 
-// out[j] = src[index[j]] as T: fp32, and fp16 on a CPU without F16C (c10's scalar cast).
-template <typename T>
-static void gather_into(const float* S, const int64_t* I, T* O, int64_t n, int64_t width,
-                        int64_t threads) {
-  #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
-  for (int64_t j = 0; j < n; ++j) {
-    const float* __restrict__ sr = S + I[j] * width;
-    T* __restrict__ orow = O + j * width;
-    #pragma omp simd
-    for (int64_t c = 0; c < width; ++c) orow[c] = static_cast<T>(sr[c]);
-  }
+// One row cast to the output's dtype: fp32 (a copy); bf16 on the bits (bf16_bits); fp16 by the
+// F16C instruction, rounding to nearest even (what torch's vectorised CPU cast uses), eight
+// columns at a time (the compiler does not vectorise c10's scalar Half(float): fp16 gathers took
+// 1.4x the fp32 one's time on the development machine), c10's scalar cast without F16C.
+static inline void cast_row(const float* __restrict__ sr, float* __restrict__ orow,
+                            int64_t width) {
+  #pragma omp simd
+  for (int64_t c = 0; c < width; ++c) orow[c] = sr[c];
 }
 
-static void gather_bf16(const float* S, const int64_t* I, uint16_t* O, int64_t n,
-                        int64_t width, int64_t threads) {
-  #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
-  for (int64_t j = 0; j < n; ++j) {
-    const float_bits* __restrict__ sr = reinterpret_cast<const float_bits*>(S + I[j] * width);
-    uint16_t* __restrict__ orow = O + j * width;
-    #pragma omp simd
-    for (int64_t c = 0; c < width; ++c) orow[c] = bf16_bits(sr[c]);
-  }
+static inline void cast_row(const float* src, uint16_t* __restrict__ orow, int64_t width) {
+  const float_bits* __restrict__ sr = reinterpret_cast<const float_bits*>(src);
+  #pragma omp simd
+  for (int64_t c = 0; c < width; ++c) orow[c] = bf16_bits(sr[c]);
 }
 
-// fp16: the F16C instruction, rounding to nearest even (what torch's vectorised CPU cast uses),
-// eight columns at a time; the compiler does not vectorise c10's scalar Half(float) (fp16
-// gathers 1.4x the fp32 one's time on the development machine).
-static void gather_fp16(const float* S, const int64_t* I, at::Half* O, int64_t n, int64_t width,
-                        int64_t threads) {
+static inline void cast_row(const float* __restrict__ sr, at::Half* __restrict__ orow,
+                            int64_t width) {
+  int64_t c = 0;
 #if defined(__F16C__)
-  #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
-  for (int64_t j = 0; j < n; ++j) {
-    const float* __restrict__ sr = S + I[j] * width;
-    at::Half* __restrict__ orow = O + j * width;
-    int64_t c = 0;
-    for (; c + 8 <= width; c += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + c),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(sr + c),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    for (; c < width; ++c) orow[c] = static_cast<at::Half>(sr[c]);
-  }
-#else
-  gather_into(S, I, O, n, width, threads);
+  for (; c + 8 <= width; c += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + c),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(sr + c),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
+  for (; c < width; ++c) orow[c] = static_cast<at::Half>(sr[c]);
+}
+
+// The output's data as the type cast_row writes (fp32, bf16 bits, fp16), handed to f.
+template <typename F>
+static void with_output(torch::Tensor out, const char* name, F f) {
+  switch (out.scalar_type()) {
+    case torch::kFloat: f(out.data_ptr<float>()); break;
+    case torch::kBFloat16: f(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())); break;
+    case torch::kHalf: f(out.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, name, ": output must be fp32, bf16 or fp16");
+  }
 }
 
 // out[j] = src[index[j]] cast to out's dtype (fp32, bf16 or fp16; round to nearest even, as
@@ -305,15 +308,60 @@ void gather_rows_(torch::Tensor src, torch::Tensor index, torch::Tensor out, int
   const int64_t n = index.numel(), width = src.size(1);
   const float* S = src.data_ptr<float>();
   const int64_t* I = index.data_ptr<int64_t>();
-  switch (out.scalar_type()) {
-    case torch::kFloat: gather_into(S, I, out.data_ptr<float>(), n, width, threads); break;
-    case torch::kBFloat16:
-      gather_bf16(S, I, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, width,
-                  threads);
-      break;
-    case torch::kHalf: gather_fp16(S, I, out.data_ptr<at::Half>(), n, width, threads); break;
-    default: TORCH_CHECK(false, "gather_rows_: output must be fp32, bf16 or fp16");
-  }
+  with_output(out, "gather_rows_", [&](auto* O) {
+    #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
+    for (int64_t j = 0; j < n; ++j) cast_row(S + I[j] * width, O + j * width, width);
+  });
+}
+
+// A row's parameters brought forward by its catch-up, into out (the row is left as it is).
+static inline void caught_up_row(const float* __restrict__ pr, const float* __restrict__ mr,
+                                 const float* __restrict__ vr, float* __restrict__ out,
+                                 int64_t width, const Owed& o) {
+  #pragma omp simd
+  for (int64_t c = 0; c < width; ++c) out[c] = caught_up(pr[c], mr[c], vr[c], o);
+}
+
+// out[j] = row index[j] of p as the catch-up to iteration u would leave it (rows current at u
+// or later as they are), cast like gather_rows_; the rows, their moments and last iterations
+// are left as they are. What catch_up_rows_ then gather_rows_ give, bit for bit, with one read
+// of each row's parameters and moments and no write to them: a read of host rows costs half the
+// memory traffic (the row steps later bring it up to date in their own pass, sparse_adamw_).
+void gather_current_rows_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor index,
+                          torch::Tensor last, torch::Tensor touched, torch::Tensor d,
+                          torch::Tensor win, torch::Tensor gs, int64_t base, int64_t horizon,
+                          int64_t u, double b1, double b2, double eps, torch::Tensor out,
+                          int64_t threads) {
+  check_rows("gather_current_rows_", p, m, v, index, last, touched);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == index.numel() &&
+              out.size(1) == p.size(1), "gather_current_rows_: contiguous output [rows, width]");
+  const Clock k = clock_of(d, win, gs, base, horizon, u, b1, b2, eps);
+  const int64_t n = index.numel(), width = p.size(1);
+  const float* P = p.data_ptr<float>();
+  const float* M = m.data_ptr<float>();
+  const float* V = v.data_ptr<float>();
+  const int64_t* I = index.data_ptr<int64_t>();
+  const int64_t* LAST = last.data_ptr<int64_t>();
+  const int64_t* TOUCHED = touched.data_ptr<int64_t>();
+  check_row_iterations("gather_current_rows_", I, n, p.size(0), LAST, TOUCHED, k,
+                       k.base + d.numel() - 1);
+  with_output(out, "gather_current_rows_", [&](auto* O) {
+    #pragma omp parallel num_threads((int)threads)
+    {
+      std::vector<float> row((size_t)width);  // one caught-up row at a time, in the caches
+      #pragma omp for schedule(dynamic, 16)
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t r = I[j];
+        const float* src = P + r * width;
+        if (LAST[r] < u) {
+          caught_up_row(src, M + r * width, V + r * width, row.data(), width,
+                        owed_at(k, LAST[r], TOUCHED[r]));
+          src = row.data();
+        }
+        cast_row(src, O + j * width, width);
+      }
+    }
+  });
 }
 
 // The number of threads an OpenMP team of `threads` gets here (tests, the start-up report).
@@ -333,6 +381,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_adamw_", &sparse_adamw_, nogil);
   m.def("catch_up_rows_", &catch_up_rows_, nogil);
   m.def("gather_rows_", &gather_rows_, nogil);
+  m.def("gather_current_rows_", &gather_current_rows_, nogil);
   m.def("team_size", &team_size, nogil);
 }
 """
@@ -390,6 +439,10 @@ class _Kernels:
     def gather_rows_(self, src, index, out) -> None:
         self.module.gather_rows_(src, index, out, threads())
 
+    def gather_current_rows_(self, p, m, v, index, last, touched, clock, out) -> None:
+        """``clock``: ``RowClock.kernel_state(u)`` (the rows are read as of ``u``)."""
+        self.module.gather_current_rows_(p, m, v, index, last, touched, *clock, out, threads())
+
     def team_size(self, n: int) -> int:
         return int(self.module.team_size(n))
 
@@ -403,7 +456,7 @@ def load():
 
             with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
                 _MODULE = _Kernels(load_inline(
-                    name="megatron_ext_row_adam_v10", cpp_sources=[_SOURCE],
+                    name="megatron_ext_row_adam_v11", cpp_sources=[_SOURCE],
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain

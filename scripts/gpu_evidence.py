@@ -167,7 +167,11 @@ def _rows_host_gather(path: str) -> List[Row]:
             for name in ("bf16", "fp16")] + [
         Row("host_gather", "bf16 gather from a shard on 4 KiB pages vs on huge pages (the "
             "store's)", s["bf16_4k_pages_vs_huge"], "x",
-            note=f"{s['shard_bytes_on_huge_pages'] / 2**20:.0f} MiB of the shard on huge pages")]
+            note=f"{s['shard_bytes_on_huge_pages'] / 2**20:.0f} MiB of the shard on huge pages"),
+        Row("host_gather", "read of rows owing a catch-up, as of now vs catch-up in place then "
+            "gather (bf16)", s["read_now_vs_catch_up_then_gather"], "x",
+            note=f"{ms['owing, read as of now bf16']:.2f} vs "
+                 f"{ms['owing, catch-up in place + gather bf16']:.2f} ms")]
 
 
 def _rows_worker_schedule(path: str) -> List[Row]:

@@ -148,7 +148,9 @@ def test_goals_read_from_benchmark_results(tmp_path):
         rows[1].note
     (tmp_path / "hg.json").write_text(json.dumps({
         "rows": 2000, "width": 8192, "threads": 15,
-        "ms": {"compiled bf16": 1.2, "compiled fp16": 1.8, "compiled fp32": 1.3},
+        "ms": {"compiled bf16": 1.2, "compiled fp16": 1.8, "compiled fp32": 1.3,
+               "owing, read as of now bf16": 2.5, "owing, catch-up in place + gather bf16": 3.1},
+        "read_now_vs_catch_up_then_gather": 0.81,
         "bf16_vs_fp32_copy": 0.92, "fp16_vs_fp32_copy": 1.38,
         "bf16_torch_vs_compiled": 2.1, "fp16_torch_vs_compiled": 1.1,
         "bf16_4k_pages_vs_huge": 1.18, "shard_bytes_on_huge_pages": 500 * 2**20}))
@@ -158,6 +160,8 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert by["host rows gathered and cast to fp16, vs its fp32 gather"].value == 1.38
     pages = by["bf16 gather from a shard on 4 KiB pages vs on huge pages (the store's)"]
     assert pages.value == 1.18 and "500 MiB of the shard on huge pages" in pages.note
+    read = by["read of rows owing a catch-up, as of now vs catch-up in place then gather (bf16)"]
+    assert read.value == 0.81 and "2.50 vs 3.10 ms" in read.note
 
 
 def test_wheel_script_lists_pinned_packages():

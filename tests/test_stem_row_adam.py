@@ -320,6 +320,77 @@ def test_host_row_kernels_match_torch(dtype):
     assert torch.equal(shard, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_read_of_host_rows_as_of_now_leaves_them_as_they_are(dtype):
+    """The compiled read of rows as of iteration ``u`` (``gather_current_rows_``) gives, bit for
+    bit, what the in-place catch-up then the gather give, for rows current 0 to 120 iterations
+    ago (within and past the catch-up's horizon), a row never stepped (``v`` = 0), a row current
+    at ``u`` and rows asked for twice, in 203 columns (the casts' vector loop and its
+    remainder); the rows, their moments and last iterations are left as they are, bit for bit. A
+    row whose last iteration the clock does not know is refused."""
+    _, kernel = _row_kernel()
+    g = torch.Generator().manual_seed(11)
+    nrows, width, u = 50, 203, 130
+    shard = torch.randn(nrows, width, generator=g) * 10
+    m, v = torch.randn(nrows, width, generator=g), torch.rand(nrows, width, generator=g)
+    index = torch.cat([torch.randperm(nrows, generator=g)[:30], torch.tensor([5, 5, 9])])
+    m[index[0]], v[index[0]] = 0.0, 0.0
+    clock = _clock(u)
+    last = torch.randint(0, u + 1, (nrows,), generator=g)
+    last[index[1]] = u
+    touched = (last - torch.randint(0, 30, (nrows,), generator=g)).clamp(min=0)
+    assert ((u - last[index]) > clock.horizon).any() and ((u - last[index]) < clock.horizon).any()
+    state = [x.clone() for x in (shard, m, v, last, touched)]
+    out = torch.full((index.numel(), width), 7.0, dtype=dtype)
+    kernel.gather_current_rows_(shard, m, v, index, last, touched, clock.kernel_state(u), out)
+    for x, y in zip((shard, m, v, last, touched), state):
+        assert torch.equal(x, y)
+    settled = [x.clone() for x in (shard, m, v, last)]
+    kernel.catch_up_rows_(*settled[:3], torch.unique(index), settled[3], touched,
+                          clock.kernel_state(u))
+    want = torch.empty_like(out)
+    kernel.gather_rows_(settled[0], index, want)
+    assert not torch.equal(settled[0][index[2]], shard[index[2]])  # the rows owed a catch-up
+    int_type = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    assert torch.equal(out.view(int_type), want.view(int_type))
+    bad = last.clone()
+    bad[index[3]] = u + 5
+    with pytest.raises(RuntimeError, match="outside the shard, or its iterations outside"):
+        kernel.gather_current_rows_(shard, m, v, index, bad, touched, clock.kernel_state(u - 3),
+                                    out)
+
+
+def test_lazy_read_then_step_equals_settle_then_step():
+    """A read of host rows (``LazyRows.read_into``) leaves them owing, and their step brings them
+    up to date in its own pass. As in training, where every row a micro-batch reads is stepped at
+    the end of the iteration: the values read and the table after each step are, bit for bit,
+    those of the in-place catch-up at the read (``settle``) then the step. Reads of rows that are
+    not stepped (an evaluation's) write nothing, so they change none of the later numbers, and
+    they see the rows brought forward."""
+    _row_kernel()
+    tables = [initial(), initial()]
+    lazy_opt, settle_opt = (RowAdamW([t], mode="sparse", kernel="rowwise") for t in tables)
+    everything = torch.arange(ROWS)
+    for step, lr in enumerate(LRS):
+        rows, g = grads_for(step)
+        before = tables[0].clone()
+        seen = torch.empty(ROWS, WIDTH)
+        assert lazy_opt.lazy.read_into(0, everything, seen)  # an evaluation's read
+        if step >= 2:  # rows owe a catch-up once a step with lr > 0 has passed them by
+            assert not torch.equal(seen, before)
+        read = torch.cat([rows, rows[:1]])  # a micro-batch's read, one row asked twice
+        out = torch.empty(read.numel(), WIDTH, dtype=torch.bfloat16)
+        assert lazy_opt.lazy.read_into(0, read, out)
+        assert torch.equal(tables[0], before)  # nothing written by the reads
+        assert torch.equal(seen[read].to(torch.bfloat16), out)
+        settle_opt.lazy.settle(0, read)
+        assert torch.equal(out, tables[1][read].to(torch.bfloat16))
+        lazy_opt.step([(rows, g)], hyper(lr))
+        settle_opt.step([(rows, g)], hyper(lr))
+        assert torch.equal(tables[0], tables[1])
+    assert not torch.equal(tables[0], initial())
+
+
 @pytest.mark.parametrize("kernel", kernels("sparse"))
 def test_sparse_step_in_parts_with_reads_between(kernel):
     """The overlapped table step (``TableSteps.step_table``): an iteration's rows step

@@ -411,9 +411,10 @@ class LazyRows:
     """What rows of ``shards`` owe under the sparse AdamW: a row current at iteration
     ``last[i][row]`` (and last touched, given a gradient, at ``touched[i][row]``) is brought to a
     later one by ``settle`` (its decay, its momentum's move, its moments' decay; ``RowClock`` has
-    the coefficients). Every read of a row settles it first (the
-    rows' store does, for fetches and checkpoints), and the sparse step settles and steps the rows
-    it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse optimizer)
+    the coefficients). Every read of a row sees it brought up to date: host rows are read as of
+    now without being written (``read_into``: the fetches), device rows and whole shards are
+    settled in place first (the GPU tier's fetches, checkpoints), and the sparse step settles and
+    steps the rows it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse optimizer)
     allocates the moments (host ones on transparent huge pages if ``huge_pages``,
     ``host_memory.py``); with the clock never moved (the dense optimizer) nothing is owed and
     ``settle`` returns at once."""
@@ -466,6 +467,26 @@ class LazyRows:
                                    *factor_columns(factors, p.device))
         p[index], m[index], v[index] = pr, mr, vr
         self.last[i][rows] = upto
+
+    def read_into(self, i: int, index: torch.Tensor, out: torch.Tensor) -> bool:
+        """``out[:] = shard i's rows index`` (local indices, repeats allowed) as of the clock's
+        iteration, cast to ``out``'s dtype, leaving the rows, their moments and last steps as
+        they are: what ``settle`` then a gather give, bit for bit, with one read of each row and
+        its moments and no write to them (the compiled ``gather_current_rows_``). The row's
+        step brings it up to date in its own pass. Host shards only, with the kernel; False
+        (nothing done) otherwise, and the caller settles and gathers."""
+        kernel = self._row_kernel(self.shards[i])
+        if kernel is None or not out.is_contiguous() or out.device.type != "cpu" or \
+                out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        index = index.to(torch.long).contiguous()
+        if self.exp_avg is None or self.clock.step == self.clock.base:
+            kernel.gather_rows_(self.shards[i], index, out)  # nothing owed
+            return True
+        kernel.gather_current_rows_(self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], index,
+                                    self.last[i], self.touched[i],
+                                    self.clock.kernel_state(self.clock.step), out)
+        return True
 
     def settle_all(self) -> None:
         for i, shard in enumerate(self.shards):

@@ -5,10 +5,11 @@ A ``TableStore`` keeps its chunk's shards where the placement puts them (host me
 model's device; or a ``TieredShard``'s two halves), in the local row order of the
 rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and what its rows still owe under the
 sparse optimizer (``row_adam.LazyRows``: the optimizer binds the moments, moves the clock and steps
-rows in place; every read here first brings the rows it reads up to date). It knows nothing of other
+rows in place; every read here sees the rows it reads brought up to date). It knows nothing of other
 ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
 (``stem/table_optimizer.py``) writes them, and leaves here the part of a sparse step it has not
-run yet (``owed_step``): a read steps the rows it needs of it first, then settles them.
+run yet (``owed_step``): a read steps the rows it needs of it first, then reads them as of now
+(host rows without writing them: their next step brings them up to date in its own pass).
 Reads and writes of the shards are host work: they run on the process's worker thread
 (``stem/worker.py``) or, for checkpoints and dumps, on the training thread once the worker is
 idle.
@@ -97,15 +98,15 @@ class TableStore:
 
     def gather(self, local_rows: torch.Tensor, device: torch.device,
                dtype: torch.dtype) -> torch.Tensor:
-        """The rows ``local_rows`` of every shard, side by side, as ``dtype`` on ``device``, with
-        what they owe settled first. On a GPU, what is copied from host memory is queued on
-        the current stream (the worker's side stream when the worker runs it)."""
+        """The rows ``local_rows`` of every shard, side by side, as ``dtype`` on ``device``, as
+        of the clock's iteration (what they owe is settled, in place on a GPU; host rows are
+        read brought forward and left as they are: ``LazyRows.read_into``). On a GPU, what is
+        copied from host memory is queued on the current stream (the worker's side stream when
+        the worker runs it)."""
         if self.owed_step is not None:  # first: the step brings its rows up to date itself
             with record_function("stem/step-rows-read"):
                 self.owed_step.settle(local_rows)
-        for i in range(len(self.shards)):
-            self.lazy.settle(i, local_rows)
-        return gather_rows(self.shards, local_rows, device, dtype, self.staging)
+        return gather_rows(self.shards, local_rows, device, dtype, self.staging, lazy=self.lazy)
 
     def read(self, i: int) -> torch.Tensor:
         """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a
@@ -154,10 +155,15 @@ class PinnedStaging:
 
 
 def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
-                chunk: int = 1024) -> None:
+                chunk: int = 1024, lazy: Optional[LazyRows] = None, i: int = 0) -> None:
     """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
     gather (``megatron_ext_kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks
-    of rows."""
+    of rows. ``lazy`` (the shard is its ``i``-th): the rows as of the clock's iteration, read
+    without writing them where the kernel can (``LazyRows.read_into``), else settled first."""
+    if lazy is not None:
+        if lazy.read_into(i, index, out):
+            return
+        lazy.settle(i, index)
     kernel = row_adam_cpu.load()
     if kernel is not None and shard.is_contiguous() and shard.dtype == torch.float32:
         kernel.gather_rows_(shard, index, out)
@@ -173,25 +179,36 @@ def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
 
 def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: torch.device,
                 dtype: torch.dtype, staging: PinnedStaging | None = None,
-                chunk: int = 1024) -> torch.Tensor:
+                chunk: int = 1024, lazy: Optional[LazyRows] = None) -> torch.Tensor:
     """``cat([shard[index] for shard in shards], dim=1)`` as ``dtype`` on ``device``. From host
     shards to a GPU the rows are gathered (and cast) straight into ``staging``'s pinned buffer,
     one block per shard, in chunks of rows (no large temporaries), then moved in one
-    asynchronous copy and laid out side by side on the GPU."""
+    asynchronous copy and laid out side by side on the GPU. ``lazy``: the shards' ``LazyRows``
+    (the sparse optimizer's state): the rows are read as of its clock's iteration."""
     if shards and isinstance(shards[0], TieredShard):
-        return _gather_tiered(shards, index, device, dtype, staging)
+        return _gather_tiered(shards, index, device, dtype, staging, lazy)
     widths = [s.shape[1] for s in shards]
     n = index.numel()
     on_host = all(s.device.type == "cpu" for s in shards)
-    if not (staging is not None and on_host and device.type == "cuda") or n == 0:
-        rows = torch.cat([s[to_device(index, s.device)] for s in shards], dim=1) if n else \
-            shards[0].new_empty(0, sum(widths))
-        return rows.to(device=device, dtype=dtype)
-    flat = staging.view(n * sum(widths), dtype)
+    if n == 0:
+        return shards[0].new_empty(0, sum(widths)).to(device=device, dtype=dtype)
     index = index.to(torch.long).contiguous()
+    if not on_host:  # device shards: settled in place, read by indexing
+        if lazy is not None:
+            for i in range(len(shards)):
+                lazy.settle(i, index)
+        return torch.cat([s[to_device(index, s.device)] for s in shards], dim=1).to(
+            device=device, dtype=dtype)
+    if staging is None or device.type != "cuda":  # host rows to host memory
+        parts = [torch.empty(n, w, dtype=dtype) for w in widths]
+        for i, (s, part) in enumerate(zip(shards, parts)):
+            host_gather(s, index, part, chunk, lazy, i)
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return rows.to(device)
+    flat = staging.view(n * sum(widths), dtype)
     offset = 0
-    for s, w in zip(shards, widths):
-        host_gather(s, index, flat[offset: offset + n * w].view(n, w), chunk)
+    for i, (s, w) in enumerate(zip(shards, widths)):
+        host_gather(s, index, flat[offset: offset + n * w].view(n, w), chunk, lazy, i)
         offset += n * w
     moved = flat.to(device, non_blocking=True)
     staging.record()
@@ -203,17 +220,20 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
 
 
 def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
-                   dtype: torch.dtype, staging: PinnedStaging | None) -> torch.Tensor:
+                   dtype: torch.dtype, staging: PinnedStaging | None,
+                   lazy: Optional[TieredLazyRows] = None) -> torch.Tensor:
     """``gather_rows`` of tiered shards: the GPU tier's rows are read where they are, the host
-    tier's through the host-shard path (pinned staging to a GPU)."""
+    tier's through the host-shard path (pinned staging to a GPU); ``lazy``: the shards'
+    ``TieredLazyRows``, each tier reading its own rows."""
     widths = [s.shape[1] for s in shards]
     hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
     out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
     if hot_pos.numel():
-        hot_dev = shards[0].hot.device
-        rows = torch.cat([s.hot[to_device(hot_rows, hot_dev)] for s in shards], dim=1)
-        out[to_device(hot_pos, device)] = rows.to(device, dtype)
+        out[to_device(hot_pos, device)] = gather_rows(
+            [s.hot for s in shards], hot_rows, device, dtype,
+            lazy=lazy.hot if lazy is not None else None)
     if cold_pos.numel():
-        out[to_device(cold_pos, device)] = gather_rows([s.cold for s in shards], cold_rows,
-                                                       device, dtype, staging)
+        out[to_device(cold_pos, device)] = gather_rows(
+            [s.cold for s in shards], cold_rows, device, dtype, staging,
+            lazy=lazy.cold if lazy is not None else None)
     return out
