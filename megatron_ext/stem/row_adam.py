@@ -414,8 +414,8 @@ class LazyRows:
     the coefficients). Every read of a row sees it brought up to date: host rows are read as of
     now without being written (``read_into``: the fetches), device rows and whole shards are
     settled in place first (the GPU tier's fetches, checkpoints), and the sparse step settles and
-    steps the rows it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse optimizer)
-    allocates the moments (host ones on transparent huge pages if ``huge_pages``,
+    steps the rows it steps, so the values anyone sees are AdamW's. ``bind_moments`` (the sparse
+    optimizer) allocates the moments (host ones on transparent huge pages if ``huge_pages``,
     ``host_memory.py``); with the clock never moved (the dense optimizer) nothing is owed and
     ``settle`` returns at once."""
 
