@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -215,6 +216,8 @@ def run_metrics(name: str, scalars: Dict[str, List[Tuple[int, float]]], iters: i
         "valid_loss_curve": valid,
         "train_loss_curve": loss,
         "seconds_per_iter": mean_time,
+        # The median beside the mean: a few slow iterations move the mean, a slower machine both.
+        "seconds_per_iter_median": statistics.median(times),
         "tokens_per_s": tokens_per_iter / mean_time,
     }
 
@@ -236,6 +239,9 @@ def print_table(results: Dict[str, dict]) -> str:
         ("tokens/s (all ranks, w/o first iters)", lambda r: f"{r['tokens_per_s']:.0f}"),
         ("step time (ms, mean w/o first iters)", lambda r: f"{1000 * r['seconds_per_iter']:.0f}"),
         ("step time vs dense", lambda r: f"{r['step_time_ratio']:.3f}x"),
+        ("step time (ms, median w/o first iters)",
+         lambda r: f"{1000 * r['seconds_per_iter_median']:.0f}"),
+        ("step time vs dense, medians", lambda r: f"{r['step_time_ratio_median']:.3f}x"),
         ("total parameters", lambda r: human(r["total_params"])),
         ("  of which STEM tables", lambda r: human(r["stem_table_params"])),
         ("active parameters / token", lambda r: human(r["active_params_per_token"])),
@@ -391,6 +397,8 @@ def main(argv=None) -> int:
     for name, r in results.items():
         r["flop_ratio"] = model_shape.flop_ratio(shapes[name], shapes["dense"])
         r["step_time_ratio"] = r["seconds_per_iter"] / base["seconds_per_iter"]
+        r["step_time_ratio_median"] = (r["seconds_per_iter_median"] /
+                                       base["seconds_per_iter_median"])
         r["proxy_roi"] = model_shape.proxy_relative_roi(
             r["valid_loss_final"], r["total_train_flops"], base["valid_loss_final"],
             base["total_train_flops"])
