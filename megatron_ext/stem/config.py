@@ -54,7 +54,7 @@ class StemConfig:
     # Tokens of the training data counted to choose the GPU tier (0: all; stem/hot_rows.py).
     tier_count_tokens: int = DEFAULT_TIER_COUNT_TOKENS
     # The lookup-and-gate: ``triton`` the fused kernel (megatron_ext_kernels/stem_gate.py), ``torch`` its
-    # plain-PyTorch reference, ``auto`` the kernel on a CUDA device with Triton.
+    # plain-PyTorch reference, ``auto`` the PyTorch path (faster on an H100: stem_gate.resolve).
     kernel: str = "auto"
     # Host-resident rows (shards and moments) on transparent huge pages (stem/host_memory.py).
     host_huge_pages: bool = True
