@@ -1,6 +1,6 @@
 """The main job: dense SwiGLU baseline vs STEM-1/3 on the offline corpus, side by side.
 
-    .venv/bin/python launch/main_job.py [--out runs/main] [--iters N] [--nproc 2]
+    .venv/bin/python launch/main_job.py [--out runs/main] [--iters N] [--nproc 2] [--repeats R]
 
 1. builds (or reuses) the offline corpus with ``megatron_ext.tools.data_prep``;
 2. trains the dense baseline (``--model-family gpt``) and STEM-1/3 (``--model-family stem
@@ -13,6 +13,13 @@
    ``summary.json`` and ``loss_curves.png`` into ``--out``.
 
 The preset (model shape and schedule) keeps the whole job under ten minutes on a 2-core CPU.
+
+``--repeats R`` trains the pair R times, in the order dense, STEM, STEM, dense, dense, STEM, ...
+(so a drift of the machine's speed that is linear in time slows both alike), and reports the
+median over the repeats of each repeat's own STEM/dense step-time ratio: on a shared machine
+the speed drifts by more than 5% between two runs minutes apart, and one pair of runs cannot
+tell a 5% goal from the drift. Same seed and data in every repeat: the losses are those of the
+first, and the job says if a later repeat's differ.
 """
 
 from __future__ import annotations
@@ -222,6 +229,62 @@ def run_metrics(name: str, scalars: Dict[str, List[Tuple[int, float]]], iters: i
     }
 
 
+def run_order(repeats: int) -> List[Tuple[int, str, List[str]]]:
+    """``(repeat, name, family flags)`` in the order they train: dense first in even repeats,
+    STEM first in odd ones (ABBA)."""
+    order = []
+    for repeat in range(repeats):
+        runs = RUNS if repeat % 2 == 0 else tuple(reversed(RUNS))
+        order.extend((repeat, name, list(flags)) for name, flags in runs)
+    return order
+
+
+def run_dir_name(name: str, repeat: int) -> str:
+    """The run's folder under ``--out``: the first repeat's keeps the plain name."""
+    base = name.replace("/", "_")
+    return base if repeat == 0 else f"{base}.repeat{repeat + 1}"
+
+
+def combine_repeats(per_repeat: List[Dict[str, dict]], baseline: str = "dense"
+                    ) -> Dict[str, dict]:
+    """One result per run name from the repeats' ``run_metrics`` (``per_repeat[r][name]``):
+    the first repeat's losses and curves; step times and tokens/s as the median over the
+    repeats; ``step_time_ratio`` (``_median``) the median over the repeats of each repeat's
+    ratio of the means (medians) to ``baseline``'s in the same repeat, the per-repeat ratios
+    beside it; ``loss_max_diff_repeats`` how far a later repeat's training losses are from the
+    first's (0.0: the same bits)."""
+    if not per_repeat:
+        raise ValueError("combine_repeats: no repeats")
+    combined = {}
+    for name in per_repeat[0]:
+        runs = [rep[name] for rep in per_repeat]
+        first = dict(runs[0])
+        ratios = [r["seconds_per_iter"] / rep[baseline]["seconds_per_iter"]
+                  for r, rep in zip(runs, per_repeat)]
+        ratios_median = [r["seconds_per_iter_median"] / rep[baseline]["seconds_per_iter_median"]
+                         for r, rep in zip(runs, per_repeat)]
+        first_loss = [v for _, v in runs[0]["train_loss_curve"]]
+        diff = 0.0
+        for r in runs[1:]:
+            loss = [v for _, v in r["train_loss_curve"]]
+            if len(loss) != len(first_loss):
+                diff = math.inf
+                break
+            diff = max([diff] + [abs(a - b) for a, b in zip(loss, first_loss)])
+        first.update(
+            seconds_per_iter=statistics.median(r["seconds_per_iter"] for r in runs),
+            seconds_per_iter_median=statistics.median(r["seconds_per_iter_median"] for r in runs),
+            tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
+            wall_s=sum(r["wall_s"] for r in runs),
+            step_time_ratios=ratios, step_time_ratio=statistics.median(ratios),
+            step_time_ratios_median=ratios_median,
+            step_time_ratio_median=statistics.median(ratios_median),
+            repeats=len(runs), loss_max_diff_repeats=diff,
+            seconds_per_iter_repeats=[r["seconds_per_iter"] for r in runs])
+        combined[name] = first
+    return combined
+
+
 def human(x: float) -> str:
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(x) >= scale:
@@ -231,17 +294,28 @@ def human(x: float) -> str:
 
 def print_table(results: Dict[str, dict]) -> str:
     names = list(results)
+    repeats = max(r.get("repeats", 1) for r in results.values())
+    of_repeats = "; median of repeats" if repeats > 1 else ""
+    ratios = " (median of the repeats' ratios)" if repeats > 1 else ""
     rows = [
         ("training loss, first iteration", lambda r: f"{r['train_loss_first']:.3f}"),
         (f"training loss, mean of last {TRAIN['last_iters_for_loss']}",
          lambda r: f"{r['train_loss_final']:.3f}"),
         ("validation loss, end", lambda r: f"{r['valid_loss_final']:.3f}"),
         ("tokens/s (all ranks, w/o first iters)", lambda r: f"{r['tokens_per_s']:.0f}"),
-        ("step time (ms, mean w/o first iters)", lambda r: f"{1000 * r['seconds_per_iter']:.0f}"),
-        ("step time vs dense", lambda r: f"{r['step_time_ratio']:.3f}x"),
-        ("step time (ms, median w/o first iters)",
+        (f"step time (ms, mean w/o first iters{of_repeats})",
+         lambda r: f"{1000 * r['seconds_per_iter']:.0f}"),
+        (f"step time vs dense{ratios}", lambda r: f"{r['step_time_ratio']:.3f}x"),
+        *([("  per repeat (order D S S D ...)",
+            lambda r: " ".join(f"{x:.3f}" for x in r["step_time_ratios"]))]
+          if repeats > 1 else []),
+        (f"step time (ms, median w/o first iters{of_repeats})",
          lambda r: f"{1000 * r['seconds_per_iter_median']:.0f}"),
-        ("step time vs dense, medians", lambda r: f"{r['step_time_ratio_median']:.3f}x"),
+        (f"step time vs dense, medians{ratios}",
+         lambda r: f"{r['step_time_ratio_median']:.3f}x"),
+        *([("  per repeat",
+            lambda r: " ".join(f"{x:.3f}" for x in r["step_time_ratios_median"]))]
+          if repeats > 1 else []),
         ("total parameters", lambda r: human(r["total_params"])),
         ("  of which STEM tables", lambda r: human(r["stem_table_params"])),
         ("active parameters / token", lambda r: human(r["active_params_per_token"])),
@@ -249,15 +323,17 @@ def print_table(results: Dict[str, dict]) -> str:
         ("total training FLOPs", lambda r: human(r["total_train_flops"])),
         ("FLOP ratio vs dense", lambda r: f"{r['flop_ratio']:.4f}"),
         ("proxy ROI vs dense (exp(-val loss)/FLOPs)", lambda r: f"{r['proxy_roi']:.4f}x"),
-        ("wall time of the run (s)", lambda r: f"{r['wall_s']:.0f}"),
+        (f"wall time of the run{'s' if repeats > 1 else ''} (s)",
+         lambda r: f"{r['wall_s']:.0f}"),
     ]
     width = max(len(label) for label, _ in rows)
-    cols = [max(12, len(n)) for n in names]
+    cells = [[fmt(results[n]) for n in names] for _, fmt in rows]
+    cols = [max([12, len(n)] + [len(row[i]) for row in cells]) for i, n in enumerate(names)]
     lines = [" " * width + " | " + " | ".join(f"{n:>{w}}" for n, w in zip(names, cols)),
              "-" * (width + sum(c + 3 for c in cols))]
-    for label, fmt in rows:
+    for (label, _), row in zip(rows, cells):
         lines.append(f"{label:<{width}} | " + " | ".join(
-            f"{fmt(results[n]):>{w}}" for n, w in zip(names, cols)))
+            f"{cell:>{w}}" for cell, w in zip(row, cols)))
     table = "\n".join(lines)
     print(table)
     return table
@@ -317,7 +393,13 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--max-mb", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="train the pair this many times, dense and STEM alternating first "
+                        "(D S S D ...), and report the median of the repeats' step-time ratios "
+                        "(a shared machine's speed drifts between runs)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats={args.repeats}: at least 1")
     if args.iters < TRAIN["timing_skip_iters"] + 2:
         p.error(f"--iters={args.iters}: at least {TRAIN['timing_skip_iters'] + 2} are needed")
     if args.nproc < 1 or TRAIN["global_batch_size"] % (TRAIN["micro_batch_size"] * args.nproc):
@@ -362,10 +444,11 @@ def main(argv=None) -> int:
               "stem-1/3": dataclasses.replace(base_shape, family="stem", stem_layers=tuple(
                   select_stem_layers(MODEL["num_layers"], "1/3")))}
 
-    # 3. the two runs, one after the other
-    results: Dict[str, dict] = {}
-    for name, family_args in RUNS:
-        run_dir = os.path.join(out, name.replace("/", "_"))
+    # 3. the two runs, one after the other (``--repeats``: again, in ABBA order)
+    per_repeat: List[Dict[str, dict]] = [{} for _ in range(args.repeats)]
+    for repeat, name, family_args in run_order(args.repeats):
+        results = per_repeat[repeat]
+        run_dir = os.path.join(out, run_dir_name(name, repeat))
         tb_dir = os.path.join(run_dir, "tensorboard")
         shutil.rmtree(tb_dir, ignore_errors=True)  # old event files would mix into the curves
         os.makedirs(run_dir, exist_ok=True)
@@ -373,8 +456,9 @@ def main(argv=None) -> int:
             *megatron_flags(args.iters, args.seed, data_args, tb_dir, os.path.join(out, "cache")),
             *family_args])
         log_path = os.path.join(run_dir, "train.log")
-        log(f"training {name} for {args.iters} iterations ({tokens_per_iter} tokens each), "
-            f"log: {log_path}")
+        of = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+        log(f"training {name}{of} for {args.iters} iterations ({tokens_per_iter} tokens "
+            f"each), log: {log_path}")
         wall = run_training(name, cmd, log_path, args.iters)
         metrics = run_metrics(name, read_tensorboard_scalars(tb_dir), args.iters, tokens_per_iter)
         analytic = model_shape.summary(shapes[name])
@@ -392,13 +476,15 @@ def main(argv=None) -> int:
         log(f"{name}: done in {wall:.0f}s, final training loss "
             f"{metrics['train_loss_final']:.3f}, validation loss {metrics['valid_loss_final']:.3f}")
 
-    # 4. ratios against the dense baseline
+    # 4. ratios against the dense baseline (of the same repeat, then their median)
+    results = combine_repeats(per_repeat)
     base = results["dense"]
     for name, r in results.items():
+        if r["loss_max_diff_repeats"] != 0.0:
+            log(f"WARNING: {name}: a later repeat's training losses differ from the first's by "
+                f"up to {r['loss_max_diff_repeats']:.3g} (same seed and data); the table shows "
+                "the first's")
         r["flop_ratio"] = model_shape.flop_ratio(shapes[name], shapes["dense"])
-        r["step_time_ratio"] = r["seconds_per_iter"] / base["seconds_per_iter"]
-        r["step_time_ratio_median"] = (r["seconds_per_iter_median"] /
-                                       base["seconds_per_iter_median"])
         r["proxy_roi"] = model_shape.proxy_relative_roi(
             r["valid_loss_final"], r["total_train_flops"], base["valid_loss_final"],
             base["total_train_flops"])
@@ -412,6 +498,7 @@ def main(argv=None) -> int:
     job_s = time.perf_counter() - job_start
     write_json(os.path.join(out, "summary.json"), {
         "model": MODEL, "train": TRAIN, "iters": args.iters, "nproc": args.nproc,
+        "repeats": args.repeats,
         "seed": args.seed, "tokens_per_iter": tokens_per_iter, "padded_vocab_size": vocab,
         "data": {k: manifest[k] for k in ("data_prefix", "tokenizer_dir", "tokenizer_vocab_size",
                                           "eod_id", "num_documents", "num_tokens",
