@@ -24,6 +24,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
@@ -37,6 +38,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.stem import checkpoint
 from megatron_ext.stem.config import StemConfig
+from megatron_ext.stem.initial_rows import InitialRows, draw_rows
+from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext_kernels import stem_gate
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
@@ -54,6 +57,17 @@ def table_init_method(init: str, config: TransformerConfig):
     if init == "zeros":
         return torch.nn.init.zeros_
     raise ValueError(f"--stem-init={init!r}: unknown initialisation")
+
+
+def rows_owned_at_build(stem: StemConfig, vocab_size: int) -> Optional[torch.Tensor]:
+    """The global rows a managed table of this rank will hold (vocab sharding: the rows
+    ``RowOwnership`` gives this data-parallel rank, as ``StemTables`` will), the only ones whose
+    drawn values are kept; None (every row) for replicated tables and for a model built without
+    Megatron's parallel state."""
+    if stem.sharding != "vocab" or not parallel_state.model_parallel_is_initialized():
+        return None
+    return RowOwnership(vocab_size, parallel_state.get_data_parallel_world_size(),
+                        stem.ownership).owned_ids(parallel_state.get_data_parallel_rank())
 
 
 class StemMLP(MegatronModule):
@@ -125,28 +139,30 @@ class StemMLP(MegatronModule):
 
         init_method = table_init_method(stem.init, config)
         # Managed tables (host-resident and/or vocab-sharded, stem/tables.py) are not parameters
-        # of this module: their values are drawn here the same way and handed over once.
+        # of this module: their values are drawn here the same way, a block of rows at a time,
+        # only the rows this rank will own kept (stem/initial_rows.py), and handed over once.
         self.managed = stem.managed_tables
-        device = None if (config.use_cpu_initialization or self.managed) \
-            else torch.cuda.current_device()
-        table = torch.empty(vocab_size, self.ffn_per_partition,
-                            dtype=torch.float32 if self.managed else config.params_dtype,
-                            device=device)
-        if config.perform_initialization and device is None:
-            # The full [vocab, F] table is drawn on every rank and sliced, so the values do not
-            # depend on the TP size (same as Megatron's linear layers).
-            _initialize_affine_weight_cpu(
-                table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
-                params_dtype=table.dtype, rank=self.tp_rank, world_size=self.tp_size)
-        elif config.perform_initialization:
-            _initialize_affine_weight_gpu(table, init_method, partition_dim=1)
         if self.managed:
-            self._initial_table: Optional[torch.Tensor] = table
+            self._initial_table: Optional[InitialRows] = draw_rows(
+                vocab_size, ffn, self.tp_rank, self.tp_size, init_method,
+                keep=rows_owned_at_build(stem, vocab_size),
+                initialize=config.perform_initialization)
             self._rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
             # The rows of each micro-batch in flight, by the storage of its block context (the
             # ids), so that a recomputed layer reads its own micro-batch's rows (claim_rows).
             self._rows_by_context = {}
         else:
+            device = None if config.use_cpu_initialization else torch.cuda.current_device()
+            table = torch.empty(vocab_size, self.ffn_per_partition, dtype=config.params_dtype,
+                                device=device)
+            if config.perform_initialization and device is None:
+                # The full [vocab, F] table is drawn on every rank and sliced, so the values do
+                # not depend on the TP size (same as Megatron's linear layers).
+                _initialize_affine_weight_cpu(
+                    table, vocab_size, ffn, self.ffn_per_partition, 1, init_method,
+                    params_dtype=table.dtype, rank=self.tp_rank, world_size=self.tp_size)
+            elif config.perform_initialization:
+                _initialize_affine_weight_gpu(table, init_method, partition_dim=1)
             self.table = torch.nn.Parameter(table)
             set_tensor_model_parallel_attributes(self.table, True, 1, 1)
         self._token_ids: Optional[torch.Tensor] = None
@@ -178,8 +194,9 @@ class StemMLP(MegatronModule):
         """Called by ``TransformerLayer`` (1-based, global), as for upstream's MoE layer."""
         self.layer_number = layer_number
 
-    def release_initial_table(self) -> torch.Tensor:
-        """Managed tables: the drawn ``[vocab, F/tp]`` values, handed over once to StemTables."""
+    def release_initial_table(self) -> InitialRows:
+        """Managed tables: the drawn values of this rank's rows (``[rows, F/tp]``), handed over
+        once to StemTables."""
         table, self._initial_table = self._initial_table, None
         if table is None:
             raise RuntimeError("the STEM table of this layer was already handed over")

@@ -26,6 +26,7 @@ import torch
 from torch.profiler import record_function
 
 from megatron_ext.stem import host_memory
+from megatron_ext.stem.initial_rows import InitialRows
 from megatron_ext.stem.row_adam import LazyRows
 from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
 from megatron_ext.stem.transfer import to_device
@@ -35,8 +36,9 @@ from megatron_ext_kernels import row_adam_cpu
 class TableStore:
     """The owned rows (``owned_ids``, local order) of each of a chunk's STEM layers.
 
-    ``tables``: the drawn ``[vocab, F/tp]`` values of each layer (every placement starts from the
-    same numbers); ``placement``: ``gpu`` keeps the shards on ``device``, ``cpu`` in host memory,
+    ``tables``: the drawn values of each layer, a ``[vocab, F/tp]`` tensor or the rows kept of
+    it (``initial_rows.InitialRows``, holding at least ``owned_ids``; every placement starts
+    from the same numbers); ``placement``: ``gpu`` keeps the shards on ``device``, ``cpu`` in host memory,
     ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host memory.
     ``huge_pages``: host shards and their moments on transparent huge pages
     (``host_memory.py``, ``--stem-host-huge-pages``)."""
@@ -52,17 +54,20 @@ class TableStore:
         # (``PinnedStaging``). Pinning the shards themselves would lock up to twice their
         # size: PyTorch's pinned allocator rounds each allocation up to a power of two (a 4.2 GB
         # table shard: 8 GiB locked).
-        for full in tables:
+        for drawn in tables:
+            drawn = drawn if isinstance(drawn, InitialRows) else InitialRows(drawn)
+            rows, values = drawn.rows(owned_ids), drawn.values
+            del drawn
             if placement == "tiered":  # the first num_hot owned rows are the GPU tier
-                hot = full[owned_ids[:num_hot]].to(device=device, dtype=torch.float32)
-                cold = host_memory.index_select(full, owned_ids[num_hot:], torch.float32,
+                hot = values[rows[:num_hot]].to(device=device, dtype=torch.float32)
+                cold = host_memory.index_select(values, rows[num_hot:], torch.float32,
                                                 huge_pages)
                 shard = TieredShard(hot.contiguous(), cold)
             elif placement == "gpu" and cuda:
-                shard = full[owned_ids].to(device=device, dtype=torch.float32).contiguous()
+                shard = values[rows].to(device=device, dtype=torch.float32).contiguous()
             else:  # host memory (cpu placement; gpu placement without CUDA)
-                shard = host_memory.index_select(full, owned_ids, torch.float32, huge_pages)
-            del full
+                shard = host_memory.index_select(values, rows, torch.float32, huge_pages)
+            del values
             self.shards.append(shard)
         self.placement = placement
         self.lazy = TieredLazyRows(self.shards, huge_pages) if placement == "tiered" else \
