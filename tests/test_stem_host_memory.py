@@ -153,3 +153,95 @@ def test_report_lists_the_host_row_tensors():
     cold = store.shards[0].cold
     assert len(tensors) == 3 and tensors[0] is cold
     assert all(t.shape == cold.shape for t in tensors)
+
+
+# -- room for the host rows ---------------------------------------------------------------------
+
+
+def _meminfo(path, available_kib, swap_kib=0):
+    path.write_text(f"MemTotal:       24000000 kB\nMemFree:         1000 kB\n"
+                    f"MemAvailable:   {available_kib} kB\nSwapFree:       {swap_kib} kB\n")
+    return str(path)
+
+
+def test_available_memory_is_meminfo_within_the_cgroups_limit(tmp_path):
+    meminfo = _meminfo(tmp_path / "meminfo", 1000, swap_kib=24)
+    none = tmp_path / "no-cgroup"
+    assert host_memory.available_bytes(meminfo, str(none)) == 1024 * 1024
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("600000\n")
+    (v2 / "memory.current").write_text("100000\n")
+    assert host_memory.available_bytes(meminfo, str(v2)) == 500000
+    (v2 / "memory.max").write_text("max\n")  # no limit
+    assert host_memory.available_bytes(meminfo, str(v2)) == 1024 * 1024
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("300000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("400000\n")  # over its limit
+    assert host_memory.available_bytes(meminfo, str(v1)) == 0
+    assert host_memory.available_bytes(str(tmp_path / "missing"), str(none)) is None
+    (tmp_path / "old").write_text("MemTotal: 1 kB\n")  # kernels before 3.14: no MemAvailable
+    assert host_memory.available_bytes(str(tmp_path / "old"), str(none)) is None
+    assert host_memory.available_bytes() is None or host_memory.available_bytes() > 0
+
+
+def test_rows_that_cannot_fit_are_refused_before_they_are_allocated(caplog):
+    gib = 2**30
+    with pytest.raises(ValueError, match=r"need 3\.00 GiB of host memory, and 2\.50 GiB is "
+                                         r"available.*--stem-gpu-tier"):
+        host_memory.check_room(3 * gib, released=gib // 2, available=2 * gib)
+    with caplog.at_level("WARNING"):
+        host_memory.check_room(2 * gib, released=gib // 2, available=2 * gib)  # fits exactly
+        assert not caplog.records
+        # Fits this rank, not its 4 ranks of the node together: a warning.
+        host_memory.check_room(2 * gib, released=0, ranks_on_node=4, available=3 * gib)
+    assert "4 ranks on this node need about 8.00 GiB together" in caplog.text
+
+
+def test_unknown_availability_is_no_check(monkeypatch):
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
+    host_memory.check_room(2**50)  # nothing known: nothing refused
+
+
+def test_planned_host_bytes_count_rows_and_both_moments():
+    from megatron_ext.stem.store import planned_host_bytes
+
+    cuda = torch.cuda.is_available()
+    assert planned_host_bytes("cpu", 10, None, [8, 4]) == 3 * 4 * 10 * 12
+    assert planned_host_bytes("tiered", 10, 3, [8]) == 3 * 4 * (7 if cuda else 10) * 8
+    assert planned_host_bytes("gpu", 10, None, [8]) == (0 if cuda else 3 * 4 * 10 * 8)
+
+
+def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, monkeypatch):
+    """StemTables checks the room before the store allocates a row: here 100 rows of widths 8
+    and 4 with their moments (14,400 bytes) against 1,000 bytes available plus the 4,800 bytes
+    of drawn rows it will let go."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.stem.config import StemConfig
+    from megatron_ext.stem.tables import StemTables
+
+    class Layer:
+        def __init__(self, table):
+            self.table = table
+
+        def release_initial_table(self):
+            return self.table
+
+    built = []
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000)
+    monkeypatch.setattr("megatron_ext.stem.tables.TableStore",
+                        lambda *a, **k: built.append(1))
+    layers = [Layer(torch.zeros(100, 8)), Layer(torch.zeros(100, 4))]
+    with pytest.raises(ValueError, match=r"moments need 0\.0 MiB of host memory, and 0\.0 MiB "
+                                         r"is available.*--stem-table-sharding vocab"):
+        StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), 100,
+                   parallel_state.get_data_parallel_group())
+    assert not built
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 9600)  # 9,600 + 4,800: fits
+    with pytest.raises(Exception):  # past the check: the stubbed store is no store
+        StemTables([Layer(torch.zeros(100, 8)), Layer(torch.zeros(100, 4))],
+                   StemConfig(placement="cpu", sharding="vocab"), 100,
+                   parallel_state.get_data_parallel_group())
+    assert built == [1]

@@ -154,3 +154,76 @@ def huge_bytes(tensors: Sequence[torch.Tensor]) -> Optional[int]:
     """Bytes of ``tensors``' mappings on huge pages (``page_stats``), or None."""
     stats = page_stats(tensors)
     return None if stats is None else stats[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# room for the host rows, checked before they are allocated
+
+_MEMINFO = "/proc/meminfo"
+_CGROUP = "/sys/fs/cgroup"
+
+
+def available_bytes(meminfo: str = _MEMINFO, cgroup: str = _CGROUP) -> Optional[int]:
+    """Memory this process can still take without the kernel killing it: ``MemAvailable`` plus
+    ``SwapFree`` of ``/proc/meminfo``, or less where the cgroup's limit leaves less (v2
+    ``memory.max`` less ``memory.current``; v1 ``memory/memory.limit_in_bytes`` less
+    ``memory/memory.usage_in_bytes``). None where ``/proc/meminfo`` cannot be read."""
+    fields = {}
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * 1024
+    except OSError:
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    room = fields["MemAvailable"] + fields.get("SwapFree", 0)
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{cgroup}/{limit}") as f:
+                cap = f.read().strip()
+            with open(f"{cgroup}/{usage}") as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 2**60:  # "max" / a huge number: no limit
+            room = min(room, max(int(cap) - used, 0))
+    return room
+
+
+def check_room(need: int, released: int = 0, ranks_on_node: int = 1,
+               available: Optional[int] = None) -> None:
+    """Refuse, before anything is allocated, host rows that cannot fit: ``need`` bytes for this
+    rank (its host rows and their Adam moments) against the memory available (``available``, by
+    default ``available_bytes()``) plus ``released`` (what this rank holds now and frees while
+    it allocates: the drawn initial rows). A need that fits this rank but not the
+    ``ranks_on_node`` ranks of the node together (each as large) is a warning: they may differ
+    (pipeline stages), and the others may not have allocated yet. Unknown availability: no
+    check."""
+    if available is None:
+        available = available_bytes()
+    if available is None or need <= 0:
+        return
+    room = available + released
+    advice = ("shard the rows over more data-parallel ranks (--stem-table-sharding vocab), keep "
+              "more of them in the GPU tier (--stem-table-placement tiered, --stem-gpu-tier), "
+              "or use fewer STEM layers (--stem-ratio, --stem-layers)")
+    if need > room:
+        raise ValueError(
+            f"STEM tables: this rank's host-resident rows and their Adam moments need "
+            f"{_size(need)} of host memory, and {_size(room)} is available (MemAvailable + "
+            f"SwapFree, within the cgroup's limit); {advice}")
+    if need * ranks_on_node > available + released * ranks_on_node:
+        logger.warning("STEM tables: this rank's host rows and their Adam moments need %s of "
+                       "host memory; %d ranks on this node need about %s together, and %s is "
+                       "available: the node may run out of memory; %s", _size(need),
+                       ranks_on_node, _size(need * ranks_on_node),
+                       _size(available + released * ranks_on_node), advice)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

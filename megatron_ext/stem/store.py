@@ -126,6 +126,21 @@ class TableStore:
         write_back(self.shards[i], whole)
 
 
+def planned_host_bytes(placement: str, num_owned: int, num_hot: Optional[int],
+                       widths: Sequence[int]) -> int:
+    """Host memory a ``TableStore`` of this layout holds with its optimizer's two Adam moments
+    (fp32 rows and moments, dense or sparse optimizer alike): the host tier of ``tiered``, every
+    owned row of ``cpu``, none of ``gpu``; every row without CUDA, where the device is the CPU.
+    What ``host_memory.check_room`` weighs before the store is built."""
+    if not torch.cuda.is_available() or placement == "cpu":
+        rows = num_owned
+    elif placement == "tiered":
+        rows = num_owned - (num_hot or 0)
+    else:
+        rows = 0
+    return 3 * 4 * rows * sum(widths)
+
+
 class PinnedStaging:
     """A reusable page-locked host buffer for copies between host shards and the GPU (pinned
     memory is what lets the copy engine move it while kernels run; allocating it is slow, so it
