@@ -1,23 +1,10 @@
 """launch/main_job.py --repeats: the run order and how the repeats' step times combine, against
 ratios worked out by hand (no training: the runs' metrics are made up here)."""
 
-import importlib.util
-import os
-
 import pytest
+from tests_helpers import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _main_job():
-    spec = importlib.util.spec_from_file_location(
-        "main_job_under_test", os.path.join(ROOT, "launch", "main_job.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-main_job = _main_job()
+main_job = load_script("launch/main_job.py", "main_job_under_test")
 
 
 def metrics(mean, median, losses=(5.0, 4.0)):

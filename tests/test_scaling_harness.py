@@ -12,7 +12,6 @@ numbers are checked against each other and against the run reports, the PNG is a
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import statistics
@@ -23,20 +22,13 @@ from dataclasses import replace
 import pytest
 
 from megatron_ext.tools.model_shape import ModelShape, training_flops_per_token
+from tests_helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "scaling.py")
 
 
-def _load_harness():
-    spec = importlib.util.spec_from_file_location("scaling_harness", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-sh = _load_harness()
+sh = load_script("launch/scaling.py", "scaling_harness")
 
 
 # ---------------------------------------------------------------------------------------------

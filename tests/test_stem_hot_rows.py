@@ -5,16 +5,13 @@ benchmarks/stem_critical_path.py, each against a plain-Python reference."""
 from __future__ import annotations
 
 import collections
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_ext.stem import hot_rows
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests_helpers import load_script
 
 
 def _write_dataset(prefix: str, docs, dtype=np.uint16) -> None:
@@ -168,11 +165,7 @@ def test_hottest_rows_in_count_then_id_order():
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "stem_critical_path", os.path.join(ROOT, "benchmarks", "stem_critical_path.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/stem_critical_path.py", "stem_critical_path")
 
 
 def test_critical_path_matches_a_set_reference():

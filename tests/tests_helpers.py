@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(relpath: str, name: str):
+    """A script of the repository (``launch/``, ``benchmarks/``: not a package) imported as the
+    module ``name``, registered in ``sys.modules`` (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_tiny_stem_mlp(variant: str = "up", hidden: int = 16, ffn: int = 24, vocab: int = 30,
