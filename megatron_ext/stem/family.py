@@ -107,9 +107,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "pages (madvise; fewer TLB misses for the scattered row reads and "
                            "steps; needs the kernel's THP mode madvise or always)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
-                      help="lookup-and-gate: triton = the fused kernel (megatron_ext_kernels/stem_gate.py; "
-                           "no [vocab, d_ff] gradient temporary, slower on an H100), torch = the "
-                           "plain-PyTorch path, auto = torch (docs/stem.md)")
+                      help="lookup-and-gate: triton = the fused kernel "
+                           "(megatron_ext_kernels/stem_gate.py; no [vocab, d_ff] gradient "
+                           "temporary, slower on an H100), torch = the plain-PyTorch path, "
+                           "auto = torch (docs/stem.md)")
     stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
                       help="after training, write each rank's rows of cpu/vocab-sharded tables "
                            "to DIR (inspection and tests)")

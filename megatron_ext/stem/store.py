@@ -38,8 +38,9 @@ class TableStore:
 
     ``tables``: the drawn values of each layer, a ``[vocab, F/tp]`` tensor or the rows kept of
     it (``initial_rows.InitialRows``, holding at least ``owned_ids``; every placement starts
-    from the same numbers); ``placement``: ``gpu`` keeps the shards on ``device``, ``cpu`` in host memory,
-    ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host memory.
+    from the same numbers); ``placement``: ``gpu`` keeps the shards on ``device``, ``cpu`` in
+    host memory, ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host
+    memory.
     ``huge_pages``: host shards and their moments on transparent huge pages
     (``host_memory.py``, ``--stem-host-huge-pages``)."""
 
