@@ -173,6 +173,9 @@ def test_available_memory_is_meminfo_within_the_cgroups_limit(tmp_path):
     (v2 / "memory.max").write_text("600000\n")
     (v2 / "memory.current").write_text("100000\n")
     assert host_memory.available_bytes(meminfo, str(v2)) == 500000
+    # Page cache the cgroup holds is reclaimed before anything is killed: counted as free.
+    (v2 / "memory.stat").write_text("anon 60000\nfile 80000\nfile_mapped 10\n")
+    assert host_memory.available_bytes(meminfo, str(v2)) == 580000
     (v2 / "memory.max").write_text("max\n")  # no limit
     assert host_memory.available_bytes(meminfo, str(v2)) == 1024 * 1024
     v1 = tmp_path / "v1"
@@ -180,6 +183,8 @@ def test_available_memory_is_meminfo_within_the_cgroups_limit(tmp_path):
     (v1 / "memory" / "memory.limit_in_bytes").write_text("300000\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text("400000\n")  # over its limit
     assert host_memory.available_bytes(meminfo, str(v1)) == 0
+    (v1 / "memory" / "memory.stat").write_text("cache 1\ntotal_cache 250000\nrss 150000\n")
+    assert host_memory.available_bytes(meminfo, str(v1)) == 150000
     assert host_memory.available_bytes(str(tmp_path / "missing"), str(none)) is None
     (tmp_path / "old").write_text("MemTotal: 1 kB\n")  # kernels before 3.14: no MemAvailable
     assert host_memory.available_bytes(str(tmp_path / "old"), str(none)) is None

@@ -167,7 +167,9 @@ def available_bytes(meminfo: str = _MEMINFO, cgroup: str = _CGROUP) -> Optional[
     """Memory this process can still take without the kernel killing it: ``MemAvailable`` plus
     ``SwapFree`` of ``/proc/meminfo``, or less where the cgroup's limit leaves less (v2
     ``memory.max`` less ``memory.current``; v1 ``memory/memory.limit_in_bytes`` less
-    ``memory/memory.usage_in_bytes``). None where ``/proc/meminfo`` cannot be read."""
+    ``memory/memory.usage_in_bytes``), the cgroup's page cache counted as free (``memory.stat``
+    ``file``, v1 ``total_cache``): the kernel reclaims it before it kills, and a long-lived
+    container's usage is mostly cache. None where ``/proc/meminfo`` cannot be read."""
     fields = {}
     try:
         with open(meminfo) as f:
@@ -181,8 +183,10 @@ def available_bytes(meminfo: str = _MEMINFO, cgroup: str = _CGROUP) -> Optional[
     if "MemAvailable" not in fields:
         return None
     room = fields["MemAvailable"] + fields.get("SwapFree", 0)
-    for limit, usage in (("memory.max", "memory.current"),
-                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage, stat, cache in (
+            ("memory.max", "memory.current", "memory.stat", "file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+             "memory/memory.stat", "total_cache")):
         try:
             with open(f"{cgroup}/{limit}") as f:
                 cap = f.read().strip()
@@ -191,8 +195,21 @@ def available_bytes(meminfo: str = _MEMINFO, cgroup: str = _CGROUP) -> Optional[
         except (OSError, ValueError):
             continue
         if cap.isdigit() and int(cap) < 2**60:  # "max" / a huge number: no limit
-            room = min(room, max(int(cap) - used, 0))
+            room = min(room, max(int(cap) - used + _stat_field(f"{cgroup}/{stat}", cache), 0))
     return room
+
+
+def _stat_field(path: str, name: str) -> int:
+    """Field ``name`` of a cgroup ``memory.stat`` file (bytes), 0 where absent."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == name and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
 
 
 def check_room(need: int, released: int = 0, ranks_on_node: int = 1,
