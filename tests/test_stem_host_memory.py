@@ -219,9 +219,9 @@ def test_planned_host_bytes_count_rows_and_both_moments():
 
 
 def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, monkeypatch):
-    """StemTables checks the room before the store allocates a row: here 100 rows of widths 8
-    and 4 with their moments (14,400 bytes) against 1,000 bytes available plus the 4,800 bytes
-    of drawn rows it will let go."""
+    """The store checks the room before it allocates a row: here 100 rows of widths 8 and 4
+    with their moments (14,400 bytes) against 1,000 bytes available plus the 4,800 bytes of
+    drawn rows it will let go; with 9,600 available they fit and the tables are built."""
     from megatron.core import parallel_state
 
     from megatron_ext.stem.config import StemConfig
@@ -234,19 +234,27 @@ def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, 
         def release_initial_table(self):
             return self.table
 
-    built = []
+    allocated = []
+    index_select = host_memory.index_select
+
+    def recording(*args, **kwargs):
+        allocated.append(1)
+        return index_select(*args, **kwargs)
+
+    monkeypatch.setattr(host_memory, "index_select", recording)
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000)
-    monkeypatch.setattr("megatron_ext.stem.tables.TableStore",
-                        lambda *a, **k: built.append(1))
     layers = [Layer(torch.zeros(100, 8)), Layer(torch.zeros(100, 4))]
     with pytest.raises(ValueError, match=r"moments need 0\.0 MiB of host memory, and 0\.0 MiB "
                                          r"is available.*--stem-table-sharding vocab"):
         StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), 100,
                    parallel_state.get_data_parallel_group())
-    assert not built
-    monkeypatch.setattr(host_memory, "available_bytes", lambda: 9600)  # 9,600 + 4,800: fits
-    with pytest.raises(Exception):  # past the check: the stubbed store is no store
-        StemTables([Layer(torch.zeros(100, 8)), Layer(torch.zeros(100, 4))],
-                   StemConfig(placement="cpu", sharding="vocab"), 100,
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 9599)  # one byte short
+    with pytest.raises(ValueError, match="moments need"):
+        StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), 100,
                    parallel_state.get_data_parallel_group())
-    assert built == [1]
+    assert not allocated
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 9600)  # 9,600 + 4,800: fits
+    tables = StemTables([Layer(torch.zeros(100, 8)), Layer(torch.zeros(100, 4))],
+                        StemConfig(placement="cpu", sharding="vocab", host_huge_pages=False),
+                        100, parallel_state.get_data_parallel_group())
+    assert allocated == [1, 1] and [s.shape for s in tables.store.shards] == [(100, 8), (100, 4)]

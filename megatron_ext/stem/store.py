@@ -20,6 +20,7 @@ into a reusable pinned buffer (``PinnedStaging``) and moved by one asynchronous 
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -55,10 +56,19 @@ class TableStore:
         # (``PinnedStaging``). Pinning the shards themselves would lock up to twice their
         # size: PyTorch's pinned allocator rounds each allocation up to a power of two (a 4.2 GB
         # table shard: 8 GiB locked).
-        for drawn in tables:
-            drawn = drawn if isinstance(drawn, InitialRows) else InitialRows(drawn)
-            rows, values = drawn.rows(owned_ids), drawn.values
-            del drawn
+        drawn = [d if isinstance(d, InitialRows) else InitialRows(d) for d in tables]
+        # Room for the host rows and their moments, checked before any is allocated; the drawn
+        # rows are let go one layer at a time as they are copied.
+        host_memory.check_room(
+            planned_host_bytes(placement, owned_ids.numel(), num_hot,
+                               [d.values.shape[1] for d in drawn]),
+            released=sum(d.values.numel() * d.values.element_size() for d in drawn
+                         if d.values.device.type == "cpu"),
+            ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        while drawn:
+            layer = drawn.pop(0)
+            rows, values = layer.rows(owned_ids), layer.values
+            del layer
             if placement == "tiered":  # the first num_hot owned rows are the GPU tier
                 hot = values[rows[:num_hot]].to(device=device, dtype=torch.float32)
                 cold = host_memory.index_select(values, rows[num_hot:], torch.float32,
@@ -132,7 +142,7 @@ def planned_host_bytes(placement: str, num_owned: int, num_hot: Optional[int],
     """Host memory a ``TableStore`` of this layout holds with its optimizer's two Adam moments
     (fp32 rows and moments, dense or sparse optimizer alike): the host tier of ``tiered``, every
     owned row of ``cpu``, none of ``gpu``; every row without CUDA, where the device is the CPU.
-    What ``host_memory.check_room`` weighs before the store is built."""
+    What ``host_memory.check_room`` weighs before the store allocates them."""
     if not torch.cuda.is_available() or placement == "cpu":
         rows = num_owned
     elif placement == "tiered":

@@ -33,7 +33,6 @@ placement and sharding starts from the same numbers.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,13 +43,11 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_ext.stem.binding import RowBinding
-from megatron_ext.stem import host_memory
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.exchange import ReplicatedExchange, Route, VocabExchange
 from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.initial_rows import InitialRows
-from megatron_ext.stem.store import TableStore, planned_host_bytes
+from megatron_ext.stem.store import TableStore
 from megatron_ext.stem.transfer import to_device
 from megatron_ext.stem.tiers import TieredOwnership
 from megatron_ext.stem.worker import WORKER
@@ -95,18 +92,8 @@ class StemTables:
             self.ownership = None
             self.exchange = ReplicatedExchange(vocab_size, dp_group)
             self.owned_ids = torch.arange(vocab_size)
-        # Room for the host rows and their moments, checked before they are allocated; the
-        # drawn rows are let go one layer at a time as the store copies them.
-        drawn = [layer.release_initial_table() for layer in self.layers]
-        values = [d.values if isinstance(d, InitialRows) else d for d in drawn]
-        host_memory.check_room(
-            planned_host_bytes(stem.placement, self.owned_ids.numel(), num_hot,
-                               [v.shape[1] for v in values]),
-            released=sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu"),
-            ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        del values
-        self.store = TableStore((drawn.pop(0) for _ in range(len(drawn))), self.owned_ids,
-                                stem.placement, self.device, num_hot,
+        self.store = TableStore([layer.release_initial_table() for layer in self.layers],
+                                self.owned_ids, stem.placement, self.device, num_hot,
                                 huge_pages=stem.host_huge_pages)
         self.binding = RowBinding(self.layers)
         # Rows travel in the model's 16-bit dtype when it has one (the layers cast them to it,
