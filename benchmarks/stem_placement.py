@@ -193,7 +193,20 @@ def describe(r: dict) -> str:
             f"{r['stem/fetch-bytes-to-device'] / 2**20:.1f} MiB/step (from host memory "
             f"{r['stem/fetch-bytes-from-host'] / 2**20:.1f}), row gradients "
             f"{r['stem/grad-bytes-sent'] / 2**20:.1f} MiB/step (stepped on the CPU "
-            f"{r['stem/grad-bytes-to-host'] / 2**20:.1f})")
+            f"{r['stem/grad-bytes-to-host'] / 2**20:.1f})" + kernel_share(r))
+
+
+def kernel_share(r: dict) -> str:
+    """The CPU row kernel's own part of the table step: its row loops (the OpenMP team at
+    work) and its calls as the worker saw them (the loops, the checks, the GIL taken back)."""
+    params = r.get("stem/optimizer-kernel-params", float("nan"))
+    loop = r.get("stem/optimizer-kernel-loop-seconds", float("nan"))
+    call = r.get("stem/optimizer-kernel-call-seconds", float("nan"))
+    if not params == params or params <= 0:  # NaN or none: no host rows on the row kernel
+        return ""
+    return (f"; CPU row kernel {params / 1e6:.1f} M params/step: loops {1e3 * loop:.1f} ms "
+            f"({params / loop / 1e9 if loop > 0 else float('nan'):.2f} G params/s), calls "
+            f"{1e3 * call:.1f} ms")
 
 
 def main() -> None:
@@ -296,13 +309,17 @@ def main() -> None:
                     "stem/grad-exchange-seconds",
                     "stem/unique-rows-fetched", "stem/fetch-bytes-to-device",
                     "stem/grad-bytes-sent", "stem/grad-bytes-received",
-                    "stem/fetch-bytes-from-host", "stem/grad-bytes-to-host"):
+                    "stem/fetch-bytes-from-host", "stem/grad-bytes-to-host",
+                    "stem/optimizer-kernel-params", "stem/optimizer-kernel-loop-seconds",
+                    "stem/optimizer-kernel-call-seconds"):
             r[tag] = mean(tag)
         # Megatron's own timers (--log-timers-to-tensorboard): where the step's time goes.
         r["timers_ms"] = {tag[:-5]: 1e3 * mean(tag) for tag in s
                           if tag.endswith("-time") and tag != "iteration-time"}
         host = [line for line in log.splitlines() if "STEM tables on this rank" in line]
         r["host_memory"] = host[0].split("> ", 1)[-1] if host else ""
+        team = [line for line in log.splitlines() if "CPU row kernel team" in line]
+        r["row_kernel_team"] = team[0].split("> ", 1)[-1] if team else ""
         if traced:
             r["trace"] = keep_trace(os.path.dirname(tb), args.out, f"{args.shape}_{name}")
         results[name] = r
@@ -315,6 +332,8 @@ def main() -> None:
             print("    " + describe(r), flush=True)
             if r["host_memory"]:
                 print("    " + r["host_memory"], flush=True)
+            if r["row_kernel_team"]:
+                print("    " + r["row_kernel_team"], flush=True)
         if r.get("trace"):
             from megatron_ext.tools.trace_summary import describe as describe_trace
 

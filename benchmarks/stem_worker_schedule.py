@@ -10,8 +10,15 @@ as on a GPU machine where the model computes on the GPU). Per step it reports th
 training thread waited for each micro-batch's rows (exposed fetch), for the table step at the
 next step's start (exposed optimizer), and the step time against the compute alone.
 
+``--training-thread python``: the compute is Python running on the training thread for
+``--compute-ms`` instead (it holds the GIL, as a training thread launching a model's kernels
+does), and the chunked schedule runs twice, with the GIL switch interval the worker sets
+(``--stem-gil-switch-ms``, ``stem/worker.py``) and with Python's own 5 ms, each time a Python
+thread keeps the GIL the worker waits for.
+
     .venv/bin/python benchmarks/stem_worker_schedule.py                 # 2 tables x 32768 x 2048
     .venv/bin/python benchmarks/stem_worker_schedule.py --rows 16032 --width 8192   # 1B, DP=8
+    .venv/bin/python benchmarks/stem_worker_schedule.py --training-thread python --steps 8
 """
 
 from __future__ import annotations
@@ -45,8 +52,30 @@ class Layer:
         self.bound = None
 
 
-def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
+PYTHON_SWITCH_INTERVAL_S = 0.005  # Python's default
+
+
+def compute(a) -> None:
+    """One micro-batch's compute on the training thread: a sleep (the GPU computes, the thread
+    waits and releases the GIL), or Python running for as long (it holds the GIL, as a thread
+    launching a model's kernels does)."""
+    if a.training_thread == "sleep":
+        time.sleep(a.compute_ms / 1e3)
+        return
+    until = time.perf_counter() + a.compute_ms / 1e3
+    x = 0
+    while time.perf_counter() < until:
+        for i in range(200):
+            x += i
+
+
+def run(mode_chunk: int, a, ids_steps, seed: int, switch_s: float) -> dict:
     from megatron.core import parallel_state
+
+    from megatron_ext.stem import worker
+
+    sys.setswitchinterval(PYTHON_SWITCH_INTERVAL_S)  # each run from Python's own
+    worker.set_switch_interval(switch_s)             # the worker's (applied when it runs)
 
     from megatron_ext.stem.config import StemConfig
     from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
@@ -76,7 +105,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
             t = time.perf_counter()
             batch = read_ahead.take(lambda: next(batches), mbs, next_step=s + 1 < len(ids_steps))
             waits.append(time.perf_counter() - t)
-            time.sleep(a.compute_ms / 1e3)  # the micro-batch computes (on the GPU)
+            compute(a)  # the micro-batch computes (on the GPU)
             step_ids.append(batch[0].reshape(-1))
         t = time.perf_counter()
         steps.drain([tables])  # the previous table step's rest
@@ -97,7 +126,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int) -> dict:
                          "step_ms": 1e3 * (time.perf_counter() - start),
                          "submit_ms": 1e3 * submit})
     WORKER.wait()
-    return {"rows": rows_per_step, "steps": per_step}
+    return {"rows": rows_per_step, "steps": per_step, "switch_ms": 1e3 * sys.getswitchinterval()}
 
 
 def main() -> None:
@@ -113,6 +142,11 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=2, help="steps left out of the medians")
     p.add_argument("--chunk-elements", type=int, default=1 << 22,
                    help="the background chunk of the new schedule")
+    p.add_argument("--training-thread", choices=("sleep", "python"), default="sleep",
+                   help="what the training thread does while a micro-batch computes: sleep "
+                        "(releases the GIL) or run Python (holds it)")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="the worker's GIL switch interval (default: --stem-gil-switch-ms's)")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     a = p.parse_args()
 
@@ -124,18 +158,27 @@ def main() -> None:
     perm = torch.randperm(a.rows, generator=g)  # hot ids spread over the rows
     ids_steps = [[perm[torch.multinomial(weights, a.tokens, replacement=True, generator=g)]
                   .view(1, -1) for _ in range(a.micro_batches)] for _ in range(a.steps)]
+    from megatron_ext.stem import worker
+
+    switch_s = worker.DEFAULT_SWITCH_INTERVAL_S if a.gil_switch_ms is None else \
+        a.gil_switch_ms / 1e3
+    schedules = [("whole step, one task", 0, switch_s), ("owed step, chunks", a.chunk_elements,
+                                                          switch_s)]
+    if a.training_thread == "python":
+        schedules.append(("owed step, chunks, Python's switch", a.chunk_elements, 0.0))
     results = {}
-    for name, chunk in (("whole step, one task", 0), ("owed step, chunks", a.chunk_elements)):
-        results[name] = run(chunk, a, ids_steps, seed=1)
+    for name, chunk, switch in schedules:
+        results[name] = run(chunk, a, ids_steps, seed=1, switch_s=switch)
     ideal = a.micro_batches * a.compute_ms
     print(f"{a.tables} tables x {a.rows} rows x {a.width}, {a.micro_batches} micro-batches of "
-          f"{a.tokens} Zipf({a.zipf}) ids, compute {a.compute_ms:.0f} ms each; medians of steps "
+          f"{a.tokens} Zipf({a.zipf}) ids, compute {a.compute_ms:.0f} ms each "
+          f"({a.training_thread} on the training thread); medians of steps "
           f"{a.skip + 1}-{a.steps}; {os.cpu_count()} cores, torch {torch.__version__}")
     rows = statistics.median(results["whole step, one task"]["rows"][a.skip:])
     print(f"touched rows per step: {rows:.0f} ({rows * a.width * a.tables / 1e6:.1f} M "
           "row-parameters stepped on the host)")
-    head = ["schedule", "step ms", "vs compute", "fetch waited ms (per micro-batch)",
-            "drain ms"]
+    head = ["schedule", "GIL switch ms", "step ms", "vs compute",
+            "fetch waited ms (per micro-batch)", "drain ms"]
     print(" | ".join(head))
     summary = {}
     for name, r in results.items():
@@ -144,15 +187,20 @@ def main() -> None:
         waits = [statistics.median(s["waits_ms"][m] for s in steps)
                  for m in range(a.micro_batches)]
         drain = statistics.median(s["drain_ms"] for s in steps)
-        print(f"{name} | {step:.1f} | {step / ideal:.3f}x | "
+        print(f"{name} | {r['switch_ms']:g} | {step:.1f} | {step / ideal:.3f}x | "
               f"{' / '.join(f'{w:.1f}' for w in waits)} | {drain:.1f}")
         summary[name] = {"step_ms": round(step, 2), "vs_compute": round(step / ideal, 4),
                          "fetch_waited_ms": [round(w, 2) for w in waits],
-                         "drain_ms": round(drain, 2)}
-    old, new = (summary[k]["step_ms"] for k in results)
+                         "drain_ms": round(drain, 2), "gil_switch_ms": r["switch_ms"]}
+    old, new = (summary[k]["step_ms"] for k in list(results)[:2])
     summary["ratio_chunks_vs_one_task"] = round(new / old, 4)
     summary["touched_rows"] = rows
+    summary["training_thread"] = a.training_thread
     print(f"step time, chunks vs one task: {new / old:.3f}x")
+    if "owed step, chunks, Python's switch" in summary:
+        slow = summary["owed step, chunks, Python's switch"]["step_ms"]
+        summary["ratio_worker_switch_vs_python"] = round(new / slow, 4)
+        print(f"step time, the worker's GIL switch interval vs Python's: {new / slow:.3f}x")
     print(json.dumps(summary))
     if a.json:
         with open(a.json, "w") as f:

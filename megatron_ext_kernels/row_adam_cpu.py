@@ -64,6 +64,10 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 #include <omp.h>
+#include <utility>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -180,7 +184,9 @@ static inline void prefetch_row(const float* P, const float* M, const float* V, 
 
 // The sparse step of iteration u + 1 for rows[j] (unique) with gradients g[j]: each row brought
 // from its last iteration to u (catch-up) and stepped, in one pass; last[r] = touched[r] = u + 1.
-void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
+// Returns the seconds of the row loop alone (the team's work, without the call's checks or the
+// GIL taken back after it: the stats tell a slow team from a slow way into it).
+double sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Tensor rows,
                    torch::Tensor g, torch::Tensor last, torch::Tensor touched, torch::Tensor d,
                    torch::Tensor win, torch::Tensor gs, int64_t base, int64_t horizon, int64_t u,
                    double b1, double b2, double eps, double step, double inv_bc2_sqrt,
@@ -202,6 +208,7 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
   const float fb1 = (float)b1, fb2 = (float)b2, feps = (float)eps, fstep = (float)step;
   const float fbc2 = (float)inv_bc2_sqrt, fdecay = (float)decay;
   const Owed none{1.0f, 0.0f, 1.0f, 1.0f, 0.0f};
+  const double start = omp_get_wtime();
   #pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = R[j];
@@ -218,6 +225,7 @@ void sparse_adamw_(torch::Tensor p, torch::Tensor m, torch::Tensor v, torch::Ten
       row_pass<false, true>(pr, mr, vr, gr, width, none, fb1, fb2, feps, fstep, fbc2, fdecay);
     LAST[r] = TOUCHED[r] = u + 1;
   }
+  return omp_get_wtime() - start;
 }
 
 // Rows[j] (unique) brought from their last iteration to u, in place (a read of rows untouched
@@ -375,6 +383,32 @@ int64_t team_size(int64_t threads) {
   return size;
 }
 
+// Where a team of `threads` runs when this thread starts one: per team thread, the CPU it was
+// on after `spin_us` microseconds of work (all of the team alive at once) and the number of CPUs
+// its affinity mask allows. A team on fewer CPUs than threads (a narrowed mask inherited from
+// the thread that made the pool, a binding policy) runs its rows one core's worth at a time.
+std::vector<std::pair<int64_t, int64_t>> team_cpus(int64_t threads, int64_t spin_us) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  #pragma omp parallel num_threads((int)threads)
+  {
+    const double until = omp_get_wtime() + 1e-6 * (double)spin_us;
+    volatile double x = 0.0;
+    while (omp_get_wtime() < until) x = x + 1.0;
+    int64_t allowed = -1;
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) allowed = CPU_COUNT(&set);
+    const int64_t cpu = sched_getcpu();
+#else
+    const int64_t cpu = -1;
+#endif
+    #pragma omp critical
+    out.emplace_back(cpu, allowed);
+  }
+  return out;
+}
+
 // The GIL is released for the whole call: the tensors' data is all they touch.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
@@ -383,6 +417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows_", &gather_rows_, nogil);
   m.def("gather_current_rows_", &gather_current_rows_, nogil);
   m.def("team_size", &team_size, nogil);
+  m.def("team_cpus", &team_cpus, nogil);
 }
 """
 
@@ -427,10 +462,11 @@ class _Kernels:
         self.module = module
 
     def sparse_adamw_(self, p, m, v, rows, g, last, touched, clock, step, inv_bc2_sqrt,
-                      decay) -> None:
-        """``clock``: ``RowClock.kernel_state(u)`` (the rows step iteration ``u + 1``)."""
-        self.module.sparse_adamw_(p, m, v, rows, g, last, touched, *clock, step, inv_bc2_sqrt,
-                                  decay, threads())
+                      decay) -> float:
+        """``clock``: ``RowClock.kernel_state(u)`` (the rows step iteration ``u + 1``).
+        Returns the seconds of the row loop alone."""
+        return self.module.sparse_adamw_(p, m, v, rows, g, last, touched, *clock, step,
+                                         inv_bc2_sqrt, decay, threads())
 
     def catch_up_rows_(self, p, m, v, rows, last, touched, clock) -> None:
         """``clock``: ``RowClock.kernel_state(u)`` (the rows are brought to ``u``)."""
@@ -446,6 +482,11 @@ class _Kernels:
     def team_size(self, n: int) -> int:
         return int(self.module.team_size(n))
 
+    def team_cpus(self, n: int, spin_us: int = 20000) -> list:
+        """``[(cpu, cpus allowed), ...]``, one per thread of a team of ``n`` started from the
+        calling thread, after ``spin_us`` microseconds of work each."""
+        return [tuple(x) for x in self.module.team_cpus(n, spin_us)]
+
 
 def load():
     """The compiled kernels (``_Kernels``), or None (no compiler / build failure: logged once)."""
@@ -456,7 +497,7 @@ def load():
 
             with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
                 _MODULE = _Kernels(load_inline(
-                    name="megatron_ext_row_adam_v11", cpp_sources=[_SOURCE],
+                    name="megatron_ext_row_adam_v12", cpp_sources=[_SOURCE],
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # pragma: no cover - depends on the machine's toolchain

@@ -1,7 +1,14 @@
 """Host-resident STEM rows on transparent huge pages (megatron_ext/stem/host_memory.py): the
 store's host shards and their Adam moments are advised before they are filled, the values are
 those of plain torch, and ``huge_pages=False`` (``--no-stem-host-huge-pages``) leaves ordinary
-pages."""
+pages. Either way they are kept from child processes (``MADV_DONTFORK``): a forked child has no
+mapping of them, so the parent's writes after a fork copy no pages."""
+
+import ctypes
+import mmap
+import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -258,3 +265,86 @@ def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, 
                         StemConfig(placement="cpu", sharding="vocab", host_huge_pages=False),
                         100, parallel_state.get_data_parallel_group())
     assert allocated == [1, 1] and [s.shape for s in tables.store.shards] == [(100, 8), (100, 4)]
+
+
+# -- kept from child processes (MADV_DONTFORK) --------------------------------------------------
+needs_linux_maps = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTFORK"),
+    reason="Linux mappings")
+
+
+@needs_linux_maps
+@pytest.mark.parametrize("huge", [True, False])
+def test_large_host_tensors_are_kept_from_children(huge):
+    """Every host tensor of at least MIN_MAPPED_BYTES, on huge pages or not, is a mapping that
+    fork does not copy (smaps ``dc``); without huge pages it is advised off them (``nh``)."""
+    t = host_memory.empty((ROWS, WIDTH), huge=huge).fill_(1.0)
+    nbytes = _nbytes(t)
+    assert nbytes >= host_memory.MIN_MAPPED_BYTES
+    assert host_memory.flagged_bytes([t], "dc") == nbytes
+    assert host_memory.flagged_bytes([t], "nh") == (0 if huge else nbytes)
+    small = host_memory.empty((4, WIDTH), huge=huge).fill_(1.0)  # an ordinary torch tensor
+    assert host_memory.flagged_bytes([small], "dc") == 0
+
+
+def _read_in_child(t: torch.Tensor) -> int:
+    """Fork; the child reads ``t``'s first element by its address and exits 0. Returns the
+    child's wait status."""
+    address = t.data_ptr()
+    pid = os.fork()
+    if pid == 0:  # the child: no torch, no threads, one read
+        try:
+            ctypes.c_float.from_address(address).value
+        finally:
+            os._exit(0)
+    return os.waitpid(pid, 0)[1]
+
+
+@needs_linux_maps
+def test_a_forked_child_does_not_get_the_rows():
+    """What a data loader worker forked after the tables were built gets: no mapping for the
+    host rows (reading them faults), so the parent's later writes copy nothing; an ordinary
+    tensor is there, shared copy-on-write."""
+    mapped = host_memory.empty((ROWS, WIDTH)).fill_(2.0)
+    ordinary = torch.full((ROWS, WIDTH), 2.0)
+    status = _read_in_child(ordinary)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    status = _read_in_child(mapped)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGSEGV, signal.SIGBUS)
+    assert float(mapped[0, 0]) == 2.0  # the parent's rows are untouched
+
+
+@needs_linux_maps
+@pytest.mark.parametrize("placement", ["cpu", "tiered"])
+def test_store_and_optimizer_keep_host_rows_from_children(placement):
+    """The host shard (a tiered shard's host tier) and both moments, as the sparse table
+    optimizer binds them, with and without huge pages."""
+    vocab = ROWS + 64
+    table = torch.randn(vocab, WIDTH)
+    owned = torch.randperm(vocab)
+    for huge in (True, False):
+        store = TableStore(iter([table]), owned, placement, torch.device("cpu"),
+                           64 if placement == "tiered" else None, huge_pages=huge)
+        host = store.shards[0].cold if placement == "tiered" else store.shards[0]
+        lazy = store.lazy.cold if placement == "tiered" else store.lazy
+        optimizer = RowAdamW([host], mode="sparse", lazy=lazy, huge_pages=huge)
+        tensors = [host, *optimizer.exp_avg, *optimizer.exp_avg_sq]
+        assert host_memory.flagged_bytes(tensors, "dc") == sum(_nbytes(t) for t in tensors)
+
+
+@needs_linux_maps
+def test_fork_benchmark_runs_and_reports_what_is_kept_from_children(tmp_path):
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "fork.json"
+    p = subprocess.run([sys.executable, "benchmarks/stem_fork_cow.py", "--rows", "8192",
+                        "--width", "1024", "--batch-rows", "256", "--reps", "2", "--json",
+                        str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["store"]["kept_from_children_bytes"] == 3 * 8192 * 1024 * 4  # rows, two moments
+    assert s["huge pages, shared"]["kept_from_children_bytes"] == 0
+    assert s["plain torch"]["kept_from_children_bytes"] == 0
+    assert set(s["ratio_after_fork"]) == {"plain torch", "huge pages, shared", "store"}

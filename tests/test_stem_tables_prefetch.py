@@ -554,9 +554,14 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
 
     def count():
         table.stats.update(unique_rows=5, fetch_rows_in=3, fetch_seconds=0.25)
+        kernel.kernel_times.add(640, 0.125, 0.25)
 
+    from megatron_ext.stem.row_adam import KernelTimes
+
+    kernel = SimpleNamespace(rowwise=None, kernel_times=KernelTimes())  # a host row optimizer
     monkeypatch.setattr(table_optimizer, "_ACTIVE",
-                        [SimpleNamespace(tables=[table], grad_seconds=0.5)])
+                        [SimpleNamespace(tables=[table], grad_seconds=0.5, row_adams=[kernel],
+                                         team_reported=False)])
     reductions = []
     gather = dist.all_gather
     other = None  # what a second rank sends, when the test plays one
@@ -588,21 +593,29 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     with_tb = SimpleNamespace(tensorboard_dir="tb", wandb_project="")
     count()
     table_optimizer.report_stats(with_tb, 4, {}, None, None)  # a rank without the writer
-    assert reductions == [14] and table.stats["unique_rows"] == 0  # one collective per report
+    assert reductions == [17] and table.stats["unique_rows"] == 0  # one collective per report
+    assert kernel.kernel_times.take() == (0, 0.0, 0.0)  # taken by the report
     count()
     table_optimizer.report_stats(with_tb, 5, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (5.0, 5)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48, 5)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.25, 5)
+    assert writer.scalars["stem/optimizer-kernel-params"] == (640.0, 5)
+    assert writer.scalars["stem/optimizer-kernel-loop-seconds"] == (0.125, 5)
+    assert writer.scalars["stem/optimizer-kernel-call-seconds"] == (0.25, 5)
     # Two ranks: counts are summed, times are the slowest rank's.
-    other = torch.zeros(14, dtype=torch.float64)
-    other[0], other[1], other[7], other[9] = 2, 10, 0.5, 0.125  # unique rows, bytes, seconds
+    other = torch.zeros(17, dtype=torch.float64)
+    other[0], other[1], other[8], other[10] = 2, 10, 0.5, 0.125  # unique rows, bytes, seconds
+    other[7], other[15] = 100, 0.5  # the row kernel's parameters, loop seconds
     count()
     table_optimizer.report_stats(with_tb, 6, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (7.0, 6)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48 + 10, 6)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.5, 6)
     assert writer.scalars["stem/optimizer-seconds"] == (0.125, 6)
+    assert writer.scalars["stem/optimizer-kernel-params"] == (740.0, 6)
+    assert writer.scalars["stem/optimizer-kernel-loop-seconds"] == (0.5, 6)
+    assert table_optimizer._ACTIVE[0].team_reported  # looked at once (no row kernel: no line)
 
 
 @pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])

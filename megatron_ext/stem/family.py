@@ -20,7 +20,7 @@ from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import with_mlp
 from megatron_ext.models.terms import MLPTerms
-from megatron_ext.stem import table_optimizer
+from megatron_ext.stem import table_optimizer, worker
 from megatron_ext.stem.checkpoint import (
     SavedTables,
     check_optimizer_state,
@@ -101,6 +101,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="threads of the CPU row kernels (table step, row gather) per rank; 0: "
                            "the cores of the rank's affinity mask / ranks on the node (not "
                            "OMP_NUM_THREADS, which torchrun sets to 1 for several ranks)")
+    stem.add_argument("--stem-gil-switch-ms", type=float, default=0.2, metavar="MS",
+                      help="managed tables: the GIL switch interval (sys.setswitchinterval) the "
+                           "tables' host worker sets when it starts, so that its host work is "
+                           "not held up for Python's 5 ms each time a Python-bound training "
+                           "thread keeps the GIL; 0 leaves Python's own")
     stem.add_argument("--stem-host-huge-pages", action=argparse.BooleanOptionalAction,
                       default=True,
                       help="host-resident table rows and their Adam moments on transparent huge "
@@ -146,6 +151,10 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     if args.stem_cpu_threads < 0:
         raise ValueError(f"--stem-cpu-threads={args.stem_cpu_threads}: must be >= 0 (0 = "
                          "automatic)")
+    switch_ms = getattr(args, "stem_gil_switch_ms", 0.2)
+    if not switch_ms >= 0.0:
+        raise ValueError(f"--stem-gil-switch-ms={switch_ms}: must be >= 0 (0 = Python's own)")
+    worker.set_switch_interval(switch_ms / 1e3)  # before the worker starts (model build)
     if not args.swiglu:
         raise ValueError("--model-family=stem needs a gated activation: pass --swiglu "
                          "(STEM replaces one input of the SwiGLU product)")

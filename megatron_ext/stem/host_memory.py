@@ -26,7 +26,19 @@ tensors stay ordinary torch tensors. This needs the kernel's transparent huge pa
 ``madvise`` or ``always`` (``/sys/kernel/mm/transparent_hugepage/enabled``); with ``never`` (or off
 Linux) the advice has no effect and the tensors are ordinary, with the same values.
 ``--no-stem-host-huge-pages`` turns it off (each function's ``huge``; ``TableStore``'s
-``huge_pages``): ordinary torch tensors.
+``huge_pages``): the mapping is advised ``MADV_NOHUGEPAGE`` instead, ordinary pages.
+
+Kept from child processes. Every such mapping is also advised ``MADV_DONTFORK``: a process this
+one forks (Megatron's data loader workers are forked after the model and its optimizer are
+built) does not get it. Without that, fork shares every page of the rows and moments
+copy-on-write, and the first write of each page after it, by the table step, copies the page
+(and splits a huge one): on the development machine the sparse step of 512 rows x 8,192 that
+took 2.0 ms took 99 ms when its rows were first written after a fork (the next step of the same
+rows: 2 ms again), and on the GPU machine of 2026-11-27 the table step inside training ran about
+25x slower than alone. Nothing in a child reads the tables: the data workers read the dataset,
+and a checkpoint's tensors are copies (``stem/checkpoint.py``); a child that touched the mapping
+would fault, not read stale rows. Smaller tensors (under ``MIN_MAPPED_BYTES``) stay ordinary torch
+tensors, shared copy-on-write, a few thousand pages at most.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ HUGE_PAGE = 2 << 20
 MIN_MAPPED_BYTES = 32 << 20
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 _CAN_MAP = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+_CAN_KEEP_FROM_CHILDREN = _CAN_MAP and hasattr(mmap, "MADV_DONTFORK")
 
 
 def thp_setting(path: str = _THP_SETTING) -> Optional[str]:
@@ -76,22 +89,35 @@ def _address(buf: mmap.mmap) -> int:
 
 def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
           huge: bool = True) -> torch.Tensor:
-    """An uninitialised host tensor; with ``huge`` and at least ``MIN_MAPPED_BYTES``, in a
-    mapping of its own on a 2 MiB boundary advised onto huge pages as a whole (fill it before
-    reading it). The mapping lives as long as the tensor (``torch.frombuffer`` holds it)."""
+    """An uninitialised host tensor; of at least ``MIN_MAPPED_BYTES``, in a mapping of its own
+    on a 2 MiB boundary, kept from child processes (``MADV_DONTFORK``) and, with ``huge``, advised
+    onto huge pages as a whole (fill it before reading it; without ``huge``, advised off them).
+    The mapping lives as long as the tensor (``torch.frombuffer`` holds it)."""
     shape = tuple(shape)
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if not (huge and _CAN_MAP) or nbytes < MIN_MAPPED_BYTES:
+    if not _CAN_MAP or nbytes < MIN_MAPPED_BYTES:
         return torch.empty(shape, dtype=dtype)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = -_address(buf) % HUGE_PAGE  # mmap gives whole 4 KiB pages: a page multiple
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE, offset, size)
-    except OSError as e:  # a kernel without transparent huge pages: ordinary pages
-        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): ordinary pages", e)
+    advice = mmap.MADV_HUGEPAGE if huge else getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        try:
+            buf.madvise(advice, offset, size)
+        except OSError as e:  # a kernel without transparent huge pages: ordinary pages
+            logger.debug("madvise(%s) refused (%s): ordinary pages",
+                         "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", e)
+    _dont_fork(buf)
     return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
+
+
+def _dont_fork(buf: mmap.mmap) -> None:
+    if _CAN_KEEP_FROM_CHILDREN:
+        try:
+            buf.madvise(mmap.MADV_DONTFORK)
+        except OSError as e:
+            logger.debug("madvise(MADV_DONTFORK) refused (%s)", e)
 
 
 def zeros_like(t: torch.Tensor, huge: bool = True) -> torch.Tensor:
@@ -148,6 +174,29 @@ def page_stats(tensors: Sequence[torch.Tensor]) -> Optional[Tuple[int, int]]:
     except (OSError, ValueError):
         return None
     return advised, huge
+
+
+def flagged_bytes(tensors: Sequence[torch.Tensor], flag: str) -> Optional[int]:
+    """Bytes of the storages of host ``tensors`` that lie in mappings with ``flag`` among
+    their smaps ``VmFlags`` (``dc``: kept from child processes, ``MADV_DONTFORK``; ``hg``,
+    ``nh``: advised onto, off huge pages); None where ``/proc/self/smaps`` cannot be read."""
+    spans = sorted({(t.untyped_storage().data_ptr(),
+                     t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                    for t in tensors if t.device.type == "cpu"})
+    flagged = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            overlap = 0
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    overlap = sum(max(0, min(hi, end) - max(lo, start)) for start, end in spans)
+                elif overlap and line.startswith("VmFlags:") and flag in line.split()[1:]:
+                    flagged += overlap
+    except (OSError, ValueError):
+        return None
+    return flagged
 
 
 def huge_bytes(tensors: Sequence[torch.Tensor]) -> Optional[int]:

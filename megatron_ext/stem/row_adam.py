@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -102,6 +104,30 @@ class LazyView:
         return self.lazy.clock.product
 
 
+class KernelTimes:
+    """What the row kernel's sparse steps took since the last ``take``: row parameters stepped,
+    seconds of the kernel's row loop (its OpenMP team at work) and seconds of the calls as the
+    calling thread saw them (checks, and the GIL taken back after the call: behind a thread that
+    runs Python, up to ``sys.getswitchinterval()`` each). Written by the thread that steps (the
+    tables' worker), read by the training thread's report: under a lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sums = [0, 0.0, 0.0]
+
+    def add(self, params: int, loop: float, call: float) -> None:
+        with self._lock:
+            self._sums[0] += params
+            self._sums[1] += loop
+            self._sums[2] += call
+
+    def take(self) -> Tuple[int, float, float]:
+        """``(params, loop seconds, call seconds)`` since the last take, and start again."""
+        with self._lock:
+            sums, self._sums = tuple(self._sums), [0, 0.0, 0.0]
+        return sums
+
+
 class RowAdamW(LazyView):
     """Optimizer state and step for a list of row shards (one per STEM layer) held by this rank.
 
@@ -161,6 +187,7 @@ class RowAdamW(LazyView):
             self.exp_avg_sq = [host_memory.zeros_like(s, huge_pages) for s in self.shards]
         self.huge_pages = huge_pages
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
+        self.kernel_times = KernelTimes()  # the row kernel's steps (stats)
 
     @property
     def kernel(self) -> str:
@@ -227,11 +254,15 @@ class RowAdamW(LazyView):
         if self.rowwise is not None:  # catch-up and step in one pass over each row
             bc1 = 1.0 - hyper.beta1 ** plan.step
             bc2 = 1.0 - hyper.beta2 ** plan.step
-            self.rowwise.sparse_adamw_(
-                self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows.contiguous(),
-                rows_grad.to(torch.float32).contiguous(), lazy.last[i], lazy.touched[i],
-                lazy.clock.kernel_state(plan.step - 1), hyper.lr / bc1, 1.0 / math.sqrt(bc2),
+            rows = rows.contiguous()
+            grad = rows_grad.to(torch.float32).contiguous()
+            clock = lazy.clock.kernel_state(plan.step - 1)
+            start = time.perf_counter()
+            loop = self.rowwise.sparse_adamw_(
+                self.shards[i], self.exp_avg[i], self.exp_avg_sq[i], rows, grad, lazy.last[i],
+                lazy.touched[i], clock, hyper.lr / bc1, 1.0 / math.sqrt(bc2),
                 1.0 - hyper.lr * hyper.weight_decay)
+            self.kernel_times.add(grad.numel(), loop, time.perf_counter() - start)
             return
         # Gather, catch up and step, scatter back: touched rows are few against the shard. One
         # gather and one scatter of the rows and moments, one copy of the factors to the shard's
@@ -313,9 +344,13 @@ class RowClock:
         self._c.append(hyper.lr * math.sqrt(bc2) / bc1)
         for u in [u for u in self._windows if u < step - 1]:
             del self._windows[u]
+        # Made here, on the thread that steps the clock (the training thread): the host worker's
+        # row steps and reads of this iteration and the next only look it up. About 20 small ops;
+        # on the worker, beside a training thread running Python, each could wait for the GIL.
+        window = self._window(step)
         s = step - self.horizon
         if s >= self.base:  # G_s is complete: F_step(s)
-            self._g.append(float(self._window(step)[0]))
+            self._g.append(float(window[0]))
 
     def _set_betas(self, betas: Tuple[float, float]) -> None:
         b1, b2 = betas

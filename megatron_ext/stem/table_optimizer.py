@@ -227,6 +227,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self._total_norm: Optional[float] = None
         self._norm_sq: Optional[float] = None  # of the step's table gradients (prepare_grads)
         self.grad_seconds = 0.0  # gradient collection and exchange time of the last step
+        self.team_reported = False  # the CPU row kernel team line (report_stats, once)
         self._staging = PinnedStaging()
         self._copy_stream = None  # the host tier's gradients leave the GPU on it (made on use)
         self.steps = TableSteps(mode)  # the row steps as they run on the host worker
@@ -456,19 +457,30 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     the time from the start of the step to the start of that micro-batch's fetch (routing its ids
     and stepping the rows it reads), the part of the optimizer time it waited for the host
     tier's gradients to arrive from the GPU (the copies of ``transfer.stage_to_host``), and the
-    time to collect the row gradients and exchange them with their owners. A table step that
-    runs in the background (overlapped) is logged with the iteration it overlaps, the next one.
-    A ``log_report`` of the STEM family; collective where Megatron makes a writer
+    time to collect the row gradients and exchange them with their owners; and the CPU row
+    kernel's own share of the optimizer time (``RowAdamW.kernel_times``): the row parameters it
+    stepped, the seconds of its row loops and of its calls as the worker saw them (their
+    difference is the way into and out of the kernel: checks and the GIL taken back). A table
+    step that runs in the background (overlapped) is logged with the iteration it overlaps, the
+    next one. The first call also prints where the row kernel's team runs
+    (``worker_team_report``). A ``log_report`` of the STEM family; collective where Megatron makes a writer
     (``--tensorboard-dir``, ``--wandb-project``), and only the writing rank reads the sums back
     from the GPU; without either, nothing is reduced."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received", "stem/fetch-bytes-from-host",
-              "stem/grad-bytes-to-host"]
+              "stem/grad-bytes-to-host", "stem/optimizer-kernel-params"]
     maxed = ["stem/fetch-seconds-exposed", "stem/fetch-seconds-hidden", "stem/optimizer-seconds",
              "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
-             "stem/optimizer-seconds-grad-wait", "stem/grad-exchange-seconds"]
+             "stem/optimizer-seconds-grad-wait", "stem/grad-exchange-seconds",
+             "stem/optimizer-kernel-loop-seconds", "stem/optimizer-kernel-call-seconds"]
     if not _ACTIVE:  # no managed tables in this run (the same on every rank)
         return
+    for optimizer in _ACTIVE:  # once, after the first iteration (communicators made, worker up)
+        if not optimizer.team_reported:
+            optimizer.team_reported = True
+            team = worker_team_report(optimizer)
+            if team is not None:
+                print(f"[rank {dist.get_rank()}] > {team}", flush=True)
     sums = torch.zeros(len(summed), dtype=torch.float64)
     maxes = torch.zeros(len(maxed), dtype=torch.float64)
     for optimizer in _ACTIVE:
@@ -479,14 +491,19 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
             sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
                                   st["fetch_rows_out"] * rb, st["grad_rows_out"] * gb,
                                   st["grad_rows_in"] * gb, st["fetch_rows_host"] * rb,
-                                  st["grad_rows_host"] * gb], dtype=torch.float64)
+                                  st["grad_rows_host"] * gb, 0.0], dtype=torch.float64)
             local += torch.tensor([st["fetch_seconds"], st["fetch_seconds_hidden"],
                                    st["optimizer_seconds"], st["optimizer_seconds_exposed"],
                                    st["optimizer_seconds_before_fetch"],
-                                   st["optimizer_seconds_grad_wait"], 0.0],
+                                   st["optimizer_seconds_grad_wait"], 0.0, 0.0, 0.0],
                                   dtype=torch.float64)
             t.reset_stats()
-        local[-1] = optimizer.grad_seconds
+        local[-3] = optimizer.grad_seconds
+        for r in host_row_adams(optimizer):  # the CPU row kernel's own share of the step
+            params, loop, call = r.kernel_times.take()
+            sums[-1] += params
+            local[-2] += loop
+            local[-1] += call
         maxes = torch.maximum(maxes, local)
         optimizer.grad_seconds = 0.0
     if not (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)):
@@ -509,11 +526,15 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
             wandb_writer.log({name: value}, iteration)
 
 
+def host_row_adams(optimizer: StemTablesOptimizer) -> List[RowAdamW]:
+    """The row optimizers of host-resident rows (a tiered one's host tier)."""
+    return [r.cold if isinstance(r, TieredRowAdamW) else r for r in optimizer.row_adams]
+
+
 def host_row_tensors(optimizer: StemTablesOptimizer) -> List[torch.Tensor]:
     """The host-resident tensors of the table rows: shards (a tiered one's host tier) and their
     Adam moments."""
-    parts = [r.cold if isinstance(r, TieredRowAdamW) else r for r in optimizer.row_adams]
-    return [t for r in parts for t in (*r.shards, *r.exp_avg, *r.exp_avg_sq)
+    return [t for r in host_row_adams(optimizer) for t in (*r.shards, *r.exp_avg, *r.exp_avg_sq)
             if t.device.type == "cpu"]
 
 
@@ -545,6 +566,43 @@ def host_memory_report(optimizer: StemTablesOptimizer) -> str:
             f"{optimizer.mode} ({optimizer.kernel} kernel, {threads} CPU "
             f"threads, {cores} cores in this process's affinity mask; row gathers "
             f"{row_adam_cpu.threads()} threads)")
+
+
+def worker_team_report(optimizer: StemTablesOptimizer) -> Optional[str]:
+    """Where the CPU row kernel's OpenMP team runs when the tables' worker starts one (a task
+    on the worker, which makes the team the table steps reuse): the worker thread's affinity,
+    and the CPUs the team's threads were on after a short spin. A team on fewer CPUs than
+    threads steps rows one core's worth at a time; None without host rows on the row kernel."""
+    kernels = [r.rowwise for r in host_row_adams(optimizer) if r.rowwise is not None]
+    if not kernels:
+        return None
+
+    def probe():  # on the worker: its mask, and the team size its calls ask for there
+        threads = row_adam_cpu.threads()
+        team = kernels[0].team_cpus(threads)
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        return (len(cpus) if cpus else os.cpu_count()), team
+
+    worker_cpus, team = WORKER.submit(probe).result()
+    return describe_team(team, worker_cpus, os.environ)
+
+
+def describe_team(team, worker_cpus: int, environ) -> str:
+    """The start-up line of ``worker_team_report``: ``team`` as ``team_cpus`` gives it, with a
+    warning when its threads may share fewer CPUs than there are threads (a mask narrower than
+    the team, or the threads seen on fewer than half as many CPUs)."""
+    allowed = sorted({a for _, a in team})
+    on = len({c for c, _ in team})
+    omp = [f"{k}={v}" for k, v in sorted(environ.items())
+           if k.startswith(("OMP_", "GOMP_", "KMP_"))]
+    report = (f"CPU row kernel team (started on the tables' worker): {len(team)} threads on "
+              f"{on} CPUs, each allowed {'/'.join(map(str, allowed))}; the worker thread allowed "
+              f"{worker_cpus}" + (f"; {' '.join(omp)}" if omp else ""))
+    known = [a for a in allowed if a > 0]  # -1: the OS would not say
+    if (known and min(known) < len(team)) or on < len(team) // 2:
+        report += (" -- fewer CPUs than threads: the table step runs a core's worth at a time "
+                   "(check the launcher's CPU binding and OMP_PROC_BIND / OMP_PLACES)")
+    return report
 
 
 def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str):

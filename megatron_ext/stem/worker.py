@@ -14,6 +14,16 @@ chunks whenever no submitted task waits, so a row read submitted later runs befo
 the job instead of behind all of it; the store it reads settles the rows that read needs first
 (``stem/store.py``, ``owed_step``), so it still sees the step. One worker serves every model
 chunk of the process (an interleaved pipeline gives a rank several chunks with tables).
+
+The GIL. The worker's host work is mostly compiled code that releases the GIL (the row kernels,
+PyTorch's ops), but each return into Python must take the GIL back, and a thread that holds it
+running Python (the training thread on a GPU, launching the model's kernels) hands it over only
+when it blocks or after Python's switch interval, 5 ms by default. A sparse table step of one
+chunk takes it back a few times, so beside a Python-bound training thread its 2 ms became 9 and a
+clock window of about 20 small ops became 99 ms (``benchmarks/stem_worker_schedule.py
+--training-thread python``). So when the worker starts it lowers the process's switch interval
+to ``switch_interval()`` (``--stem-gil-switch-ms``; 0 leaves Python's own): the training thread
+then yields within that time when the worker waits, and nothing changes while it does not.
 """
 
 from __future__ import annotations
@@ -21,12 +31,46 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future
 from typing import Callable, List, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# The switch interval the worker sets when it starts (seconds; 0: Python's own). 0.2 ms: see the
+# module's docstring and docs/benchmarks.md (stem_worker_schedule, --training-thread python).
+DEFAULT_SWITCH_INTERVAL_S = 2e-4
+_switch_interval_s = DEFAULT_SWITCH_INTERVAL_S
+
+
+def set_switch_interval(seconds: float) -> None:
+    """The GIL switch interval the worker sets when it starts (``--stem-gil-switch-ms``); 0
+    leaves Python's own. Applied at once if the worker already runs."""
+    global _switch_interval_s
+    if not seconds >= 0.0:
+        raise ValueError(f"the GIL switch interval must be >= 0 seconds (0: Python's own), got "
+                         f"{seconds}")
+    _switch_interval_s = float(seconds)
+    if WORKER._thread is not None and WORKER._thread.is_alive():
+        _apply_switch_interval()
+
+
+def switch_interval() -> float:
+    return _switch_interval_s
+
+
+def _apply_switch_interval() -> None:
+    """Lower the process's GIL switch interval to the worker's (never raise it: whoever set a
+    shorter one keeps it)."""
+    if _switch_interval_s > 0.0 and sys.getswitchinterval() > _switch_interval_s:
+        logger.info("STEM host worker: GIL switch interval %.3g ms -> %.3g ms",
+                    1e3 * sys.getswitchinterval(), 1e3 * _switch_interval_s)
+        sys.setswitchinterval(_switch_interval_s)
 
 
 class HostWorker:
@@ -47,6 +91,7 @@ class HostWorker:
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._side_stream()
+            _apply_switch_interval()
             self._thread = threading.Thread(target=self._run, name="stem-worker", daemon=True)
             self._thread.start()
 
