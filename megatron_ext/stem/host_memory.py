@@ -48,7 +48,7 @@ import logging
 import math
 import mmap
 import sys
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -155,48 +155,47 @@ def page_stats(tensors: Sequence[torch.Tensor]) -> Optional[Tuple[int, int]]:
     fall back to ordinary pages where no 2 MiB of contiguous memory is free). From
     ``/proc/self/smaps``, one read; None where that cannot be read. The large tensors this
     module allocates each have mappings of their own."""
-    spans = sorted({(t.untyped_storage().data_ptr(),
-                     t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-                    for t in tensors if t.device.type == "cpu"})
-    advised = huge = 0
-    try:
-        with open("/proc/self/smaps") as f:
-            overlap = 0
-            for line in f:
-                head = line.split(" ", 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    overlap = sum(max(0, min(hi, end) - max(lo, start)) for start, end in spans)
-                elif overlap and line.startswith("AnonHugePages:"):
-                    huge += int(line.split()[1]) * 1024
-                elif overlap and line.startswith("VmFlags:") and " hg" in line:
-                    advised += overlap
-    except (OSError, ValueError):
+    mappings = _mappings(tensors)
+    if mappings is None:
         return None
-    return advised, huge
+    return (sum(overlap for overlap, _, flags in mappings if "hg" in flags),
+            sum(huge for _, huge, _ in mappings))
 
 
 def flagged_bytes(tensors: Sequence[torch.Tensor], flag: str) -> Optional[int]:
     """Bytes of the storages of host ``tensors`` that lie in mappings with ``flag`` among
     their smaps ``VmFlags`` (``dc``: kept from child processes, ``MADV_DONTFORK``; ``hg``,
     ``nh``: advised onto, off huge pages); None where ``/proc/self/smaps`` cannot be read."""
+    mappings = _mappings(tensors)
+    if mappings is None:
+        return None
+    return sum(overlap for overlap, _, flags in mappings if flag in flags)
+
+
+def _mappings(tensors: Sequence[torch.Tensor]) -> Optional[List[Tuple[int, int, Set[str]]]]:
+    """Per mapping of ``/proc/self/smaps`` that holds part of the storages of host ``tensors``:
+    ``(bytes of them in it, its AnonHugePages bytes, its VmFlags)``; None where it cannot be
+    read."""
     spans = sorted({(t.untyped_storage().data_ptr(),
                      t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
                     for t in tensors if t.device.type == "cpu"})
-    flagged = 0
+    out = []
     try:
         with open("/proc/self/smaps") as f:
-            overlap = 0
+            overlap = huge = 0
             for line in f:
                 head = line.split(" ", 1)[0]
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     overlap = sum(max(0, min(hi, end) - max(lo, start)) for start, end in spans)
-                elif overlap and line.startswith("VmFlags:") and flag in line.split()[1:]:
-                    flagged += overlap
+                    huge = 0
+                elif overlap and line.startswith("AnonHugePages:"):
+                    huge = int(line.split()[1]) * 1024
+                elif overlap and line.startswith("VmFlags:"):  # a mapping's last field
+                    out.append((overlap, huge, set(line.split()[1:])))
     except (OSError, ValueError):
         return None
-    return flagged
+    return out
 
 
 def huge_bytes(tensors: Sequence[torch.Tensor]) -> Optional[int]:
