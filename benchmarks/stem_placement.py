@@ -227,6 +227,10 @@ def main() -> None:
     parser.add_argument("--profile", default="",
                         help="comma-separated variants to trace two steps of (before the timed "
                              "ones; needs --skip >= 4)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="train the variants this many times, every other time in the "
+                             "reverse order (ABBA), and give each the median of its repeats' "
+                             "own ratios to gpu; only the first is profiled")
     parser.add_argument("--extra", default="",
                         help="training flags added to the host-table variants, e.g. "
                              "'--stem-cpu-threads 8'")
@@ -236,6 +240,8 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; allowed {', '.join(VARIANTS)}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats={args.repeats} must be at least 1")
     if args.iters <= args.skip:
         raise SystemExit(f"--iters={args.iters} must exceed --skip={args.skip}")
     profiled = [n for n in args.profile.split(",") if n]
@@ -254,8 +260,12 @@ def main() -> None:
 
     results = {}
     all_threads = True  # until a run profiled with every thread fails
-    for name in names:
-        tb = os.path.join(args.out, f"{args.shape}_{name}", "tb")
+
+    def run_variant(name: str, rep: int):
+        """Train variant ``name`` once (repeat ``rep``; only the first is profiled); its
+        record, or None when it failed or timed out."""
+        nonlocal all_threads
+        tb = os.path.join(args.out, f"{args.shape}_{name}" + (f"_r{rep}" if rep else ""), "tb")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=1", os.path.join(ROOT, "launch", "pretrain.py"),
                *flags(shape, args, prefix, tb), *VARIANTS[name],
@@ -265,7 +275,7 @@ def main() -> None:
         # (experimental in PyTorch) makes the later variants' traces record the training
         # thread only.
         attempts = [(cmd + profile_flags(args.skip, all_threads), True), (cmd, False)] \
-            if name in profiled else [(cmd, False)]
+            if name in profiled and rep == 0 else [(cmd, False)]
         proc, traced = None, False
         for argv, traced in attempts:
             # No earlier run's events or trace taken for this one's.
@@ -291,7 +301,7 @@ def main() -> None:
                 print("later variants' traces: the training thread only (no "
                       "--ext-profile-all-threads)", flush=True)
         if proc is None or proc.returncode:
-            continue
+            return None
         s = read_tensorboard_scalars(tb)
 
         def mean(tag):
@@ -322,50 +332,88 @@ def main() -> None:
         r["row_kernel_team"] = team[0].split("> ", 1)[-1] if team else ""
         if traced:
             r["trace"] = keep_trace(os.path.dirname(tb), args.out, f"{args.shape}_{name}")
-        results[name] = r
-        write_results(results, args.json)  # what ran so far survives a later variant's kill
-        print(f"  {name:16s} {r['iteration_ms']:9.1f} ms/iter  final loss {r['loss_last']:.4f}"
-              f"  peak GPU {r['peak_gpu_gib']:.1f} GiB", flush=True)
-        print("    timers (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                            sorted(r["timers_ms"].items())), flush=True)
-        if name != "gpu":
-            print("    " + describe(r), flush=True)
-            if r["host_memory"]:
-                print("    " + r["host_memory"], flush=True)
-            if r["row_kernel_team"]:
-                print("    " + r["row_kernel_team"], flush=True)
-        if r.get("trace"):
-            from megatron_ext.tools.trace_summary import describe as describe_trace
+        return r
 
-            trace = r["trace"]
-            print(f"    trace: {trace.get('error') or trace['path']}", flush=True)
-            for line in describe_trace(trace["summary"]):
-                print("      " + line, flush=True)
+    for rep, name in run_order(names, args.repeats):
+        r = run_variant(name, rep)
+        times = results.setdefault(name, {}).get("iteration_ms_repeats",
+                                                 [None] * args.repeats)
+        if r is None:
+            continue
+        times[rep] = r["iteration_ms"]
+        if "iteration_ms" not in results[name]:  # the first run that worked: its record
+            results[name] = r
+        results[name]["iteration_ms_repeats"] = times
+        write_results(results, args.json)  # what ran so far survives a later kill
+        report(name, r, rep, args.repeats)
+    results = {name: r for name, r in results.items() if "iteration_ms" in r}
 
     if "gpu" not in results:
         raise SystemExit("the gpu baseline did not run: no ratios")
+    write_results(results, args.json)
     base = results["gpu"]["iteration_ms"]
     print(f"\nratios against gpu placement ({base:.1f} ms/iter), median of iterations "
-          f"{args.skip + 1}..{args.iters}:")
-    write_results(results, args.json)
+          f"{args.skip + 1}..{args.iters}" + (f"; median of {args.repeats} repeats' own ratios "
+                                               "(ABBA order)" if args.repeats > 1 else "") + ":")
     for name, r in results.items():
-        line = f"{name:16s} {r['ratio_vs_gpu']:.3f}x"
+        line = f"{name:16s} {r.get('ratio_vs_gpu', float('nan')):.3f}x"
+        if args.repeats > 1:
+            line += " (" + " / ".join("-" if x is None else f"{x:.3f}"
+                                      for x in r["ratios_per_repeat"]) + ")"
         if name != "gpu":
             line += "  " + describe(r)
         print(line, flush=True)
 
 
+def run_order(names, repeats: int):
+    """``(repeat, variant)`` in the order they train: every other repeat in the reverse order
+    (ABBA), so that a drift of the machine linear in time weighs on every variant alike
+    (``launch/main_job.py --repeats`` does the same)."""
+    return [(rep, name) for rep in range(repeats)
+            for name in (names if rep % 2 == 0 else names[::-1])]
+
+
+def report(name: str, r: dict, rep: int, repeats: int) -> None:
+    """What one run of a variant printed as it finished."""
+    tag = f" (repeat {rep + 1}/{repeats})" if repeats > 1 else ""
+    print(f"  {name:16s} {r['iteration_ms']:9.1f} ms/iter  final loss {r['loss_last']:.4f}"
+          f"  peak GPU {r['peak_gpu_gib']:.1f} GiB{tag}", flush=True)
+    print("    timers (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                        sorted(r["timers_ms"].items())), flush=True)
+    if name != "gpu":
+        print("    " + describe(r), flush=True)
+        if r["host_memory"]:
+            print("    " + r["host_memory"], flush=True)
+        if r["row_kernel_team"]:
+            print("    " + r["row_kernel_team"], flush=True)
+    if r.get("trace"):
+        from megatron_ext.tools.trace_summary import describe as describe_trace
+
+        trace = r["trace"]
+        print(f"    trace: {trace.get('error') or trace['path']}", flush=True)
+        for line in describe_trace(trace["summary"]):
+            print("      " + line, flush=True)
+
+
 def write_results(results: dict, path) -> None:
     """``results`` to ``path`` (JSON; nothing without a path), each variant with its ratio to
-    the gpu variant once that has run; written whole to a temporary file, then renamed."""
-    if "gpu" in results:
+    the gpu variant once that has run: per repeat, its step time over that repeat's gpu step
+    time (``ratios_per_repeat``), and their median (``ratio_vs_gpu``; one repeat: the ratio);
+    written whole to a temporary file, then renamed."""
+    gpu = results.get("gpu", {}).get("iteration_ms_repeats")
+    if gpu:
         for r in results.values():
-            r["ratio_vs_gpu"] = r["iteration_ms"] / results["gpu"]["iteration_ms"]
+            times = r.get("iteration_ms_repeats") or []
+            ratios = [None if x is None or g is None else x / g for x, g in zip(times, gpu)]
+            r["ratios_per_repeat"] = ratios
+            known = [x for x in ratios if x is not None]
+            if known:
+                r["ratio_vs_gpu"] = statistics.median(known)
     if not path:
         return
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
+    with open(tmp, "w") as f:  # the variants with a run that worked
+        json.dump({n: r for n, r in results.items() if "iteration_ms" in r}, f, indent=2)
     os.replace(tmp, path)
 
 
