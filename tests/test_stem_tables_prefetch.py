@@ -658,3 +658,37 @@ def test_one_reduction_decides_the_skip_and_gives_the_norm(mcore_single_rank, mo
     if bad is None:
         want = sum(float(((x.double() / 4.0) ** 2).sum()) for x in grads)
         assert optimizer.table_grad_norm_sq() == pytest.approx(want, rel=1e-12)
+
+
+def test_gradient_exchange_time_leaves_out_the_wait_for_the_table_step(mcore_single_rank):
+    """``prepare_grads`` first waits for the last table step (exposed optimizer time), then
+    collects and exchanges the gradients (``grad_seconds``, logged as
+    ``stem/grad-exchange-seconds``): the wait is counted once, as the optimizer's (until
+    2026-11-27 it was in both)."""
+    import time
+
+    from megatron_ext.stem.table_optimizer import StemTablesOptimizer
+    from megatron_ext.stem.worker import WORKER
+
+    g = torch.Generator().manual_seed(5)
+    _, layers, tables, device = host_tables(g)
+    tables.fetch_now(torch.randint(0, VOCAB, (2, 16), generator=g).to(device))
+    for layer in layers:
+        rows, _ = layer.bound
+        rows.grad = torch.randn(rows.shape, generator=g).to(device)
+
+    class Inner:
+        config = None
+
+        def prepare_grads(self):
+            return False
+
+        def get_loss_scale(self):
+            return None
+
+    optimizer = StemTablesOptimizer(Inner(), [tables], "dense")
+    tables.reset_stats()
+    WORKER.submit(lambda: time.sleep(0.5))  # a table step still running on the worker
+    assert optimizer.prepare_grads() is False
+    assert tables.stats["optimizer_seconds_exposed"] >= 0.45
+    assert optimizer.grad_seconds < 0.45
