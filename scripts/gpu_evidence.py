@@ -138,8 +138,18 @@ def _rows_placement(path: str) -> List[Row]:
                              f"{1e3 * r.get('stem/fetch-seconds-exposed', float('nan')):.1f} ms, "
                              "rows from host "
                              f"{r.get('stem/fetch-bytes-from-host', float('nan')) / 2**20:.0f} "
-                             "MiB/step"))
+                             "MiB/step" + _kernel_rate(r)))
     return rows
+
+
+def _kernel_rate(r: dict) -> str:
+    """The CPU row kernel's rate inside the run (its row loops), to hold against the
+    host_optimizer step's rate of the same kernel alone; empty where the run logged none."""
+    params = r.get("stem/optimizer-kernel-params") or 0.0
+    loop = r.get("stem/optimizer-kernel-loop-seconds") or 0.0
+    if not (params > 0 and loop > 0):  # also NaN
+        return ""
+    return f", CPU row kernel {params / loop / 1e9:.2f} G params/s in its loops"
 
 
 def _rows_host_optimizer(path: str) -> List[Row]:

@@ -123,7 +123,8 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert by["StructMoE, fastest backend (triton) over dense"].value == 5.0
     (tmp_path / "pl.json").write_text(json.dumps({
         "gpu": {"iteration_ms": 100.0},
-        "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2},
+        "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2,
+                "stem/optimizer-kernel-params": 45e6, "stem/optimizer-kernel-loop-seconds": 0.3},
         "tiered": {"iteration_ms": 102.0, "ratio_vs_gpu": 1.02,
                    "trace": {"path": "/r/trace_1b_tiered.json.gz",
                              "summary": {"main_stream": {
@@ -132,6 +133,8 @@ def test_goals_read_from_benchmark_results(tmp_path):
                                                              "outside them": 2.2}}}}}}))
     by = {r.metric: r for r in gpu_evidence._rows_placement(str(tmp_path / "pl.json"))}
     assert by["cpu tables, step vs gpu tables"].met is False
+    assert "CPU row kernel 0.15 G params/s in its loops" in by["cpu tables, step vs gpu tables"].note
+    assert "CPU row kernel" not in by["tiered tables, step vs gpu tables"].note  # none logged
     assert by["tiered tables, step vs gpu tables"].met is True
     idle = by["tiered tables, GPU main stream idle per step"]
     assert idle.value == 7.5 and "trace_1b_tiered.json.gz" in idle.note
