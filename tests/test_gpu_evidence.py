@@ -133,7 +133,8 @@ def test_goals_read_from_benchmark_results(tmp_path):
                                                              "outside them": 2.2}}}}}}))
     by = {r.metric: r for r in gpu_evidence._rows_placement(str(tmp_path / "pl.json"))}
     assert by["cpu tables, step vs gpu tables"].met is False
-    assert "CPU row kernel 0.15 G params/s in its loops" in by["cpu tables, step vs gpu tables"].note
+    cpu_note = by["cpu tables, step vs gpu tables"].note
+    assert "CPU row kernel 0.15 G params/s in its loops" in cpu_note
     assert "CPU row kernel" not in by["tiered tables, step vs gpu tables"].note  # none logged
     assert by["tiered tables, step vs gpu tables"].met is True
     idle = by["tiered tables, GPU main stream idle per step"]

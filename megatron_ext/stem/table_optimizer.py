@@ -463,9 +463,9 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
     difference is the way into and out of the kernel: checks and the GIL taken back). A table
     step that runs in the background (overlapped) is logged with the iteration it overlaps, the
     next one. The first call also prints where the row kernel's team runs
-    (``worker_team_report``). A ``log_report`` of the STEM family; collective where Megatron makes a writer
-    (``--tensorboard-dir``, ``--wandb-project``), and only the writing rank reads the sums back
-    from the GPU; without either, nothing is reduced."""
+    (``worker_team_report``). A ``log_report`` of the STEM family; collective where Megatron
+    makes a writer (``--tensorboard-dir``, ``--wandb-project``), and only the writing rank reads
+    the sums back from the GPU; without either, nothing is reduced."""
     summed = ["stem/unique-rows-fetched", "stem/fetch-bytes-to-device", "stem/fetch-bytes-served",
               "stem/grad-bytes-sent", "stem/grad-bytes-received", "stem/fetch-bytes-from-host",
               "stem/grad-bytes-to-host", "stem/optimizer-kernel-params"]

@@ -19,9 +19,11 @@ The GIL. The worker's host work is mostly compiled code that releases the GIL (t
 PyTorch's ops), but each return into Python must take the GIL back, and a thread that holds it
 running Python (the training thread on a GPU, launching the model's kernels) hands it over only
 when it blocks or after Python's switch interval, 5 ms by default. A sparse table step of one
-chunk takes it back a few times, so beside a Python-bound training thread its 2 ms became 9 and a
-clock window of about 20 small ops became 99 ms (``benchmarks/stem_worker_schedule.py
---training-thread python``). So when the worker starts it lowers the process's switch interval
+chunk takes it back a few times, so beside a Python-bound thread its 2 ms became 9 and a clock
+window of about 20 small ops became 99 ms (probes on the development machine); the chunked
+schedule with a training thread running Python took 1.29x its compute against 1.11x with the
+worker's interval (``benchmarks/stem_worker_schedule.py --training-thread python``). So when the
+worker starts it lowers the process's switch interval
 to ``switch_interval()`` (``--stem-gil-switch-ms``; 0 leaves Python's own): the training thread
 then yields within that time when the worker waits, and nothing changes while it does not.
 """
