@@ -402,3 +402,31 @@ def test_first_rows_of_the_host_tier_gradients_land_first():
     arrived.synchronize()
     for g, view in zip(grads, views):
         assert torch.equal(view, g.cpu())
+
+
+def test_gradient_rows_of_a_run_are_taken_as_a_view():
+    """``select_rows`` (the table step's gradients per chunk, ``take_rows`` and
+    ``TierGrads.take``): the values of ``index_select`` always; a view of the gradients for a
+    run of consecutive positions, a copy otherwise."""
+    from megatron_ext.stem.tiers import TierGrads, select_rows, take_rows
+
+    g = torch.arange(40.0).view(10, 4)
+    cases = {"run": [3, 4, 5, 6], "one": [7], "gap": [3, 4, 6], "unsorted": [5, 4, 3],
+             "repeated": [2, 2, 3], "empty": []}
+    for name, pos in cases.items():
+        positions = torch.tensor(pos, dtype=torch.long)
+        out = select_rows(g, positions)
+        assert torch.equal(out, g.index_select(0, positions)), name
+        shares = out.numel() > 0 and out.untyped_storage().data_ptr() == \
+            g.untyped_storage().data_ptr()
+        assert shares == (name in ("run", "one")), name
+        assert out.is_contiguous()
+    rows = torch.arange(100, 110)
+    taken_rows, taken = take_rows(rows, g, torch.tensor([2, 3, 4]))
+    assert torch.equal(taken_rows, rows[2:5]) and torch.equal(taken, g[2:5])
+    hot, cold = torch.arange(12.0).view(3, 4), torch.arange(100.0, 124.0).view(6, 4)
+    grads = TierGrads(hot, cold)
+    taken_rows, parts = grads.take(torch.arange(9), torch.tensor([4, 1, 2, 3, 5]))
+    assert torch.equal(taken_rows, torch.tensor([1, 2, 3, 4, 5]))
+    assert torch.equal(parts.hot, hot[1:3]) and torch.equal(parts.cold, cold[0:3])
+    assert parts.cold.untyped_storage().data_ptr() == cold.untyped_storage().data_ptr()
