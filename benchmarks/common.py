@@ -91,8 +91,21 @@ class RunSetup:
         self.json_path = args.json
 
     def write_json(self, summary) -> None:
-        if self.json_path:
-            import json
+        write_json(summary, self.json_path)
 
-            with open(self.json_path, "w") as f:
-                json.dump(summary, f, indent=2)
+
+def write_json(summary, path) -> None:
+    """``summary`` as indented JSON at ``path`` (nothing without a path)."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+def report_json(summary, path) -> None:
+    """The summary as the last line of the output (one JSON object), and at ``path``."""
+    import json
+
+    print(json.dumps(summary))
+    write_json(summary, path)

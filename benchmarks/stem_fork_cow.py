@@ -21,7 +21,6 @@ medians of ``--reps`` steps. The last line is the summary as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -31,6 +30,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import report_json  # noqa: E402
 
 
 def run(variant: str, a) -> dict:
@@ -113,10 +115,7 @@ def main() -> None:
     summary["ratio_after_fork"] = ratios
     print("first write after a fork vs before: " +
           ", ".join(f"{name} {ratio}x" for name, ratio in ratios.items()))
-    print(json.dumps(summary))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    report_json(summary, a.json)
 
 
 if __name__ == "__main__":

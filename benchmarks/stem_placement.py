@@ -334,19 +334,16 @@ def main() -> None:
             r["trace"] = keep_trace(os.path.dirname(tb), args.out, f"{args.shape}_{name}")
         return r
 
+    step_ms = {name: [None] * args.repeats for name in names}  # per repeat, None: no result
     for rep, name in run_order(names, args.repeats):
         r = run_variant(name, rep)
-        times = results.setdefault(name, {}).get("iteration_ms_repeats",
-                                                 [None] * args.repeats)
         if r is None:
             continue
-        times[rep] = r["iteration_ms"]
-        if "iteration_ms" not in results[name]:  # the first run that worked: its record
-            results[name] = r
-        results[name]["iteration_ms_repeats"] = times
+        step_ms[name][rep] = r["iteration_ms"]
+        # A variant's record is its first run that worked, with every repeat's step time.
+        results.setdefault(name, r)["iteration_ms_repeats"] = step_ms[name]
         write_results(results, args.json)  # what ran so far survives a later kill
         report(name, r, rep, args.repeats)
-    results = {name: r for name, r in results.items() if "iteration_ms" in r}
 
     if "gpu" not in results:
         raise SystemExit("the gpu baseline did not run: no ratios")

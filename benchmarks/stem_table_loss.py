@@ -18,7 +18,6 @@ against ``ordinary``: a difference within the seed-to-seed spread of either mode
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -27,6 +26,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "launch"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import report_json  # noqa: E402
 
 MODES = {
     "ordinary": [],
@@ -97,10 +99,7 @@ def main() -> None:
                      ", ".join(f"{d:+.4f}" for d in e["minus_ordinary"].values()) +
                      f" (mean {e['minus_ordinary_mean']:+.4f})")
         print(line)
-    print(json.dumps(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    report_json(summary, args.json)
 
 
 def run(args, main_job, data_args, mode: str, seed: int, tokens_per_iter: int) -> dict:

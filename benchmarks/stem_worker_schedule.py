@@ -24,7 +24,6 @@ thread keeps the GIL the worker waits for.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import report_json  # noqa: E402
 
 
 class Layer:
@@ -201,10 +203,7 @@ def main() -> None:
         slow = summary["owed step, chunks, Python's switch"]["step_ms"]
         summary["ratio_worker_switch_vs_python"] = round(new / slow, 4)
         print(f"step time, the worker's GIL switch interval vs Python's: {new / slow:.3f}x")
-    print(json.dumps(summary))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    report_json(summary, a.json)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="threads of the CPU row kernels (table step, row gather) per rank; 0: "
                            "the cores of the rank's affinity mask / ranks on the node (not "
                            "OMP_NUM_THREADS, which torchrun sets to 1 for several ranks)")
-    stem.add_argument("--stem-gil-switch-ms", type=float, default=0.2, metavar="MS",
+    stem.add_argument("--stem-gil-switch-ms", type=float,
+                      default=1e3 * worker.DEFAULT_SWITCH_INTERVAL_S, metavar="MS",
                       help="managed tables: the GIL switch interval (sys.setswitchinterval) the "
                            "tables' host worker sets when it starts, so that its host work is "
                            "not held up for Python's 5 ms each time a Python-bound training "
@@ -151,10 +152,12 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     if args.stem_cpu_threads < 0:
         raise ValueError(f"--stem-cpu-threads={args.stem_cpu_threads}: must be >= 0 (0 = "
                          "automatic)")
-    switch_ms = getattr(args, "stem_gil_switch_ms", 0.2)
-    if not switch_ms >= 0.0:
-        raise ValueError(f"--stem-gil-switch-ms={switch_ms}: must be >= 0 (0 = Python's own)")
-    worker.set_switch_interval(switch_ms / 1e3)  # before the worker starts (model build)
+    switch_ms = getattr(args, "stem_gil_switch_ms", 1e3 * worker.DEFAULT_SWITCH_INTERVAL_S)
+    try:
+        worker.set_switch_interval(switch_ms / 1e3)  # before the worker starts (model build)
+    except ValueError:
+        raise ValueError(f"--stem-gil-switch-ms={switch_ms}: must be >= 0 (0 = Python's "
+                         "own)") from None
     if not args.swiglu:
         raise ValueError("--model-family=stem needs a gated activation: pass --swiglu "
                          "(STEM replaces one input of the SwiGLU product)")

@@ -101,23 +101,23 @@ def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = -_address(buf) % HUGE_PAGE  # mmap gives whole 4 KiB pages: a page multiple
-    advice = mmap.MADV_HUGEPAGE if huge else getattr(mmap, "MADV_NOHUGEPAGE", None)
-    if advice is not None:
-        try:
-            buf.madvise(advice, offset, size)
-        except OSError as e:  # a kernel without transparent huge pages: ordinary pages
-            logger.debug("madvise(%s) refused (%s): ordinary pages",
-                         "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", e)
-    _dont_fork(buf)
+    # A kernel without transparent huge pages refuses the page-size advice: ordinary pages.
+    _advise(buf, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", offset, size)
+    if _CAN_KEEP_FROM_CHILDREN:
+        _advise(buf, "MADV_DONTFORK")
     return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
-def _dont_fork(buf: mmap.mmap) -> None:
-    if _CAN_KEEP_FROM_CHILDREN:
-        try:
-            buf.madvise(mmap.MADV_DONTFORK)
-        except OSError as e:
-            logger.debug("madvise(MADV_DONTFORK) refused (%s)", e)
+def _advise(buf: mmap.mmap, name: str, *span: int) -> None:
+    """``madvise(2)`` the mapping ``buf`` (``span``: offset and length, else all of it) with
+    the advice ``name`` where this Python knows it; a refusal is logged, not raised."""
+    advice = getattr(mmap, name, None)
+    if advice is None:
+        return
+    try:
+        buf.madvise(advice, *span)
+    except OSError as e:
+        logger.debug("madvise(%s) refused (%s)", name, e)
 
 
 def zeros_like(t: torch.Tensor, huge: bool = True) -> torch.Tensor:

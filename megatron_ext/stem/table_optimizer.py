@@ -481,37 +481,44 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
             team = worker_team_report(optimizer)
             if team is not None:
                 print(f"[rank {dist.get_rank()}] > {team}", flush=True)
-    sums = torch.zeros(len(summed), dtype=torch.float64)
-    maxes = torch.zeros(len(maxed), dtype=torch.float64)
+    sums = dict.fromkeys(summed, 0.0)
+    maxes = dict.fromkeys(maxed, 0.0)
     for optimizer in _ACTIVE:
-        local = torch.zeros(len(maxed), dtype=torch.float64)  # summed over this rank's chunks
+        local = dict.fromkeys(maxed, 0.0)  # summed over this rank's chunks
         for t in optimizer.tables:
-            st, rb = t.stats, t.row_bytes
-            gb = t.grad_row_bytes
-            sums += torch.tensor([st["unique_rows"], st["fetch_rows_in"] * rb,
-                                  st["fetch_rows_out"] * rb, st["grad_rows_out"] * gb,
-                                  st["grad_rows_in"] * gb, st["fetch_rows_host"] * rb,
-                                  st["grad_rows_host"] * gb, 0.0], dtype=torch.float64)
-            local += torch.tensor([st["fetch_seconds"], st["fetch_seconds_hidden"],
-                                   st["optimizer_seconds"], st["optimizer_seconds_exposed"],
-                                   st["optimizer_seconds_before_fetch"],
-                                   st["optimizer_seconds_grad_wait"], 0.0, 0.0, 0.0],
-                                  dtype=torch.float64)
+            st, rb, gb = t.stats, t.row_bytes, t.grad_row_bytes
+            for name, value in (("stem/unique-rows-fetched", st["unique_rows"]),
+                                ("stem/fetch-bytes-to-device", st["fetch_rows_in"] * rb),
+                                ("stem/fetch-bytes-served", st["fetch_rows_out"] * rb),
+                                ("stem/grad-bytes-sent", st["grad_rows_out"] * gb),
+                                ("stem/grad-bytes-received", st["grad_rows_in"] * gb),
+                                ("stem/fetch-bytes-from-host", st["fetch_rows_host"] * rb),
+                                ("stem/grad-bytes-to-host", st["grad_rows_host"] * gb)):
+                sums[name] += value
+            for name, key in (("stem/fetch-seconds-exposed", "fetch_seconds"),
+                              ("stem/fetch-seconds-hidden", "fetch_seconds_hidden"),
+                              ("stem/optimizer-seconds", "optimizer_seconds"),
+                              ("stem/optimizer-seconds-exposed", "optimizer_seconds_exposed"),
+                              ("stem/optimizer-seconds-before-fetch",
+                               "optimizer_seconds_before_fetch"),
+                              ("stem/optimizer-seconds-grad-wait", "optimizer_seconds_grad_wait")):
+                local[name] += st[key]
             t.reset_stats()
-        local[-3] = optimizer.grad_seconds
+        local["stem/grad-exchange-seconds"] = optimizer.grad_seconds
         for r in host_row_adams(optimizer):  # the CPU row kernel's own share of the step
             params, loop, call = r.kernel_times.take()
-            sums[-1] += params
-            local[-2] += loop
-            local[-1] += call
-        maxes = torch.maximum(maxes, local)
+            sums["stem/optimizer-kernel-params"] += params
+            local["stem/optimizer-kernel-loop-seconds"] += loop
+            local["stem/optimizer-kernel-call-seconds"] += call
+        maxes = {name: max(maxes[name], local[name]) for name in maxed}
         optimizer.grad_seconds = 0.0
     if not (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)):
         return  # no writer on any rank (Megatron makes them from these flags): nothing to reduce
     # One all-gather rather than an all-reduce each for the sums and the maxima: every
     # collective is a wait for the other ranks.
     device = comm_device(dist.group.WORLD)
-    local = to_device(torch.cat([sums, maxes]), device)
+    local = to_device(torch.tensor([sums[name] for name in summed] +
+                                   [maxes[name] for name in maxed], dtype=torch.float64), device)
     every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(every, local)
     if writer is None and wandb_writer is None:  # only the writing rank reads them back
