@@ -295,6 +295,43 @@ def test_unwritable_save_dir_is_refused_at_start(tmp_path):
     assert os.listdir(tmp_path / "new" / "ck") == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is not installed there")
+def test_async_save_is_refused_on_the_cpu_backend_at_start(tmp_path):
+    """Megatron's persistent checkpoint worker selects a CUDA device as it starts: on the CPU
+    backend it exited and the ranks waited for it until the process group timed out (seen:
+    a 2-rank run killed after 10 minutes, at its first save)."""
+    proc = run_entry(TINY_GPT + ["--train-iters", "1", "--save", str(tmp_path / "ck"),
+                                 "--save-interval", "1", "--async-save",
+                                 "--use-persistent-ckpt-worker", "--async-strategy", "mcore"])
+    assert proc.returncode != 0
+    assert "megatron-ext: --async-save needs a GPU" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_async_save_checks():
+    """Which asynchronous saves are refused at start-up (training/preflight.py): none without
+    --async-save (Megatron turns it off without --use-persistent-ckpt-worker); every one on the
+    CPU backend; with Megatron's default nvrx writer, those without nvidia-resiliency-ext (which
+    Megatron checks only for the torch_dcp and fsdp_dtensor formats)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.training.preflight import check_async_save
+
+    off = SimpleNamespace(async_save=False, async_strategy="mcore")
+    mcore = SimpleNamespace(async_save=True, async_strategy="mcore")
+    nvrx = SimpleNamespace(async_save=True, async_strategy="nvrx")
+    for args in (off, mcore, nvrx):
+        check_async_save(args, cpu_backend=False, nvrx_available=True)
+    check_async_save(off, cpu_backend=True)
+    check_async_save(mcore, cpu_backend=False, nvrx_available=False)
+    for args in (mcore, nvrx):
+        with pytest.raises(ValueError, match="--async-save needs a GPU"):
+            check_async_save(args, cpu_backend=True, nvrx_available=True)
+    with pytest.raises(ValueError, match="needs nvidia-resiliency-ext, which is not installed: "
+                                         "install it, or pass --async-strategy mcore"):
+        check_async_save(nvrx, cpu_backend=False, nvrx_available=False)
+
+
 def test_fusions_without_their_kernels_are_turned_off():
     """Megatron defaults rope and gradient-accumulation fusion on; without Transformer Engine or
     Apex (this machine, and a GPU machine without the extras) the run falls back to the unfused

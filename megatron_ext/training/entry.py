@@ -28,6 +28,7 @@ from megatron_ext.training.datasets import train_valid_test_datasets_provider
 from megatron_ext.training.forward_step import forward_step
 from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
+    check_async_save,
     check_data_paths,
     check_load_dir,
     check_required_flags,
@@ -119,6 +120,7 @@ def main(argv=None) -> None:
         if note and os.environ.get("RANK", "0") == "0":
             print(f"megatron-ext: {note}", flush=True)
         check_save_dir(args.save, int(os.environ.get("RANK", "0")))
+        check_async_save(args, cpu_backend=cpu.is_installed())
     except ValueError as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):

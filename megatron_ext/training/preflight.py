@@ -1,5 +1,6 @@
-"""Checks at start-up, before Megatron builds anything, of paths that would otherwise fail late or
-as tracebacks: the indexed datasets named by the data flags, and the checkpoint directory."""
+"""Checks at start-up, before Megatron builds anything, of paths and settings that would otherwise
+fail late or as tracebacks: the indexed datasets named by the data flags, the checkpoint
+directory, and an asynchronous save that cannot run here."""
 
 from __future__ import annotations
 
@@ -117,3 +118,34 @@ def check_load_dir(load: Optional[str], save: Optional[str]) -> Optional[str]:
     raise ValueError(f"--load={load}: no checkpoint there (no {TRACKER}, iter_* or release "
                      "directory); a mistyped path would train from scratch. Check the path, or "
                      "give the same directory to --save to start there and resume later")
+
+
+def check_async_save(args, cpu_backend: bool, nvrx_available=None) -> None:
+    """``--async-save`` as Megatron will run it (after its validation, which turns it off, with a
+    warning, without ``--use-persistent-ckpt-worker``), refused at start-up where its first save
+    would fail after training has begun:
+
+    * on the CPU backend: Megatron's persistent checkpoint worker
+      (``dist_checkpointing.strategies.async_utils``) selects a CUDA device when it starts; without
+      one it exits, and the ranks wait for it until the process group times out;
+    * with ``--async-strategy nvrx`` (Megatron's default) and no nvidia-resiliency-ext: Megatron
+      checks that only for the torch_dcp and fsdp_dtensor formats, and torch_dist fails at the
+      first save (``get_async_strategy``).
+
+    ``nvrx_available``: whether that package's async API is importable (default: Megatron's own
+    ``has_nvrx_checkpointing_async_support``)."""
+    if not getattr(args, "async_save", False):
+        return
+    if cpu_backend:
+        raise ValueError("--async-save needs a GPU: Megatron's checkpoint worker selects a CUDA "
+                         "device when it starts, and without one it exits while the ranks wait "
+                         "for it; on the CPU backend save synchronously (drop --async-save)")
+    if getattr(args, "async_strategy", "mcore") == "nvrx":
+        if nvrx_available is None:
+            from megatron.training.utils import has_nvrx_checkpointing_async_support
+
+            nvrx_available = has_nvrx_checkpointing_async_support()
+        if not nvrx_available:
+            raise ValueError("--async-save with --async-strategy nvrx (Megatron's default) needs "
+                             "nvidia-resiliency-ext, which is not installed: install it, or pass "
+                             "--async-strategy mcore (Megatron's own asynchronous writer)")
