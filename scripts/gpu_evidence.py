@@ -139,6 +139,12 @@ def _rows_placement(path: str) -> List[Row]:
                              "rows from host "
                              f"{r.get('stem/fetch-bytes-from-host', float('nan')) / 2**20:.0f} "
                              "MiB/step" + _kernel_rate(r)))
+        if name != "gpu-sparse" and r.get("ratio_vs_gpu_sparse") is not None:
+            # gpu steps whole tables with Megatron's dense Adam; gpu-sparse has the host
+            # variants' optimizer with every row on the GPU: this ratio is the host rows' cost.
+            rows.append(Row("stem_placement", f"{name} tables, step vs gpu-sparse tables",
+                            r["ratio_vs_gpu_sparse"], "x",
+                            note="every row on the GPU, the same sparse row-wise AdamW"))
     return rows
 
 
@@ -286,7 +292,8 @@ def plan() -> List[Step]:
              300, "sigma_step.json", _rows_sigma),
         Step("stem_placement", "STEM tables on the GPU vs host (and tiered) in training",
              [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
-              "--timeout", "180", "--variants", "gpu,tiered,cpu", "--profile", "gpu,tiered",
+              "--timeout", "180", "--variants", "gpu,tiered,cpu,gpu-sparse",
+              "--profile", "gpu,tiered",
               "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
              540, "stem_placement.json", _rows_placement),
         # The GPU machine's host: the CPU AdamW (0.26 G row-params/s inside the tiered run of

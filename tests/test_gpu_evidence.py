@@ -125,7 +125,8 @@ def test_goals_read_from_benchmark_results(tmp_path):
         "gpu": {"iteration_ms": 100.0},
         "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2,
                 "stem/optimizer-kernel-params": 45e6, "stem/optimizer-kernel-loop-seconds": 0.3},
-        "tiered": {"iteration_ms": 102.0, "ratio_vs_gpu": 1.02,
+        "gpu-sparse": {"iteration_ms": 90.0, "ratio_vs_gpu": 0.9, "ratio_vs_gpu_sparse": 1.0},
+        "tiered": {"iteration_ms": 102.0, "ratio_vs_gpu": 1.02, "ratio_vs_gpu_sparse": 1.133,
                    "trace": {"path": "/r/trace_1b_tiered.json.gz",
                              "summary": {"main_stream": {
                                  "idle_ms_per_step": 7.5,
@@ -141,6 +142,11 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert idle.value == 7.5 and "trace_1b_tiered.json.gz" in idle.note
     assert "stem/wait-read 5.3 ms; outside them 2.2 ms" in idle.note
     assert "gpu tables, GPU main stream idle per step" not in by  # no trace of that run
+    assert by["tiered tables, step vs gpu-sparse tables"].value == pytest.approx(1.133)
+    assert by["tiered tables, step vs gpu-sparse tables"].met is None  # reported, no goal
+    assert by["gpu-sparse tables, step vs gpu tables"].value == pytest.approx(0.9)
+    assert "gpu-sparse tables, step vs gpu-sparse tables" not in by
+    assert "cpu tables, step vs gpu-sparse tables" not in by  # no ratio in its record
     (tmp_path / "ho.json").write_text(json.dumps({
         "ratio": 0.66, "ratio_cold": 0.84, "sparse_params_per_s": 0.9e9, "threads": 15,
         "kernel": "rowwise", "sparse_state_bytes_on_huge_pages": 2**30,

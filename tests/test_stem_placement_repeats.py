@@ -46,6 +46,30 @@ def test_one_repeat_gives_the_plain_ratio():
     assert results["tiered"]["ratio_vs_gpu"] == pytest.approx(1.25)
 
 
+def test_ratios_against_the_sparse_gpu_baseline():
+    """With ``gpu-sparse`` (every row on the GPU, the host variants' optimizer) each variant also
+    gets its ratio to that, per repeat and their median; without it, none."""
+    results = {"gpu": {"iteration_ms": 100.0, "iteration_ms_repeats": [100.0, 100.0, 100.0]},
+               "gpu-sparse": {"iteration_ms": 80.0, "iteration_ms_repeats": [80.0, 50.0, 90.0]},
+               "tiered": {"iteration_ms": 90.0, "iteration_ms_repeats": [90.0, 100.0, 81.0]}}
+    placement.write_results(results, None)
+    assert results["tiered"]["ratios_per_repeat_vs_gpu_sparse"] == pytest.approx([1.125, 2.0, 0.9])
+    assert results["tiered"]["ratio_vs_gpu_sparse"] == pytest.approx(1.125)
+    assert results["tiered"]["ratio_vs_gpu"] == pytest.approx(0.9)
+    assert results["gpu-sparse"]["ratio_vs_gpu"] == pytest.approx(0.8)
+    alone = {"gpu": {"iteration_ms": 100.0, "iteration_ms_repeats": [100.0]},
+             "tiered": {"iteration_ms": 90.0, "iteration_ms_repeats": [90.0]}}
+    placement.write_results(alone, None)
+    assert "ratio_vs_gpu_sparse" not in alone["tiered"]
+
+
+def test_gpu_sparse_puts_every_row_in_the_gpu_tier():
+    flags = placement.VARIANTS["gpu-sparse"]
+    assert flags[flags.index("--stem-gpu-tier") + 1] == "100%"
+    assert flags[flags.index("--stem-optimizer") + 1] == "sparse"
+    assert placement.VARIANTS["tiered"][:-1] == flags[:-1]  # only the tier's size differs
+
+
 def test_no_repeats_is_refused():
     p = subprocess.run([sys.executable, "benchmarks/stem_placement.py", "--repeats", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
