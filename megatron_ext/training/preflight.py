@@ -8,6 +8,7 @@ import os
 from typing import List, Optional
 
 from megatron.core.datasets.object_storage_utils import is_object_storage_path
+from megatron.training.utils import has_nvrx_checkpointing_async_support
 
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
@@ -142,8 +143,6 @@ def check_async_save(args, cpu_backend: bool, nvrx_available=None) -> None:
                          "for it; on the CPU backend save synchronously (drop --async-save)")
     if getattr(args, "async_strategy", "mcore") == "nvrx":
         if nvrx_available is None:
-            from megatron.training.utils import has_nvrx_checkpointing_async_support
-
             nvrx_available = has_nvrx_checkpointing_async_support()
         if not nvrx_available:
             raise ValueError("--async-save with --async-strategy nvrx (Megatron's default) needs "
