@@ -356,7 +356,6 @@ def main() -> None:
 
     if "gpu" not in results:
         raise SystemExit("the gpu baseline did not run: no ratios")
-    write_results(results, args.json)
     base = results["gpu"]["iteration_ms"]
     print(f"\nratios against gpu placement ({base:.1f} ms/iter), median of iterations "
           f"{args.skip + 1}..{args.iters}" + (f"; median of {args.repeats} repeats' own ratios "
