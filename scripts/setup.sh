@@ -26,13 +26,24 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; assert sys.ve
   "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+# pip install ARGS with pip's "WARNING: Location" lines filtered out. The exit status is pip's:
+# grep exits 1 when it passes no line (pip -q usually prints none), so its status is discarded and
+# pipefail hands on pip's; a failed install stops the setup here, pip's own error printed above.
+pip_install() {
+  local status=0
+  "${PIP[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; } || status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "[setup] failed: pip install $* (exit $status; pip's error is above)" >&2
+    exit "$status"
+  fi
+}
 echo "[setup] installing pinned requirements (the first time downloads torch, a few minutes)"
-"${PIP[@]}" -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+pip_install -r requirements.txt
 .venv/bin/python -c 'import torch, megatron.core' >/dev/null
 if ! .venv/bin/python -c 'import deepspeed' >/dev/null 2>&1; then
   echo "[setup] installing deepspeed (built against the installed torch)"
-  "${PIP[@]}" --no-build-isolation deepspeed==0.19.8 2>&1 | grep -v "^WARNING: Location" || true
+  pip_install --no-build-isolation deepspeed==0.19.8
 fi
-"${PIP[@]}" --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+pip_install --no-deps --no-build-isolation -e .
 .venv/bin/python -c 'import megatron_ext, deepspeed, tokenizers, megatron.training' >/dev/null 2>&1
 echo "[setup] ok: $(.venv/bin/python -c 'import torch, megatron.core as m; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)')"
