@@ -416,3 +416,20 @@ def test_existing_target_and_failures_leave_nothing(imported, tmp_path, capsys):
     proc = from_hf(hf, str(tmp_path / "ck2"), env=dict(os.environ, WORLD_SIZE="2"))
     assert proc.returncode == 2 and "WORLD_SIZE=2: from-hf runs as one process" in proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_save_overlapping_hf_or_unwritable_is_refused(tmp_path, capsys):
+    """--save inside --hf (through a symlink too), --save holding --hf, and a --save where no
+    file can be created (/sys, even as root) are refused before the model is read, naming both
+    paths; nothing is written."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")  # never read: the paths are checked first
+    (tmp_path / "link").symlink_to(hf)
+    inside = str(tmp_path / "link" / "ck")
+    assert f"--save {inside} (= {hf}/ck) lies inside --hf {hf}" in _refused(capsys, str(hf),
+                                                                             inside)
+    assert f"--save {tmp_path} holds --hf {hf}" in _refused(capsys, str(hf), str(tmp_path))
+    assert "--save /sys/megatron_ext_ck: cannot write in /sys (" in _refused(
+        capsys, str(hf), "/sys/megatron_ext_ck")
+    assert sorted(os.listdir(tmp_path)) == ["hf", "link"] and os.listdir(hf) == ["config.json"]

@@ -293,6 +293,21 @@ def test_cli_refusals_leave_nothing(hf_dir, tmp_path, capsys):
     assert leftovers(tmp_path) == []
 
 
+def test_out_overlapping_model_or_unwritable_is_refused(hf_dir, tmp_path, capsys):
+    """--out holding --model, --out that is --model through a symlink, and an --out where no
+    file can be created (/sys, even as root): one line naming both paths, nothing written."""
+    assert cli("--model", hf_dir, "--out", str(tmp_path), "--swap", "Spain", "Germany") == 2
+    assert f"--out {tmp_path} holds --model {hf_dir}" in capsys.readouterr().err
+    link = tmp_path / "link"
+    link.symlink_to(hf_dir)
+    assert cli("--model", hf_dir, "--out", str(link), "--revert") == 2
+    assert f"--out {link} (= {hf_dir}) is --model {hf_dir}" in capsys.readouterr().err
+    assert cli("--model", hf_dir, "--out", "/sys/megatron_ext_edit", "--swap", "Spain",
+               "Germany") == 2
+    assert "--out /sys/megatron_ext_edit: cannot write in /sys (" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["hf", "link"]
+
+
 def test_failure_mid_write_leaves_no_directory(hf_dir, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")

@@ -66,7 +66,8 @@ from megatron_ext.checkpoint_manifest import iteration_dir, write_manifest
 from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.compat.standalone import free_port
 from megatron_ext.convert.layout import merge_gated_fc1, merge_qkv
-from megatron_ext.convert.output import DTYPES, staged_directory
+from megatron_ext.convert.output import (DTYPES, check_output_path, check_separate,
+                                         staged_directory)
 from megatron_ext.convert.output import progress as progress_bar
 from megatron_ext.stem.config import RATIOS, VARIANTS, StemConfig, parse_layers
 from megatron_ext.training.arguments import add_extension_args, validate_extension_args
@@ -589,6 +590,11 @@ def convert(hf_dir: str, save: str, stem_layers: Optional[str] = None,
             verbose: bool = False) -> str:
     """Convert and return ``save``. Runs Megatron in this process: once per process."""
     start = time.time()
+    try:  # the paths first: nothing read or written when they cannot work
+        check_separate(hf_dir, "--hf", save, "--save")
+        check_output_path(save, "--save")
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     save = os.path.abspath(save)
     _refuse(os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)),
             f"{save} exists and is not empty; choose a new --save directory")

@@ -10,7 +10,8 @@ class the self-contained ``configuration_megatron_ext.py`` / ``modeling_megatron
 Which class each family becomes, the tensor names and the math: ``docs/convert.md``.
 
 Nothing is half-written: the directory is built beside ``--out`` under a temporary name and renamed
-when complete. Every model tensor of the checkpoint must be consumed and every expected one present,
+when complete. ``--out`` never overlaps ``--load``; ``--overwrite`` replaces only a directory an
+earlier conversion wrote, and only once the new one is complete. Every model tensor of the checkpoint must be consumed and every expected one present,
 else the conversion stops before writing anything.
 """
 
@@ -35,13 +36,17 @@ from megatron_ext.checkpoint_manifest import verify as verify_manifest
 from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
 from megatron_ext.convert.hf_code.configuration_megatron_ext import MegatronExtConfig
 from megatron_ext.convert.layout import split_gated_fc1, split_qkv
-from megatron_ext.convert.output import DTYPES, check_output_path, staged_directory
+from megatron_ext.convert.output import (DTYPES, check_output_path, check_separate,
+                                         staged_directory, write_record)
 from megatron_ext.convert.output import progress as progress_bar
 from megatron_ext.models.hybrid_pattern import MLP_SYMBOLS, HybridLayers
 from megatron_ext.models.registry import families, get_family
 
 HF_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 HF_CODE_FILES = ("configuration_megatron_ext.py", "modeling_megatron_ext.py")
+# What a conversion records about itself, every file it wrote included: --overwrite replaces only
+# a directory that holds this record and nothing it does not list (convert/output.py).
+RECORD = "megatron_ext_conversion.json"
 AUTO_MAP = {"AutoConfig": "configuration_megatron_ext.MegatronExtConfig",
             "AutoModelForCausalLM": "modeling_megatron_ext.MegatronExtForCausalLM"}
 
@@ -491,10 +496,12 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
             progress: bool = True, verify: bool = True) -> str:
     """Convert and return ``out``. See the module docstring. ``verify``: check the checkpoint's
     files against its checksum manifest first (megatron_ext/checkpoint_manifest.py)."""
-    out = os.path.abspath(out)
+    # Through a symlink, the folder it names is what gets replaced (the link stays).
+    shown, out = out, os.path.realpath(out)
+    check_separate(load, "--load", shown, "--out")  # before anything is read or written
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} exists; choose a new --out (or pass --overwrite)")
-    check_output_path(out)  # before reading the checkpoint
+    check_output_path(out, replace_record=RECORD if overwrite else None)
     if verify:
         folder, _ = resolve_checkpoint_dir(load, step)
         start = time.time()
@@ -517,7 +524,7 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
               "pad_token_id": getattr(tok, "pad_token_id", None)}
     config = hf_config(desc, target, tokens)
 
-    with staged_directory(out) as tmp:
+    with staged_directory(out, replace_record=RECORD if overwrite else None) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         jobs = plan.jobs
         start = time.time()
@@ -537,13 +544,10 @@ def convert(load: str, out: str, step: Optional[int] = None, dtype: str = "auto"
                 shutil.copyfile(os.path.join(HF_CODE_DIR, name), os.path.join(tmp, name))
         if tok is not None:
             tok.save_pretrained(tmp)
-        with open(os.path.join(tmp, "megatron_ext_conversion.json"), "w") as f:
-            json.dump({"source": ck.dir, "iteration": ck.iteration, "family": desc.family,
-                       "architecture": config.architectures[0], "padded_vocab": desc.padded_vocab,
-                       "hybrid_layer_pattern": desc.hybrid_layer_pattern,
-                       "mlp_layers": desc.mlp_layers}, f, indent=2)
-        if os.path.exists(out):  # --overwrite
-            shutil.rmtree(out)
+        write_record(tmp, RECORD, {
+            "source": ck.dir, "iteration": ck.iteration, "family": desc.family,
+            "architecture": config.architectures[0], "padded_vocab": desc.padded_vocab,
+            "hybrid_layer_pattern": desc.hybrid_layer_pattern, "mlp_layers": desc.mlp_layers})
     log(f"wrote {out}: {len(jobs)} tensors, {writer.total_bytes / 2**20:.1f} MiB in "
         f"{len(writer.files)} shard(s), {time.time() - start:.1f} s")
     return out
@@ -573,7 +577,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "--tokenizer-model for HuggingFaceTokenizer)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="true vocabulary size (default: from the tokenizer)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if an earlier conversion wrote it (and nothing else is "
+                        "in it); the new output is built beside it and swapped in at the end")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-verify-checkpoint", action="store_true",
                    help="read the checkpoint without checking its files against the checksum "
@@ -583,7 +589,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         convert(a.load, a.out, step=a.ckpt_step, dtype=a.dtype, max_shard_size=a.max_shard_size,
                 tokenizer=a.tokenizer, vocab_size=a.vocab_size, overwrite=a.overwrite,
                 progress=not a.no_progress, verify=not a.no_verify_checkpoint)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, OSError) as e:  # OSError: a full disk, say
         print(f"to-hf: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -44,7 +44,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from megatron_ext.convert.output import progress as progress_bar
-from megatron_ext.convert.output import staged_directory
+from megatron_ext.convert.output import check_output_path, check_separate, staged_directory
 
 Token = Union[int, str]
 STEM_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.stem_table\.weight$")
@@ -441,10 +441,10 @@ def _source_dir(model_dir, out_dir) -> Path:
     src = Path(model_dir)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a directory")
-    out = Path(out_dir).resolve()
-    # An output inside the source would be copied into itself (and into every later edit).
-    if out == src.resolve() or src.resolve() in out.parents:
-        raise ValueError(f"--out {out_dir} is inside --model {model_dir}: write it elsewhere")
+    # An output inside the source would be copied into itself (and into every later edit); one
+    # holding it would be replaced by the output's rename.
+    check_separate(str(model_dir), "--model", str(out_dir), "--out")
+    check_output_path(str(out_dir))  # before any work: a read-only place fails here
     return src
 
 
