@@ -40,10 +40,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# The preset (launch/presets/main_job.json): a small Llama-style model (SwiGLU, RMSNorm, RoPE,
-# untied embeddings, as the paper's MobileLLM/Llama-3.2 setups) and its schedule, sized so that
-# two CPU ranks train it at a few thousand tokens/s.
-PRESET_PATH = os.path.join(ROOT, "launch", "presets", "main_job.json")
+# The job's settings (launch/main_job.json, beside this script: not a --preset of flags, so not
+# under launch/presets): a small Llama-style model (SwiGLU, RMSNorm, RoPE, untied embeddings, as
+# the paper's MobileLLM/Llama-3.2 setups) and its schedule, sized so that two CPU ranks train it
+# at a few thousand tokens/s.
+PRESET_PATH = os.path.join(ROOT, "launch", "main_job.json")
 with open(PRESET_PATH) as _f:
     _PRESET = json.load(_f)
 MODEL: Dict[str, int] = _PRESET["model"]

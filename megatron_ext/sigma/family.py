@@ -88,7 +88,10 @@ _WARNED: set = set()
 def check_args(args) -> None:
     """The Sigma layer's fixed choices (Sec. 2 of the report) and a layout that can work."""
     sigma = config_from_args(args)
-    switch = sigma.switch_iteration(args.train_iters)  # a fraction needs --train-iters
+    # A fraction needs --train-iters to train; a dry run trains nothing, and its numbers (before
+    # and after the switch) do not depend on when the switch comes.
+    switch = None if getattr(args, "dry_run", False) and not args.train_iters else \
+        sigma.switch_iteration(args.train_iters)
     if switch is not None and args.train_iters and switch >= args.train_iters \
             and os.environ.get("RANK", "0") == "0":
         warning = (f"megatron-ext: warning: --sigma-sparsify-at={args.sigma_sparsify_at} switches "
@@ -231,8 +234,14 @@ class SigmaTerms(MLPTerms):
             raise ValueError(f"{len(spec.topks)} top-k values for {spec.num_layers} layers")
 
     def spec_fields(self, args, sigma) -> dict:
+        if not args.train_iters and isinstance(sigma.sparsify_at, float):
+            # A dry run without --train-iters: a fraction of training (in (0, 1]) switches after
+            # step 0 whatever the length, so training starts with the schedule's top-k.
+            start = sigma.initial_topks()
+        else:
+            start = sigma.topks_at(0, args.train_iters)
         return dict(experts=args.num_experts, expert_ffn=args.moe_ffn_hidden_size,
-                    topks=tuple(sigma.topks_at(0, args.train_iters)),
+                    topks=tuple(start),
                     target_topks=tuple(sigma.target_topks()))
 
     def layout_fields(self, args, sigma) -> dict:

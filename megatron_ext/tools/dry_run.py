@@ -18,10 +18,15 @@ import sys
 from typing import List, Optional, Sequence
 
 from megatron.training.arguments import parse_and_validate_args
+from megatron.training.global_vars import unset_global_variables
 
 from megatron_ext.tools.estimate import estimate_from_args
 from megatron_ext.training.arguments import add_extension_args, validate_extension_args
 from megatron_ext.training.presets import flag_value, has_flag, preset_tokenizer
+
+
+# What the dry run sets in the environment for Megatron's parser, and restores after it.
+_DRY_RUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 def _without(argv: Sequence[str], flag: str) -> List[str]:
@@ -59,19 +64,35 @@ def dry_run_argv(argv: Sequence[str], raw_argv: Sequence[str]) -> List[str]:
 
 
 def parse_for_dry_run(argv: Sequence[str], raw_argv: Sequence[str], world_size: int):
-    """Megatron's parsed and validated arguments for ``world_size`` ranks (rank 0)."""
+    """Megatron's parsed and validated arguments for ``world_size`` ranks (rank 0). The process
+    is left as it was found (the environment's rank variables, ``sys.argv``, Megatron's global
+    state): a dry run is a function call, so several can run in one process (every preset's:
+    tests/test_presets_dry_run.py)."""
+    saved_env = {k: os.environ.get(k) for k in _DRY_RUN_ENV}
+    saved_argv = sys.argv
     os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     sys.argv = [sys.argv[0]] + dry_run_argv(argv, raw_argv)
     quiet = logging.getLogger("megatron")
     level = quiet.level
     quiet.setLevel(logging.WARNING)
-    try:  # validate_args prints every argument: keep the dry run's output to its numbers
-        with contextlib.redirect_stdout(io.StringIO()):
-            args = parse_and_validate_args(extra_args_provider=add_extension_args)
+    try:
+        try:  # validate_args prints every argument: keep the dry run's output to its numbers
+            with contextlib.redirect_stdout(io.StringIO()):
+                args = parse_and_validate_args(extra_args_provider=add_extension_args)
+        finally:
+            quiet.setLevel(level)
+        validate_extension_args(args)
     finally:
-        quiet.setLevel(level)
-    validate_extension_args(args)
+        # parse_and_validate_args also sets Megatron's globals (args, tokenizer, timers, the
+        # micro-batch calculator); nothing of the dry run reads them after this point.
+        unset_global_variables()
+        sys.argv = saved_argv
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return args
 
 
