@@ -32,8 +32,8 @@ def test_print_only_names_every_benchmark(tmp_path):
                    "benchmarks/structmoe_step.py", "benchmarks/sigma_step.py",
                    "benchmarks/stem_placement.py", "benchmarks/stem_host_gather.py",
                    "launch/scaling.py --preset stem_350m",
-                   "launch/scaling.py --preset dense_350m", "-m pytest",
-                   "tests/test_kernel_stem_gate.py"):
+                   "launch/scaling.py --preset dense_350m", "scripts/isolated_pytest.py",
+                   "tests/test_kernel_stem_gate.py", "--repeats 2"):
         assert needle in out, f"{needle!r} missing from the plan:\n{out}"
     # Every step shows its limit; nothing ran, so no results folder.
     assert out.count(" s] ") == len(gpu_evidence.plan())
@@ -67,6 +67,9 @@ def _fake_plan(tmp):
     return [
         gpu_evidence.Step("fails", "exits 3", [py, "-c", "import sys; print('boom'); sys.exit(3)"],
                           30, kind="other"),
+        gpu_evidence.Step("segfaults", "dies of SIGSEGV",
+                          [py, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
+                          30, kind="other"),
         gpu_evidence.Step("hangs", "sleeps past its limit",
                           [py, "-c", "import time; print('sleeping', flush=True); "
                                      "time.sleep(60)"], 2, kind="other"),
@@ -75,13 +78,20 @@ def _fake_plan(tmp):
     ]
 
 
-def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+@pytest.fixture
+def no_device_info(monkeypatch):
+    """The fake plans' runs skip the device probe (a torch import: seconds on 2 cores)."""
+    monkeypatch.setattr(gpu_evidence, "_device_info", lambda python: {"gpu": None})
+
+
+def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch, no_device_info):
     monkeypatch.setattr(gpu_evidence, "plan", lambda: _fake_plan(str(tmp_path)))
     res = tmp_path / "res"
-    assert gpu_evidence.main([str(res)]) == 0
+    assert gpu_evidence.main([str(res)]) == 1  # the summary is written, and the exit says so
     state = json.loads((res / "evidence.json").read_text())
     assert state["steps"]["fails"]["status"] == "failed (exit 3)"
     assert "boom" in state["steps"]["fails"]["tail"]
+    assert state["steps"]["segfaults"]["status"] == "crashed (SIGSEGV, exit -11)"
     assert state["steps"]["hangs"]["status"] == "timeout"
     assert state["steps"]["hangs"]["seconds"] < 30
     assert state["steps"]["sigma_step"]["status"] == "ok"
@@ -90,16 +100,38 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     md = (res / "evidence.md").read_text()
     assert "| sigma_step | Sigma router step over upstream aux_loss | 1 % | <= 2 % | yes |" in md
     assert "| hangs | timeout |" in md
-    # A second call with --steps keeps what the first one left.
-    assert gpu_evidence.main([str(res), "--steps", "fails"]) == 0
+    assert "Not ok: fails (failed (exit 3)), segfaults (crashed (SIGSEGV, exit -11)), hangs " \
+        "(timeout)" in md
+    # A second call with --steps keeps what the first one left; its exit is about its own steps.
+    assert gpu_evidence.main([str(res), "--steps", "sigma_step"]) == 0
     state = json.loads((res / "evidence.json").read_text())
-    assert state["steps"]["sigma_step"]["status"] == "ok" and len(state["rows"]) == 1
+    assert state["steps"]["fails"]["status"] == "failed (exit 3)" and len(state["rows"]) == 1
+    assert gpu_evidence.main([str(res), "--steps", "fails"]) == 1
 
 
-def test_budget_skips_steps(tmp_path, monkeypatch):
+def test_a_step_without_its_goals_inputs_fails_the_run(tmp_path, monkeypatch, no_device_info):
+    """A step that exits 0 but leaves no result, or one its reader cannot use, exits non-zero."""
+    py, res = gpu_evidence.PY, gpu_evidence.RES
+    steps = [gpu_evidence.Step("sigma_step", "writes nothing", [py, "-c", "pass"], 30,
+                               "sigma_step.json", gpu_evidence._rows_sigma, kind="other"),
+             gpu_evidence.Step("stem_mlp", "writes a file its reader cannot use",
+                               [py, "-c", "import sys; open(sys.argv[1], 'w').write('{}')",
+                                f"{res}/stem_mlp.json"], 30, "stem_mlp.json",
+                               gpu_evidence._rows_stem_mlp, kind="other")]
+    monkeypatch.setattr(gpu_evidence, "plan", lambda: steps)
+    out = tmp_path / "res"
+    assert gpu_evidence.main([str(out), "--steps", "sigma_step"]) == 1
+    assert json.loads((out / "evidence.json").read_text())["steps"]["sigma_step"]["status"] == \
+        "ok, but no result file"
+    assert gpu_evidence.main([str(out), "--steps", "stem_mlp"]) == 1
+    (row,) = json.loads((out / "evidence.json").read_text())["rows"]
+    assert row["metric"] == "result unreadable" and row["met"] is False
+
+
+def test_budget_skips_steps(tmp_path, monkeypatch, no_device_info):
     monkeypatch.setattr(gpu_evidence, "plan", lambda: _fake_plan(str(tmp_path)))
     res = tmp_path / "res"
-    assert gpu_evidence.main([str(res), "--budget-min", "0.01"]) == 0
+    assert gpu_evidence.main([str(res), "--budget-min", "0.01"]) == 1  # asked for, not run
     state = json.loads((res / "evidence.json").read_text())
     assert {s["status"] for s in state["steps"].values()} == {"skipped (budget)"}
 
@@ -123,10 +155,12 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert by["StructMoE, fastest backend (triton) over dense"].value == 5.0
     (tmp_path / "pl.json").write_text(json.dumps({
         "gpu": {"iteration_ms": 100.0},
-        "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2,
+        "cpu": {"iteration_ms": 320.0, "ratio_vs_gpu": 3.2, "ratios_per_repeat": [3.2, 3.1],
                 "stem/optimizer-kernel-params": 45e6, "stem/optimizer-kernel-loop-seconds": 0.3},
-        "gpu-sparse": {"iteration_ms": 90.0, "ratio_vs_gpu": 0.9, "ratio_vs_gpu_sparse": 1.0},
+        "gpu-sparse": {"iteration_ms": 90.0, "ratio_vs_gpu": 0.9, "ratio_vs_gpu_sparse": 1.0,
+                       "ratios_per_repeat": [0.9, 0.9]},
         "tiered": {"iteration_ms": 102.0, "ratio_vs_gpu": 1.02, "ratio_vs_gpu_sparse": 1.133,
+                   "ratios_per_repeat": [1.02, 1.02],
                    "trace": {"path": "/r/trace_1b_tiered.json.gz",
                              "summary": {"main_stream": {
                                  "idle_ms_per_step": 7.5,
@@ -172,6 +206,107 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert pages.value == 1.18 and "500 MiB of the shard on huge pages" in pages.note
     read = by["read of rows owing a catch-up, as of now vs catch-up in place then gather (bf16)"]
     assert read.value == 0.81 and "2.50 vs 3.10 ms" in read.note
+
+
+def test_placement_goals_are_judged_on_every_run_and_need_each_variant(tmp_path):
+    """A ratio against its goal is judged on the worst of two or more runs (ABBA order); a variant
+    that failed or ran out of time is a row that is not met and says why; one run is not met."""
+    (tmp_path / "pl.json").write_text(json.dumps({
+        "gpu": {"status": "ok", "iteration_ms": 100.0, "iteration_ms_repeats": [100.0, 110.0]},
+        # median 1.03 would meet the goal (<= 1.03); the second run misses it
+        "tiered": {"status": "ok", "iteration_ms": 101.0, "iteration_ms_repeats": [101.0, 115.5],
+                   "ratios_per_repeat": [1.01, 1.05], "ratio_vs_gpu": 1.03},
+        "cpu": {"status": "timeout", "reason": "no result within --timeout=180 s",
+                "iteration_ms_repeats": [None, None], "ratios_per_repeat": [None, None]},
+        "gpu-sparse": {"status": "failed", "reason": "repeat 2: ValueError: boom (exit 1)",
+                       "iteration_ms": 90.0, "iteration_ms_repeats": [90.0, None],
+                       "ratios_per_repeat": [0.9, None], "ratio_vs_gpu": 0.9},
+    }))
+    by = {r.metric: r for r in gpu_evidence._rows_placement(str(tmp_path / "pl.json"))}
+    tiered = by["tiered tables, step vs gpu tables"]
+    assert tiered.value == pytest.approx(1.05) and tiered.met is False
+    assert "runs 1.010 / 1.050, median 1.030, spread 0.040" in tiered.note
+    cpu = by["cpu tables, step vs gpu tables"]
+    assert cpu.value is None and cpu.met is False
+    assert "timeout: no result within --timeout=180 s" in cpu.note
+    sparse = by["gpu-sparse tables, step vs gpu tables"]
+    assert sparse.met is False and "failed: repeat 2: ValueError: boom (exit 1)" in sparse.note
+    assert by["gpu tables, step"].met is None  # no goal, ran
+    (tmp_path / "one.json").write_text(json.dumps({
+        "gpu": {"status": "ok", "iteration_ms": 100.0, "iteration_ms_repeats": [100.0]},
+        "tiered": {"status": "ok", "iteration_ms": 90.0, "iteration_ms_repeats": [90.0],
+                   "ratios_per_repeat": [0.9], "ratio_vs_gpu": 0.9}}))
+    (one,) = [r for r in gpu_evidence._rows_placement(str(tmp_path / "one.json"))
+              if r.metric == "tiered tables, step vs gpu tables"]
+    assert one.value == pytest.approx(0.9) and one.met is False and "one run" in one.note
+    (tmp_path / "nogpu.json").write_text(json.dumps({
+        "gpu": {"status": "failed", "reason": "RuntimeError: CUDA out of memory (exit 1)",
+                "iteration_ms_repeats": [None, None]}}))
+    (row,) = gpu_evidence._rows_placement(str(tmp_path / "nogpu.json"))
+    assert row.metric == "gpu tables, step" and row.met is False
+    assert "failed: RuntimeError: CUDA out of memory (exit 1)" in row.note
+
+
+# Fake test files for the pytest steps: one with a pass, a failure and a skip; one that dies of
+# SIGSEGV in its second test; one that hangs; one that passes; and one that only skips.
+FAKE_TESTS = {
+    "test_a.py": "import pytest\ndef test_ok():\n    pass\ndef test_fails():\n    assert 1 == 2\n"
+                 "def test_skips():\n    pytest.skip('needs CUDA')\n",
+    "test_b.py": "import os, signal\ndef test_before():\n    pass\ndef test_segfaults():\n"
+                 "    os.kill(os.getpid(), signal.SIGSEGV)\ndef test_after():\n    pass\n",
+    "test_c.py": "import time\ndef test_hangs():\n    time.sleep(60)\n",
+    "test_d.py": "def test_ok():\n    pass\n",
+    "test_e.py": "import pytest\npytestmark = pytest.mark.skip(reason='needs CUDA')\n"
+                 "def test_x():\n    pass\ndef test_y():\n    pass\n",
+}
+
+
+def test_pytest_steps_survive_a_crash_and_an_all_skipped_step_is_not_met(
+        tmp_path, monkeypatch, no_device_info):
+    """A test that segfaults or hangs is named in the step's result and in evidence.md, the
+    other files still run, and a step where every test skipped is not met."""
+    tests = tmp_path / "fake_tests"
+    tests.mkdir()
+    for name, text in FAKE_TESTS.items():
+        (tests / name).write_text(text)
+    steps = gpu_evidence.plan()
+    gpu, stem = [s for s in steps if s.kind == "pytest"]
+    # The plan's own pytest steps, on the fake files (its per-test limit shortened: long enough
+    # for a pytest to start on a busy machine, no progress for that long is a hang).
+    argv = [a for a in gpu.argv if not a.startswith("tests/")]
+    argv[argv.index("--test-timeout") + 1] = "8"
+    crashing = gpu_evidence.Step(gpu.name, gpu.what, argv + [
+        str(tests / n) for n in ("test_a.py", "test_b.py", "test_c.py", "test_d.py")], 60,
+        gpu.result, gpu.rows, kind="pytest")
+    argv = [a for a in stem.argv if not a.startswith("tests/")]
+    skipping = gpu_evidence.Step(stem.name, stem.what, argv + [str(tests / "test_e.py")], 60,
+                                 stem.result, stem.rows, kind="pytest")
+    monkeypatch.setattr(gpu_evidence, "plan", lambda: [crashing, skipping])
+    res = tmp_path / "res"
+    assert gpu_evidence.main([str(res)]) == 1
+    state = json.loads((res / "evidence.json").read_text())
+    assert state["steps"]["gpu_tests"]["status"] == "failed (exit 1)"
+    result = json.loads((res / gpu.result).read_text())
+    files = {os.path.basename(k): v for k, v in result["files"].items()}
+    a, b, c, d = (files[f"test_{x}.py"] for x in "abcd")
+    assert (a["passed"], a["failed"], a["skipped"], a["crashed"]) == (1, 1, 1, 0)
+    assert [i.split("::")[1] for i in a["failed_ids"]] == ["test_fails"]
+    assert (b["passed"], b["crashed"], b["not_run"]) == (1, 1, 1)
+    assert b["crashed_in"].endswith("test_b.py::test_segfaults") and "SIGSEGV" in b["crash"]
+    assert c["crashed_in"].endswith("test_c.py::test_hangs") and "timeout" in c["crash"]
+    assert (d["passed"], d["failed"], d["crashed"]) == (1, 0, 0)  # ran after both
+    md = (res / "evidence.md").read_text()
+    row_b = [ln for ln in md.splitlines() if "test_b.py: failed, errored or crashed |" in ln]
+    assert len(row_b) == 1 and "crashed in" in row_b[0] and "test_segfaults" in row_b[0] \
+        and "**no**" in row_b[0]
+    rows = {(r["step"], r["metric"]): r for r in state["rows"]}
+    assert rows[("gpu_tests", "tests that passed")]["value"] == 3
+    assert rows[("gpu_tests", "tests that passed")]["met"] is True
+    # Every test of the second step skipped: no GPU or a missing package, not a success.
+    assert state["steps"]["stem_gpu_tests"]["status"] != "ok"
+    skipped = rows[("stem_gpu_tests", "tests that passed")]
+    assert skipped["value"] == 0 and skipped["met"] is False
+    assert "all 2 skipped" in skipped["note"] and "needs CUDA" in skipped["note"]
 
 
 def test_wheel_script_lists_pinned_packages():
