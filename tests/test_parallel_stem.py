@@ -27,6 +27,11 @@ FIRST5 = [1, 2, 3, 4, 5]
 INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 AFTER_RESUME = [4, 5, 6]
 CKPT = {}  # the fixture's checkpoint directories
+# The CPU preset as docs/cpu_backend.md runs it, with its dropout (Megatron's 0.1 for attention
+# and hidden states), for a resume that must still be exact.
+PRESET_DROPOUT = ["--preset", "stem_cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", "511", "--micro-batch-size", "2", "--log-interval", "1",
+                  "--eval-iters", "0", "--ckpt-format", "torch_dist"] + ITERS
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +56,9 @@ def runs(tmp_path_factory):
     # Distributed optimizer with torch's Adam (no Apex/TE): needs megatron_ext.compat.upstream_fixes.
     launches.add("dopt", STEM + ITERS + start + DOPT + ["--save", ck_dopt, "--save-interval", "3"])
     launches.add("dopt_resume", STEM + ITERS + DOPT + ["--load", ck_dopt, "--ckpt-step", "3"])
+    ck_dropout = str(tmp / "ck_dropout")
+    launches.add("dropout", PRESET_DROPOUT + ["--save", ck_dropout, "--save-interval", "3"])
+    launches.add("dropout_resume", PRESET_DROPOUT + ["--load", ck_dropout, "--ckpt-step", "3"])
     # The fused lookup-and-gate kernel (Triton's interpreter on the CPU), its row gradients going
     # into Megatron DDP's main_grad, under TP=2 + SP.
     launches.add("tp2_sp_kernel", STEM + ITERS + start + TP2 +
@@ -77,6 +85,18 @@ def test_resume_continues_the_curve_exactly(runs):
     ref, resumed = require_ok(runs["ref"]), require_ok(runs["resume"])
     assert sorted(resumed.losses) == AFTER_RESUME
     assert resumed.curve(AFTER_RESUME) == ref.curve(AFTER_RESUME)
+
+
+def test_resume_with_dropout_continues_the_curve_exactly(runs):
+    """Dropout on (the preset's 0.1): the resumed run draws the same masks as the uninterrupted
+    one. On the CPU backend dropout's generator is the CPU one, from which each data loader's
+    iterator, built after the checkpoint's random state is restored, draws a seed
+    (megatron_ext/compat/cpu.py)."""
+    ref, resumed = require_ok(runs["dropout"]), require_ok(runs["dropout_resume"])
+    for flag in ("attention_dropout", "hidden_dropout"):  # Megatron's dump of its arguments
+        assert re.search(rf"^  {flag} \.+ 0\.1$", ref.log, re.M), flag
+    assert sorted(resumed.losses) == AFTER_RESUME
+    assert_close_curves(resumed, ref, AFTER_RESUME, tol=1e-6)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend's defaults")
