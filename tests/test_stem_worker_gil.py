@@ -83,9 +83,10 @@ def test_switch_interval_set_after_the_worker_started_applies_at_once():
 def test_negative_switch_interval_is_refused():
     from megatron_ext.stem import worker
 
+    before = worker.switch_interval()
     with pytest.raises(ValueError, match="switch interval"):
         worker.set_switch_interval(-1e-3)
-    assert worker.switch_interval() >= 0.0
+    assert worker.switch_interval() == before  # the refused value was not kept
 
 
 def _kernel():
@@ -177,5 +178,10 @@ def test_worker_schedule_benchmark_with_a_python_training_thread(tmp_path):
     assert summary["training_thread"] == "python"
     assert summary["owed step, chunks"]["gil_switch_ms"] == pytest.approx(0.2)
     assert summary["owed step, chunks, Python's switch"]["gil_switch_ms"] == pytest.approx(5.0)
-    assert summary["ratio_worker_switch_vs_python"] > 0
+    # The printed ratio is the two chunked schedules' step times: the worker's interval over
+    # Python's (not their inverse, not another pair), each run's interval as applied.
+    ours, pythons = (summary[k]["step_ms"] for k in ("owed step, chunks",
+                                                     "owed step, chunks, Python's switch"))
+    assert ours > 0 and pythons > 0
+    assert summary["ratio_worker_switch_vs_python"] == round(ours / pythons, 4)
     assert "the worker's GIL switch interval vs Python's" in p.stdout
