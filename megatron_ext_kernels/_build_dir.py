@@ -1,5 +1,6 @@
-"""Where the package's just-in-time built CPU extensions go (``row_adam_cpu``'s kernels and
-DeepSpeed's ``cpu_adam`` op, both built through ``torch.utils.cpp_extension``).
+"""Where the package's just-in-time built CPU extensions go (``row_adam_cpu``'s kernels, a plain
+C library compiled by ``row_adam_cpu._build``, and DeepSpeed's ``cpu_adam`` op, built through
+``torch.utils.cpp_extension``).
 
 torch keeps every JIT extension under one folder per name (``~/.cache/torch_extensions/
 py312_cu130/<name>``) and rebuilds it in place whenever the sources or flags differ from the last
@@ -8,9 +9,9 @@ build there. Two things make that folder the wrong key here:
 * the flags carry the virtualenv's paths (DeepSpeed's include folder), so two checkouts with their
   own virtualenvs on one machine rebuild each other's build at every switch (45-60 s for
   ``cpu_adam``);
-* the row kernels are built with ``-march=native`` and that flag string does not change with the
-  CPU, so a home folder shared by nodes with different CPUs (NFS on a cluster, a login node that
-  built first) would hand a node a binary with instructions it lacks.
+* the row kernels are built for the CPU's instruction-set level (``row_adam_cpu.arch_flags``),
+  so a home folder shared by nodes with different CPUs (NFS on a cluster, a login node that
+  built first) must not hand a node a binary with instructions it lacks.
 
 So, unless the user chose a folder (``TORCH_EXTENSIONS_DIR``), builds go under torch's default
 root in a folder keyed by the interpreter's prefix, torch's version and the CPU (model and

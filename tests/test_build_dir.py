@@ -63,4 +63,4 @@ def test_the_row_kernels_are_built_in_that_folder():
         pytest.skip("no compiler for the row kernels here")
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         pytest.skip("the user chose the build folder")
-    assert os.path.dirname(os.path.dirname(kernels.module.__file__)) == _build_dir.build_root()
+    assert os.path.dirname(os.path.dirname(kernels.path)) == _build_dir.build_root()

@@ -17,6 +17,7 @@ from megatron_ext.stem.row_adam import (
     catch_up_rows,
     deepspeed_op,
 )
+from megatron_ext_kernels.row_adam_cpu import RowKernelError
 
 ROWS, WIDTH = 12, 20
 # Touched rows per iteration: row 3 every time, row 7 at iterations 1 and 5 only, row 11 never.
@@ -312,10 +313,13 @@ def test_host_row_kernels_match_torch(dtype):
     want_last = last.clone()
     want_last[rows] = u
     assert torch.equal(kernel_last, want_last)
-    # A row whose last iteration the clock does not know is refused before anything moves.
+    # A row whose last iteration the clock does not know is refused before anything moves
+    # (tests/test_row_kernel_refusals.py: every refusal of every kernel).
     kernel_last[rows[2]] = u + 5
     before = shard.clone()
-    with pytest.raises(RuntimeError, match="outside the shard, or its iterations outside"):
+    with pytest.raises(RowKernelError, match=rf"^catch_up_rows_: row {int(rows[2])} was last "
+                                             rf"brought up to date at iteration {u + 5}, "
+                                             rf"outside the clock's 0\.\.{u}$"):
         kernel.catch_up_rows_(shard, m, v, rows, kernel_last, touched, clock.kernel_state(u - 3))
     assert torch.equal(shard, before)
 
@@ -355,7 +359,8 @@ def test_read_of_host_rows_as_of_now_leaves_them_as_they_are(dtype):
     assert torch.equal(out.view(int_type), want.view(int_type))
     bad = last.clone()
     bad[index[3]] = u + 5
-    with pytest.raises(RuntimeError, match="outside the shard, or its iterations outside"):
+    with pytest.raises(RowKernelError, match=rf"^gather_current_rows_: row {int(index[3])} was "
+                                             rf"last brought up to date at iteration {u + 5}"):
         kernel.gather_current_rows_(shard, m, v, index, bad, touched, clock.kernel_state(u - 3),
                                     out)
 
