@@ -7,8 +7,10 @@ under which the bug exists, and is covered by a test that fails without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
+import sys
 
 import megatron.core.datasets.utils as dutils
 import torch
@@ -147,11 +149,52 @@ def _fix_first_logged_loss_after_resume() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _unset_eval_interval_as_never():
+    """While upstream's sample counts run: an unset ``--eval-interval`` read as an interval no
+    run reaches (``n // sys.maxsize == 0`` for any iteration count), i.e. no evaluation point
+    during training, which is what None means to megatron-core."""
+    args = get_args()
+    if args.eval_interval is not None:
+        yield
+        return
+    args.eval_interval = sys.maxsize
+    try:
+        yield
+    finally:
+        args.eval_interval = None
+
+
+def _fix_unset_eval_interval() -> bool:
+    """Training without ``--eval-interval`` fails once the model is built: megatron-core 0.19.2's
+    ``ValidationConfig.eval_interval`` defaults to None ("evaluation will not run during
+    training"), and the training loop honours that, but ``get_train_valid_test_num_samples``
+    computes ``train_iters // eval_interval`` (TypeError on None) and, on a resume,
+    ``build_train_valid_test_data_loaders`` ``iteration // eval_interval``. Extends both: with no
+    interval they count no evaluation during training; the evaluation of ``--eval-iters``
+    iterations at the end of training stays, as upstream's loop runs it."""
+    if getattr(training.build_train_valid_test_data_loaders, "_megatron_ext_eval_interval",
+               False):
+        return False
+    for name in ("get_train_valid_test_num_samples", "build_train_valid_test_data_loaders"):
+        upstream = getattr(training, name)
+
+        def fixed(*args, _upstream=upstream, **kwargs):
+            with _unset_eval_interval_as_never():
+                return _upstream(*args, **kwargs)
+
+        functools.update_wrapper(fixed, upstream)
+        fixed._megatron_ext_eval_interval = True
+        setattr(training, name, fixed)
+    return True
+
+
 FIXES = {
     "distrib_optimizer_torch_adam_resume": _fix_distrib_optimizer_torch_adam_resume,
     "prebuilt_dataset_helpers": _fix_prebuilt_dataset_helpers,
     "help_percent_signs": _fix_help_percent_signs,
     "first_logged_loss_after_resume": _fix_first_logged_loss_after_resume,
+    "unset_eval_interval": _fix_unset_eval_interval,
 }
 
 
