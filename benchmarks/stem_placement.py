@@ -35,8 +35,14 @@ Variants (one process, NCCL on a GPU):
   background step of the touched rows (2026-11-27: tiered 0.89-0.93x gpu); against
   ``gpu-sparse`` a host variant's ratio is the cost of its host rows alone.
 
-The JSON (``--json``) is rewritten after every variant, so a run stopped part-way (a lease's
-time limit) keeps the variants that finished.
+The JSON (``--json``) is rewritten after every run of a variant, so a run stopped part-way (a
+lease's time limit) keeps the variants that finished. A variant whose training fails or outlives
+``--timeout`` is a record too (``status`` "failed" or "timeout", ``reason``: its error line; each
+run in ``runs``), and the benchmark then exits 1 naming it, after the JSON is written.
+
+``--repeats R`` trains the variants R times, every other time in the reverse order (ABBA): each
+ratio is given per repeat, with their median, the worst (highest) and the spread (highest less
+lowest); ``scripts/gpu_evidence.py`` judges a goal on the worst, so met means met in every run.
 
 ``--profile VARIANTS`` traces two steps of each named variant with PyTorch's profiler (Megatron's
 ``--profile --use-pytorch-profiler``; iterations ``skip - 3`` and ``skip - 2``, before the timed
@@ -57,7 +63,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -238,8 +246,8 @@ def main() -> None:
                              "ones; needs --skip >= 4)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="train the variants this many times, every other time in the "
-                             "reverse order (ABBA), and give each the median of its repeats' "
-                             "own ratios to gpu; only the first is profiled")
+                             "reverse order (ABBA), and give each its repeats' own ratios to "
+                             "gpu, their median, worst and spread; only the first is profiled")
     parser.add_argument("--extra", default="",
                         help="training flags added to the host-table variants, e.g. "
                              "'--stem-cpu-threads 8'")
@@ -267,12 +275,11 @@ def main() -> None:
     write_zipf_corpus(prefix, shape["vocab"], max(tokens, 200_000), args.zipf, seed=0)
     print(f"shape {args.shape}: {shape}", flush=True)
 
-    results = {}
     all_threads = True  # until a run profiled with every thread fails
 
-    def run_variant(name: str, rep: int):
-        """Train variant ``name`` once (repeat ``rep``; only the first is profiled); its
-        record, or None when it failed or timed out."""
+    def run_variant(name: str, rep: int) -> dict:
+        """Train variant ``name`` once (repeat ``rep``; only the first is profiled): its
+        record; :class:`RunFailed` when it failed or timed out."""
         nonlocal all_threads
         tb = os.path.join(args.out, f"{args.shape}_{name}" + (f"_r{rep}" if rep else ""), "tb")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -285,23 +292,17 @@ def main() -> None:
         # thread only.
         attempts = [(cmd + profile_flags(args.skip, all_threads), True), (cmd, False)] \
             if name in profiled and rep == 0 else [(cmd, False)]
-        proc, traced = None, False
+        rc, traced = None, False
         for argv, traced in attempts:
             # No earlier run's events or trace taken for this one's.
             shutil.rmtree(os.path.dirname(tb), ignore_errors=True)
-            try:
-                proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                      timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                print(f"{name}: no result within --timeout={args.timeout} s", flush=True)
-                proc = None
-                break
-            log = proc.stdout + proc.stderr
+            rc, log = run_logged(argv, args.timeout)
             os.makedirs(os.path.dirname(tb), exist_ok=True)
             with open(os.path.join(os.path.dirname(tb), "log.txt"), "w") as f:
                 f.write(log)
-            if proc.returncode == 0:
+            if rc is None:
+                raise RunFailed("timeout", f"no result within --timeout={args.timeout} s")
+            if rc == 0:
                 break
             print(f"{name} failed{' (profiled; again without the profiler)' if traced else ''}:"
                   f"\n{log[-6000:]}", flush=True)
@@ -309,15 +310,18 @@ def main() -> None:
                 all_threads = False
                 print("later variants' traces: the training thread only (no "
                       "--ext-profile-all-threads)", flush=True)
-        if proc is None or proc.returncode:
-            return None
+        if rc:
+            raise RunFailed("failed", failure_reason(log, rc))
         s = read_tensorboard_scalars(tb)
 
         def mean(tag):
             values = [v for step, v in s.get(tag, []) if step > args.skip]
             return statistics.mean(values) if values else float("nan")
 
-        times = [v for step, v in s["iteration-time"] if step > args.skip]
+        times = [v for step, v in s.get("iteration-time", []) if step > args.skip]
+        if not times or not s.get("lm loss"):
+            raise RunFailed("failed", f"exit 0 but no iteration times after --skip={args.skip} "
+                                      f"or no loss in its events ({tb})")
         r = {"iteration_ms": 1e3 * statistics.median(times),
              "loss_last": s["lm loss"][-1][1],
              "peak_gpu_gib": max((v for _, v in s.get("mem-max-allocated-bytes", [])),
@@ -341,39 +345,125 @@ def main() -> None:
         r["row_kernel_team"] = team[0].split("> ", 1)[-1] if team else ""
         if traced:
             r["trace"] = keep_trace(os.path.dirname(tb), args.out, f"{args.shape}_{name}")
+        report(name, r, rep, args.repeats)
         return r
 
-    step_ms = {name: [None] * args.repeats for name in names}  # per repeat, None: no result
-    for rep, name in run_order(names, args.repeats):
-        r = run_variant(name, rep)
-        if r is None:
-            continue
-        step_ms[name][rep] = r["iteration_ms"]
-        # A variant's record is its first run that worked, with every repeat's step time.
-        results.setdefault(name, r)["iteration_ms_repeats"] = step_ms[name]
-        write_results(results, args.json)  # what ran so far survives a later kill
-        report(name, r, rep, args.repeats)
-
-    if "gpu" not in results:
-        raise SystemExit("the gpu baseline did not run: no ratios")
-    base = results["gpu"]["iteration_ms"]
-    print(f"\nratios against gpu placement ({base:.1f} ms/iter), median of iterations "
-          f"{args.skip + 1}..{args.iters}" + (f"; median of {args.repeats} repeats' own ratios "
-                                               "(ABBA order)" if args.repeats > 1 else "") + ":")
-    for name, r in results.items():
-        line = f"{name:16s} {r.get('ratio_vs_gpu', float('nan')):.3f}x"
-        if args.repeats > 1:
-            line += " (" + " / ".join("-" if x is None else f"{x:.3f}"
-                                      for x in r["ratios_per_repeat"]) + ")"
-        if name != "gpu":
-            line += "  " + describe(r)
-        print(line, flush=True)
-    if "gpu-sparse" in results:  # the same optimizer semantics, every row on the GPU
+    results = measure(names, args.repeats, run_variant, args.json)
+    if "iteration_ms" in results.get("gpu", {}):
+        print(f"\nratios against gpu placement ({results['gpu']['iteration_ms']:.1f} ms/iter), "
+              f"median of iterations {args.skip + 1}..{args.iters}" +
+              ("; each repeat's own ratio (ABBA order), their median, worst and spread"
+               if args.repeats > 1 else "") + ":")
+        for name, r in results.items():
+            print(ratio_line(name, r, "ratio_vs_gpu", "ratios_per_repeat") +
+                  ("  " + describe(r) if name != "gpu" and "iteration_ms" in r else ""),
+                  flush=True)
+    if "iteration_ms" in results.get("gpu-sparse", {}):  # the same optimizer, rows on the GPU
         print("\nratios against gpu-sparse (every row on the GPU, the same sparse row-wise "
               f"AdamW; {results['gpu-sparse']['iteration_ms']:.1f} ms/iter):")
         for name, r in results.items():
-            if name not in ("gpu", "gpu-sparse") and "ratio_vs_gpu_sparse" in r:
-                print(f"{name:16s} {r['ratio_vs_gpu_sparse']:.3f}x", flush=True)
+            if name not in ("gpu", "gpu-sparse"):
+                print(ratio_line(name, r, "ratio_vs_gpu_sparse",
+                                 "ratios_per_repeat_vs_gpu_sparse"), flush=True)
+    bad = unfinished(results)
+    if bad:
+        raise SystemExit(f"stem_placement: not every run finished: {'; '.join(bad)} (logs: "
+                         f"{args.out}/{args.shape}_<variant>[_r<repeat>]/log.txt)")
+
+
+class RunFailed(Exception):
+    """A variant's training that gave no step time: ``status`` "failed" or "timeout", ``reason``
+    the line that says why."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(f"{status}: {reason}")
+        self.status, self.reason = status, reason
+
+
+def measure(names, repeats: int, run, json_path) -> dict:
+    """Every variant of ``names`` trained ``repeats`` times in :func:`run_order` by ``run(name,
+    rep)`` (its record, or :class:`RunFailed`): per variant its ``status`` ("ok", else the first
+    failure's, with ``reason``), each run in ``runs``, the record of its first run that worked
+    and every repeat's step time (``iteration_ms_repeats``, None where it failed); the JSON is
+    rewritten after each run, so what ran survives a later kill."""
+    results = {name: {"status": "ok", "runs": [], "iteration_ms_repeats": [None] * repeats}
+               for name in names}
+    for rep, name in run_order(names, repeats):
+        entry = results[name]
+        try:
+            record = run(name, rep)
+        except RunFailed as e:
+            entry["runs"].append({"repeat": rep + 1, "status": e.status, "reason": e.reason})
+            if entry["status"] == "ok":
+                entry["status"] = e.status
+                entry["reason"] = (f"repeat {rep + 1}: " if repeats > 1 else "") + e.reason
+            print(f"  {name:16s} {e.status}: {e.reason}"
+                  + (f" (repeat {rep + 1}/{repeats})" if repeats > 1 else ""), flush=True)
+        else:
+            entry["runs"].append({"repeat": rep + 1, "status": "ok"})
+            entry["iteration_ms_repeats"][rep] = record["iteration_ms"]
+            for k, v in record.items():
+                entry.setdefault(k, v)
+        write_results(results, json_path)
+    return results
+
+
+def unfinished(results: dict) -> list:
+    """``"variant (status: reason)"`` for each variant with a run that failed or timed out."""
+    return [f"{n} ({r['status']}: {r['reason']})" for n, r in results.items()
+            if r.get("status", "ok") != "ok"]
+
+
+def ratio_line(name: str, r: dict, median: str, per_repeat: str) -> str:
+    if r.get("status", "ok") != "ok" and median not in r:
+        return f"{name:16s} {r['status']}: {r['reason']}"
+    line = f"{name:16s} {r.get(median, float('nan')):.3f}x"
+    ratios = r.get(per_repeat) or []
+    if len(ratios) > 1:
+        known = [x for x in ratios if x is not None]
+        line += (" (runs " + " / ".join("-" if x is None else f"{x:.3f}" for x in ratios) +
+                 (f"; worst {max(known):.3f}, spread {max(known) - min(known):.3f}"
+                  if known else "") + ")")
+    if r.get("status", "ok") != "ok":
+        line += f" [{r['status']}: {r['reason']}]"
+    return line
+
+
+def run_logged(argv, timeout: float):
+    """``argv`` run from the repository's root: ``(exit status, output)``, the status None when
+    it outlived ``timeout`` seconds. Then torchrun gets SIGTERM, on which it stops its workers
+    (a SIGKILL would leave them holding the GPU through the next variants), and SIGKILL 30 s
+    later if it is still there."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+    return None, out
+
+
+# The line that names a training's error: an exception's ("ValueError: ...") or argparse's
+# ("pretrain.py: error: ..."); torchrun's own report of the failure, after it, is cut first.
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b.*?:|: error:")
+_TORCHRUN_REPORT = ("ChildFailedError", "distributed/elastic/", "distributed.elastic.")
+
+
+def failure_reason(log: str, rc: int) -> str:
+    """One line saying why a training failed, and its exit status."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    cut = next((i for i, ln in enumerate(lines) if any(t in ln for t in _TORCHRUN_REPORT)),
+               len(lines))
+    lines = lines[:cut] or lines
+    errors = [ln for ln in lines if _ERROR_LINE.search(ln)]
+    said = (errors or lines or ["no output"])[-1]
+    return f"{said[:300]} (exit {rc})"
 
 
 def run_order(names, repeats: int):
@@ -409,9 +499,11 @@ def report(name: str, r: dict, rep: int, repeats: int) -> None:
 def write_results(results: dict, path) -> None:
     """``results`` to ``path`` (JSON; nothing without a path), each variant with its ratio to
     the gpu variant once that has run: per repeat, its step time over that repeat's gpu step
-    time (``ratios_per_repeat``), and their median (``ratio_vs_gpu``; one repeat: the ratio);
-    likewise against ``gpu-sparse`` where it ran (``ratios_per_repeat_vs_gpu_sparse``,
-    ``ratio_vs_gpu_sparse``); written whole to a temporary file, then renamed."""
+    time (``ratios_per_repeat``, None where either failed), their median (``ratio_vs_gpu``; one
+    repeat: the ratio), the worst (highest, ``ratio_vs_gpu_worst``) and the spread (highest
+    less lowest, ``ratio_vs_gpu_spread``); likewise against ``gpu-sparse`` where it ran
+    (``..._vs_gpu_sparse``). Every variant is written, one that failed with its status and
+    reason; whole to a temporary file, then renamed."""
     for base, per_repeat, median in (("gpu", "ratios_per_repeat", "ratio_vs_gpu"),
                                      ("gpu-sparse", "ratios_per_repeat_vs_gpu_sparse",
                                       "ratio_vs_gpu_sparse")):
@@ -426,13 +518,14 @@ def write_results(results: dict, path) -> None:
             known = [x for x in ratios if x is not None]
             if known:
                 r[median] = statistics.median(known)
+                r[median + "_worst"] = max(known)
+                r[median + "_spread"] = max(known) - min(known)
     if not path:
         return
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:  # the variants with a run that worked
-        json.dump({n: r for n, r in results.items() if "iteration_ms" in r}, f, indent=2)
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
     os.replace(tmp, path)
-
 
 if __name__ == "__main__":
     main()
