@@ -11,8 +11,9 @@ Which class each family becomes, the tensor names and the math: ``docs/convert.m
 
 Nothing is half-written: the directory is built beside ``--out`` under a temporary name and renamed
 when complete. ``--out`` never overlaps ``--load``; ``--overwrite`` replaces only a directory an
-earlier conversion wrote, and only once the new one is complete. Every model tensor of the checkpoint must be consumed and every expected one present,
-else the conversion stops before writing anything.
+earlier conversion wrote, and only once the new one is complete. Every model tensor of the
+checkpoint must be consumed and every expected one present, else the conversion stops before
+writing anything.
 """
 
 from __future__ import annotations
