@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 from typing import Callable, List, Optional, Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -44,15 +45,31 @@ except ImportError:  # pragma: no cover - depends on the installation
     HAVE_TE = False
 
 
-def te_available() -> bool:
-    """Transformer Engine is importable (its extension module needs CUDA to load)."""
-    if not HAVE_TE:
-        return False
+@functools.lru_cache(maxsize=None)
+def te_problem() -> Optional[str]:
+    """Why an installed Transformer Engine cannot be used, in one line (its import error), or
+    None: it imports, or it is not installed at all (the local backend's normal case, which goes
+    unsaid). A broken install, an ABI mismatch with torch or a missing CUDA library shows up
+    here as an ImportError, OSError or RuntimeError that used to select the local backend
+    silently, exactly as an absent TE does."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as exc:  # any failure of an installed TE: named, not told apart
+        text = " ".join(str(exc).split()) or "(no message)"
+        return f"{type(exc).__name__}: {text}"
+    if not HAVE_TE:  # TE imports, but upstream's TE layers (extensions/transformer_engine) do not
+        return ("megatron.core.extensions.transformer_engine does not import with this "
+                "Transformer Engine (a version Megatron-Core does not support)")
+    return None
+
+
+def te_available() -> bool:
+    """Transformer Engine is installed and importable (its extension module needs CUDA to
+    load), with Megatron-Core's layers over it."""
+    return HAVE_TE and importlib.util.find_spec("transformer_engine") is not None \
+        and te_problem() is None
 
 
 def _swap_norm(spec, new):

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_ext.tools.layout import Layout, validate_layout
 from megatron_ext.tools.model_shape import (
@@ -301,6 +301,19 @@ def _stage_memory(spec: ModelShape, layout: Layout, stage: int, topks: Sequence[
     host["_one_microbatch_activations"] = one_microbatch  # popped by the callers
     spec.terms.stage_memory(spec, layout, layers, s, b, gpu, host)  # e.g. managed tables
     return parts, gpu, host
+
+
+def table_memory(spec: ModelShape, layout: Layout, stage: int
+                 ) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """The family's memory beyond parameters and activations (STEM's managed tables, their Adam
+    moments and fetched-row buffers) on a rank of pipeline stage ``stage``: (GPU bytes, host
+    bytes) by part, the terms :func:`estimate` adds; what the start-up check
+    (``training/preflight.py``) weighs against the memory available."""
+    gpu: Dict[str, float] = {}
+    host: Dict[str, float] = {}
+    spec.terms.stage_memory(spec, layout, stage_blocks(spec, layout, stage).mlp,
+                            spec.seq_length // layout.cp, layout.micro_batch, gpu, host)
+    return gpu, host
 
 
 def rank_estimate(spec: ModelShape, layout: Layout, stage: int) -> Dict[str, float]:

@@ -7,15 +7,18 @@ Every Megatron flag keeps working. The generic flags are here; each family adds 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
 from typing import List, Optional
 
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.tensor_parallel import layers
+from megatron.training.arguments import add_megatron_arguments
 
 from megatron_ext.models.hybrid_pattern import check_family_symbols
 from megatron_ext.models.registry import families, family_of, registered_families
+from megatron_ext.models.specs import te_available
 from megatron_ext.tools.data_prep import verify_manifest
 
 
@@ -61,6 +64,34 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         if family.add_args is not None:
             family.add_args(parser)
     return parser
+
+
+def parse_error_line(usage_and_error: str) -> str:
+    """argparse's complaint (the usage, then ``PROG: error: MESSAGE``) as one line: the message,
+    with the closest flag for each unknown one (argparse 3.12 suggests none)."""
+    lines = [ln for ln in usage_and_error.strip().splitlines() if ln.strip()]
+    message = lines[-1].split(": error: ", 1)[-1] if lines else "the flags could not be parsed"
+    head, sep, rest = message.partition("unrecognized arguments: ")
+    if sep:
+        known = known_flags()
+        hints = []
+        for flag in (word.split("=", 1)[0] for word in rest.split()):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8) if flag.startswith("--") else []
+            if close:
+                hints.append((flag, close[0]))
+        if len(hints) == 1:
+            message += f" (did you mean {hints[0][1]}?)"
+        elif hints:
+            message += " (" + "; ".join(f"{a}: did you mean {b}?" for a, b in hints) + ")"
+    return message + "; launch/pretrain.py --help lists every flag"
+
+
+def known_flags() -> List[str]:
+    """Every flag of the entry point's parser: Megatron's and this plugin's."""
+    parser = add_extension_args(add_megatron_arguments(
+        argparse.ArgumentParser(allow_abbrev=False)))
+    return sorted({s for action in parser._actions for s in action.option_strings
+                   if s.startswith("--")})
 
 
 def check_family_args(args) -> None:
@@ -128,9 +159,9 @@ def drop_unavailable_fusions(args) -> List[str]:
             changed.append("rope fusion off (no Transformer Engine): as --no-rope-fusion")
     if getattr(args, "gradient_accumulation_fusion", False):
         # With Transformer Engine its own linear layers fuse the accumulation (and older TE
-        # refuses the flag off), so only a machine with neither extra changes.
-        if (not layers._grad_accum_fusion_available
-                and importlib.util.find_spec("transformer_engine") is None):
+        # refuses the flag off), so only a machine with neither extra changes; an installed TE
+        # that does not import counts as none (the local backend trains).
+        if not layers._grad_accum_fusion_available and not te_available():
             args.gradient_accumulation_fusion = False
             changed.append("gradient-accumulation fusion off (no Transformer Engine or Apex "
                            "fused_weight_gradient_mlp_cuda): as --no-gradient-accumulation-fusion")

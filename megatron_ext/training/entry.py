@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import os
+import re
 import signal
 import sys
+import traceback
 
+import megatron.training
 from megatron.core.enums import ModelType
 from megatron.training import get_tokenizer, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -15,13 +20,14 @@ from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron_ext.checkpoint_manifest import CheckpointError
 from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.models.registry import family_of, load_plugins
-from megatron_ext.models.specs import te_available
+from megatron_ext.models.specs import te_available, te_problem
 from megatron_ext.tools.dry_run import main as dry_run_main
 from megatron_ext.training import checkpoint_hooks, family_hooks, profiler
 from megatron_ext.training.arguments import (
     add_extension_args,
     check_family_args,
     drop_unavailable_fusions,
+    parse_error_line,
     validate_extension_args,
 )
 from megatron_ext.training.datasets import train_valid_test_datasets_provider
@@ -30,22 +36,77 @@ from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
     check_async_save,
     check_data_paths,
+    check_layout,
     check_load_dir,
     check_required_flags,
     check_save_dir,
+    check_schedule_resume,
+    check_table_memory,
 )
-from megatron_ext.training.presets import expand_argv
+from megatron_ext.training.presets import expand_argv, flag_value, has_flag
+from megatron_ext.training.refusal import launch_rank, refuse, say
 from megatron_ext.training.run_report import install as install_run_report
 
 
 def _default_transformer_impl(argv):
-    """Megatron defaults to Transformer Engine; fall back to the local backend without it."""
-    if any(a == "--transformer-impl" or a.startswith("--transformer-impl=") for a in argv):
+    """Megatron defaults to Transformer Engine; fall back to the local backend without it. An
+    installed TE that does not import is named (a warning; refused where the flags ask for it)
+    instead of falling back as silently as for an absent one."""
+    problem = te_problem()
+    if has_flag(argv, "--transformer-impl"):
+        if flag_value(argv, "--transformer-impl") == "transformer_engine" and problem:
+            refuse(f"--transformer-impl transformer_engine: Transformer Engine is installed but "
+                   f"does not import ({problem}); repair it, or pass --transformer-impl local")
         return argv
-
     if te_available():
         return argv
+    if problem:
+        say(f"warning: Transformer Engine is installed but does not import ({problem}): "
+            "training on the local backend (--transformer-impl local silences this)")
     return argv + ["--transformer-impl", "local"]
+
+
+def _parse_flags():
+    """Megatron's parser on ``sys.argv``. An argparse error (an unknown flag, a bad value) is
+    refused in one line with status 2, argparse's, instead of Megatron's ~740-line usage on
+    every rank; ``--help`` prints as usual."""
+    complaint = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(complaint):
+            args = parse_args(extra_args_provider=add_extension_args)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            sys.stderr.write(complaint.getvalue())
+            raise
+        refuse(parse_error_line(complaint.getvalue()), status=2)
+    sys.stderr.write(complaint.getvalue())
+    return args
+
+
+_DUMP = re.compile(r"^-+ arguments -+$.*?^-+ end of arguments -+$\n?", re.M | re.S)
+
+
+def _validate_flags():
+    """Megatron's parse, validation and global state for the flags; returns the arguments and
+    what Megatron printed meanwhile (its ~890-line argument table), held back until the checks
+    after it pass: a refused start ends with its one line, not with the table. An error of
+    Megatron's validation (its assertions) is refused in one line naming the place."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            args = parse_and_validate_args(extra_args_provider=add_extension_args)
+    except (AssertionError, ValueError, RuntimeError) as exc:
+        sys.stdout.write(_DUMP.sub("", printed.getvalue()))
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        text = " ".join(str(exc).split()) or (where.line or "an assertion")
+        refuse(f"Megatron refused these flags: {text} "
+               f"({os.path.relpath(where.filename, _SITE)}:{where.lineno})")
+    return args, printed.getvalue()
+
+
+# Where the megatron package lies: its checks are named as megatron/training/arguments.py:LINE.
+_SITE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    megatron.training.__file__))))
 
 
 def exit_with_launcher() -> None:
@@ -85,14 +146,14 @@ def main(argv=None) -> None:
         load_plugins(raw_argv)  # families of --ext-plugin modules, before the flags are parsed
         expanded = expand_argv(raw_argv)
     except ValueError as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
+        refuse(str(exc))
     if "--dry-run" in expanded:
         # Numbers only: no process group, no model (megatron_ext/tools/dry_run.py). Megatron's
         # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
 
         raise SystemExit(dry_run_main(expanded, raw_argv))
     expanded, cpu_added = cpu.default_flags(expanded)
-    if cpu_added and os.environ.get("RANK", "0") == "0":
+    if cpu_added and launch_rank() == 0:
         print(f"megatron-ext: no CUDA: CPU backend defaults {' '.join(cpu_added)} "
               "(docs/cpu_backend.md; a flag given wins)", flush=True)
     sys.argv = [sys.argv[0]] + _default_transformer_impl(expanded)
@@ -100,33 +161,33 @@ def main(argv=None) -> None:
     try:
         # The family's layout checks first (Sigma: experts vs EP, top-k vs experts, the schedule
         # vs the model): a message naming our flag rather than one of Megatron's assertions.
-        parsed = parse_args(extra_args_provider=add_extension_args)
+        parsed = _parse_flags()
         check_required_flags(parsed)
         check_family_args(parsed)
+        check_layout(parsed)
     except ValueError as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
-    args = parse_and_validate_args(extra_args_provider=add_extension_args)
+        refuse(str(exc))
+    args, megatron_printed = _validate_flags()
 
     for line in drop_unavailable_fusions(args):
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launch_rank() == 0:
             print(f"megatron-ext: {line}", flush=True)
     try:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
-    except ValueError as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
-    try:
         check_data_paths(args)
         note = check_load_dir(args.load, args.save)  # before --save's directory is made
-        if note and os.environ.get("RANK", "0") == "0":
+        if note and launch_rank() == 0:
             print(f"megatron-ext: {note}", flush=True)
-        check_save_dir(args.save, int(os.environ.get("RANK", "0")))
+        check_save_dir(args.save, launch_rank())
         check_async_save(args, cpu_backend=cpu.is_installed())
+        check_schedule_resume(args)
+        check_table_memory(args)  # before the model draws the tables' rows
     except ValueError as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
+        refuse(str(exc))
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        raise SystemExit("megatron-ext: launch/pretrain.py runs under torchrun (MASTER_ADDR/"
-                         "MASTER_PORT are not set): torchrun --nproc_per_node=N "
-                         "launch/pretrain.py <flags>, or launch/single_node.sh")
+        refuse("launch/pretrain.py runs under torchrun (MASTER_ADDR/MASTER_PORT are not set): "
+               "torchrun --nproc_per_node=N launch/pretrain.py <flags>, or "
+               "launch/single_node.sh")
     family = family_of(args)
     family_cfg = family.config_from_args(args)
     if family.install is not None:
@@ -136,18 +197,21 @@ def main(argv=None) -> None:
     try:
         profiler.install(args)
     except (ValueError, RuntimeError) as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
+        refuse(str(exc))
     if args.ext_run_report:
         install_run_report(args.ext_run_report)
     # Last: its load check runs before the others' (they read the checkpoint it verifies).
 
     checkpoint_hooks.install()
     cfg = pretrain_cfg_container_from_args(args)
+    # The start-up checks passed: Megatron's argument table, held back, goes out now.
+    sys.stdout.write(megatron_printed)
+    sys.stdout.flush()
     try:
         pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)
     except CheckpointError as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
+        refuse(str(exc))
     checkpoint_hooks.WRITER.wait()  # the last save's manifest
     if family.after_training is not None:
         family.after_training(args, family_cfg)

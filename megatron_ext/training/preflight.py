@@ -1,17 +1,40 @@
 """Checks at start-up, before Megatron builds anything, of paths and settings that would otherwise
 fail late or as tracebacks: the indexed datasets named by the data flags, the checkpoint
-directory, and an asynchronous save that cannot run here."""
+directory, an asynchronous save that cannot run here, the parallel layout against the number of
+ranks, a resume whose learning-rate schedule differs from the checkpoint's, and the memory the
+managed STEM tables need against the memory available.
+
+A check raises ``ValueError`` with the one line to show; ``entry.py`` prints it through
+``megatron_ext.training.refusal.refuse`` (printed once per node, every rank exits): a new check raises
+the same way, or calls ``refuse`` itself where its outcome depends on the node or the rank."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import os
-from typing import List, Optional
+import re
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Tuple
 
+import torch
+from megatron.core import dist_checkpointing
 from megatron.core.datasets.object_storage_utils import is_object_storage_path
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training import checkpointing, global_vars
+from megatron.training.training import get_optimizer_param_scheduler
 from megatron.training.utils import has_nvrx_checkpointing_async_support
 
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
+from megatron_ext.stem.host_memory import available_bytes
+from megatron_ext.stem.initial_rows import BLOCK_BYTES
+from megatron_ext.tools.dry_run import LABELS
+from megatron_ext.tools.estimate import table_memory
+from megatron_ext.tools.layout import Layout, validate_layout
+from megatron_ext.tools.model_shape import ModelShape
+from megatron_ext.training.refusal import launch_rank, refuse
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 # Files that hold the data flags' lists: a blend, or a JSON of the train/valid/test blends.
@@ -148,3 +171,229 @@ def check_async_save(args, cpu_backend: bool, nvrx_available=None) -> None:
             raise ValueError("--async-save with --async-strategy nvrx (Megatron's default) needs "
                              "nvidia-resiliency-ext, which is not installed: install it, or pass "
                              "--async-strategy mcore (Megatron's own asynchronous writer)")
+
+
+def check_layout(args) -> None:
+    """The parallel sizes against the ranks torchrun started (``WORLD_SIZE``), by Megatron's rules
+    (``tools/layout.py``), in one line naming the flags. Megatron checks TP x PP x CP in its
+    validation, but EP only when it builds its process groups: ``--expert-model-parallel-size 3``
+    on 2 ranks was a ``RuntimeError`` traceback ("world_size (2) is not divisible by
+    expert_tensor_model_pipeline_parallel size (3)") on every rank."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp  # Megatron's default: TP
+    try:
+        validate_layout(Layout(world_size=args.world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
+                               global_batch=None, check=False))
+    except ValueError as exc:
+        raise ValueError(
+            f"{args.world_size} ranks with --tensor-model-parallel-size {tp} "
+            f"--pipeline-model-parallel-size {pp} --context-parallel-size {cp} "
+            f"--expert-model-parallel-size {ep}"
+            + (f" --expert-tensor-parallel-size {etp}" if etp != tp else "")
+            + f": {exc}; change the sizes or the number of ranks (torchrun --nproc_per_node, "
+            "--nnodes)") from None
+
+
+# The words of Megatron's OptimizerParamScheduler._check_and_set assertion.
+_SCHEDULE_MISMATCH = re.compile(r"class input value (.*) and checkpoint ?value (.*) for (.*) do "
+                                r"not match")
+
+
+def check_schedule_resume(args) -> None:
+    """A resume whose learning-rate schedule (warm-up, decay, their lengths, the rates, weight
+    decay) differs from the checkpoint's, refused before the model is built: Megatron asserts
+    on it in ``OptimizerParamScheduler.load_state_dict`` after building the model, as a
+    traceback. The usual case: a longer ``--train-iters``, which lengthens the weight-decay
+    ramp, the decay unless ``--lr-decay-iters`` is given, and a ``--lr-warmup-fraction``
+    warm-up with it.
+
+    This run's schedule is upstream's own (``get_optimizer_param_scheduler``, on a copy of the
+    arguments and an optimizer without parameters) and is compared by upstream's own
+    ``load_state_dict`` with the checkpoint's, read from its common state (what
+    ``--use-checkpoint-args`` reads before anything is built; torch_dist checkpoints). A
+    checkpoint that cannot be read here is left to the load, which verifies it first and names
+    what is wrong."""
+    if (not args.load or args.finetune or args.no_load_optim
+            or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler):
+        return
+    saved = _saved_schedule(args)
+    if saved is None:
+        return
+    try:
+        with _quiet_scheduler():
+            ours = _schedule(args)
+            if ours is not None:
+                ours.load_state_dict(dict(saved))
+    except AssertionError as exc:
+        found = _SCHEDULE_MISMATCH.search(str(exc))
+        if found:
+            ours_value, saved_value, name = (_number(v) for v in found.groups())
+            what = f"{name}: {saved_value} in the checkpoint, {ours_value} with these flags"
+            if "iterations" in name:  # upstream's name; the values are samples
+                what += (" (in samples, iterations x --global-batch-size: --train-iters sets the "
+                         "decay and weight-decay lengths, --lr-warmup-fraction a share of the "
+                         "decay's)")
+        else:
+            what = " ".join(str(exc).split())
+        raise ValueError(
+            f"--load={args.load}: the checkpoint's learning-rate schedule differs from these "
+            f"flags': {what}; pass --override-opt_param-scheduler to go on with these flags' "
+            "schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        ) from None
+
+
+def _number(text: str) -> str:
+    """A value of upstream's message, floats without their rounding noise (2.4000000000000004)."""
+    try:
+        return f"{float(text):.10g}"
+    except ValueError:
+        return text
+
+
+def _saved_schedule(args) -> Optional[dict]:
+    """The scheduler state of the checkpoint ``--load`` (``--ckpt-step``) would resume, from a
+    torch_dist checkpoint's common state; None where there is none to compare (no checkpoint, a
+    release checkpoint, whose optimizer Megatron does not load, another format)."""
+    if not has_checkpoint(args.load):
+        return None
+    iteration, release = -1, False
+    tracker = checkpointing.get_checkpoint_tracker_filename(args.load)
+    # Unreadable pieces are the load's to report (its manifest check names them): no comparison.
+    try:
+        if os.path.isfile(tracker):
+            iteration, release = checkpointing.read_metadata(tracker)
+        if getattr(args, "ckpt_step", None):
+            iteration, release = args.ckpt_step, False
+        if release or iteration == -1:
+            return None
+        folder = checkpointing.get_checkpoint_name(args.load, iteration, release,
+                                                   return_base_dir=True)
+        if not dist_checkpointing.check_is_distributed_checkpoint(folder):
+            return None
+        state = dist_checkpointing.load_common_state_dict(folder)
+    except Exception:  # noqa: BLE001 - see above: the load reports it
+        return None
+    return state.get("opt_param_scheduler", state.get("lr_scheduler"))
+
+
+def _schedule(args):
+    """Upstream's scheduler for these arguments, built on a copy (it sets ``lr_decay_iters``);
+    None where upstream refuses the schedule itself (it says so when it builds it later)."""
+    previous = global_vars.get_args()
+    global_vars.set_args(copy.copy(args))
+    try:
+        # An optimizer without parameter groups: the scheduler sets no learning rate on it.
+        return get_optimizer_param_scheduler(SimpleNamespace(param_groups=[]))
+    except (AssertionError, ValueError, TypeError):
+        return None
+    finally:
+        global_vars.set_args(previous)
+
+
+@contextlib.contextmanager
+def _quiet_scheduler():
+    """Upstream's scheduler logs each value it builds and loads: not for this comparison."""
+    logger = logging.getLogger(OptimizerParamScheduler.__module__)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _stage_of(rank: int, args, world_size: int) -> int:
+    """The pipeline stage of global rank ``rank`` in Megatron's rank order (``tp-cp-ep-dp-pp``,
+    or ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``)."""
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    if getattr(args, "use_tp_pp_dp_mapping", False):
+        return (rank // (tp * cp)) % pp
+    return rank // (world_size // pp)
+
+
+def table_memory_needs(args, world_size: Optional[int] = None, cuda: Optional[bool] = None
+                       ) -> List[Tuple[Dict[str, float], Dict[str, float]]]:
+    """Per pipeline stage, what one rank's managed tables need at start-up: (GPU bytes, host
+    bytes) by part, the estimate's arithmetic (``tools/estimate.py`` ``table_memory``, that of
+    ``--dry-run``). Host memory also holds, while the model is built, every drawn row of the
+    rank's tables (``stem/initial_rows.py`` draws on the CPU, a GPU placement included) and the
+    drawing's two blocks; without CUDA every part is host memory."""
+    world_size = world_size or args.world_size
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    layout = Layout.from_args(args, world_size)
+    if not layout.stem_managed:  # tables that are parameters are Megatron's to allocate
+        return []
+    spec = ModelShape.from_args(args)
+    needs = []
+    for stage in range(layout.pp):
+        gpu, host = table_memory(spec, layout, stage)
+        if not cuda:
+            for key, value in gpu.items():
+                host[key] = host.get(key, 0) + value
+            gpu = {}
+        drawn = gpu.get("stem_tables", 0) + host.get("stem_tables", 0)
+        if drawn and drawn + 2 * BLOCK_BYTES > sum(host.values()):
+            host = {"stem_tables": drawn, "stem_drawing_buffers": 2 * BLOCK_BYTES}
+        needs.append((gpu, host))
+    return needs
+
+
+_ROOM_ADVICE = ("shard the rows over more data-parallel ranks (--stem-table-sharding vocab), "
+                "keep more of them in the GPU tier (--stem-table-placement tiered, "
+                "--stem-gpu-tier), or use fewer STEM layers (--stem-ratio, --stem-layers)")
+
+
+def _parts(needs: Dict[str, float]) -> str:
+    labels = dict(LABELS, stem_drawing_buffers="STEM drawing buffers")
+    return " + ".join(f"{labels.get(k, k)} {_gib(v)}" for k, v in needs.items() if v)
+
+
+def check_table_memory(args, world_size: Optional[int] = None, cuda: Optional[bool] = None,
+                       available: Optional[int] = None, gpu_free: Optional[int] = None) -> None:
+    """The managed STEM tables' memory against what is available, before anything is drawn:
+    ``stem/initial_rows.py`` draws the rows when the model is built, and a size the allocator
+    refuses failed there as a traceback (32.8 GB asked of a smaller machine), one it grants but
+    cannot back got the run OOM-killed; the room check of ``stem/store.py`` comes after.
+
+    Host: the ranks of this node (``LOCAL_WORLD_SIZE`` from ``RANK - LOCAL_RANK`` on), each by
+    its pipeline stage, together against ``available`` (default
+    ``host_memory.available_bytes``: MemAvailable + SwapFree within the cgroup's limit), the
+    same on every rank of the node, printed by its local rank 0. GPU: this rank's part against
+    its device's free memory (``gpu_free``, default ``torch.cuda.mem_get_info``), printed by
+    each rank that lacks it."""
+    world_size = world_size or args.world_size
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    needs = table_memory_needs(args, world_size, cuda)
+    if not needs:
+        return
+    rank, local = launch_rank(), launch_rank("LOCAL_RANK")
+    on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    first = rank - local
+    node_ranks = [r for r in range(first, first + on_node) if 0 <= r < world_size] or [rank]
+    host = [needs[_stage_of(r, args, world_size)][1] for r in node_ranks]
+    total = sum(sum(h.values()) for h in host)
+    if available is None:
+        available = available_bytes()
+    if available is not None and total > available:
+        worst = max(host, key=lambda h: sum(h.values()))
+        each = "per rank" if all(h == worst for h in host) else "on the busiest rank"
+        together = (f", {_gib(total)} for the {len(node_ranks)} ranks on this node"
+                    if len(node_ranks) > 1 else "")
+        refuse(f"STEM tables need {_gib(sum(worst.values()))} of host memory {each} at "
+               f"start-up ({_parts(worst)}){together}, and {_gib(available)} is available "
+               f"(MemAvailable + SwapFree, within the cgroup's limit); {_ROOM_ADVICE}")
+    gpu = needs[_stage_of(rank, args, world_size)][0]
+    need = sum(gpu.values())
+    if cuda and need:
+        device = local % max(torch.cuda.device_count(), 1)
+        free = torch.cuda.mem_get_info(device)[0] if gpu_free is None else gpu_free
+        if need > free:
+            refuse(f"STEM tables need {_gib(need)} of GPU memory on rank {rank} "
+                   f"({_parts(gpu)}), and GPU {device} has {_gib(free)} free; {_ROOM_ADVICE}",
+                   scope="per_rank")
