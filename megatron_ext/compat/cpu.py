@@ -15,7 +15,7 @@ Every patch is listed in :data:`PATCHES` with the reason it is needed. The appro
   model-parallel RNG tracker (``tensor_parallel.random``) forks the generator that CPU dropout
   actually uses.
 * A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``,
-  the JIT warm-up and the building of the data iterators leave the generator as they found it
+  the JIT warm-up leaves the generator as it found it, and so does a data loader's new iterator
   (the "CUDA" generator is the CPU one here), and the MoE dispatcher's split sizes become host
   lists for gloo's all-to-all.
 """
@@ -81,13 +81,13 @@ PATCHES: List[Patch] = [
           "its warm-up tensors are drawn from the 'CUDA' generator, i.e. the CPU one here, before "
           "the model is built, and their sizes depend on the micro-batch size and TP: without "
           "restoring the state the initial weights would depend on both (on a GPU they do not)."),
-    Patch("megatron.training.training.build_train_valid_test_data_iterators keeps the generator "
-          "state",
-          "each data loader's iterator draws its workers' base seed from the CPU generator, which "
-          "here is also dropout's ('CUDA') generator; pretrain() builds the iterators after "
-          "load_checkpoint restored the saved random state, so a resumed run's dropout started "
-          "three draws off the uninterrupted run's (on a GPU the draws touch only the CPU "
-          "generator, which no step draws from)."),
+    Patch("torch.utils.data.DataLoader.__iter__ keeps the generator state",
+          "a new iterator of a data loader without a generator of its own draws its workers' base "
+          "seed from the CPU generator, which here is also dropout's ('CUDA') generator. "
+          "pretrain() builds the iterators after load_checkpoint restored the saved random "
+          "state (with --dataloader-type cyclic, in the first step), so a resumed run's dropout "
+          "started draws off the uninterrupted run's; on a GPU the draws touch only the CPU "
+          "generator, which no step draws from."),
     Patch("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
           "gloo all_to_all_single needs split sizes as host lists; the GPU path only moves "
           "tensors with is_cuda, which is false here."),
@@ -300,6 +300,24 @@ def _patch_tensor() -> None:
     _set(torch.Tensor, "record_stream", lambda self, stream: None)
 
 
+def _patch_data_loader() -> None:
+    """A data loader's new iterator leaves the CPU generator as it found it (``PATCHES``: that
+    generator is dropout's here)."""
+    original_iter = torch.utils.data.DataLoader.__iter__
+
+    @functools.wraps(original_iter)
+    def data_loader_iter(self):
+        if self.generator is not None:  # its seed comes from its own generator
+            return original_iter(self)
+        state = torch.get_rng_state()
+        try:
+            return original_iter(self)
+        finally:
+            torch.set_rng_state(state)
+
+    _set(torch.utils.data.DataLoader, "__iter__", data_loader_iter)
+
+
 def _patch_megatron() -> None:
     _set(mrandom, "_set_cuda_rng_state",
          lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
@@ -336,18 +354,6 @@ def _patch_megatron() -> None:
             torch.set_rng_state(state)
 
     _set(minit, "_warmup_jit_function", warmup_jit_function)
-
-    original_iterators = mtraining.build_train_valid_test_data_iterators
-
-    @functools.wraps(original_iterators)
-    def build_train_valid_test_data_iterators(*args, **kwargs):
-        state = torch.get_rng_state()
-        try:
-            return original_iterators(*args, **kwargs)
-        finally:
-            torch.set_rng_state(state)
-
-    _set(mtraining, "build_train_valid_test_data_iterators", build_train_valid_test_data_iterators)
 
 
 def _patch_uneven_sequence_parallel_collectives() -> None:
@@ -414,6 +420,7 @@ def install() -> bool:
         return False
     _patch_torch_cuda()
     _patch_tensor()
+    _patch_data_loader()
     _patch_megatron()
     _mode = _CudaToCpuMode()
     _mode.__enter__()
