@@ -63,7 +63,92 @@ def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
         assert torch.equal(got_rows, rows) and torch.equal(got_inverse, inverse)
         # [s, b] lookups equal the table rows of the transposed ids.
         torch.testing.assert_close(got_rows[got_inverse].cpu(), table[ids.t().cpu()])
-    assert tables.stats["fetch_seconds_hidden"] >= 0
+
+
+class ReadClock:
+    """``time`` for ``stem/tables.py``: a clock that moves only while the owners' read gathers
+    rows (``READ`` seconds per read), so the fetch's time accounting is exact and independent of
+    the machine's load. ``release`` (an event) is set by the training thread's first reading
+    of the clock once ``armed``."""
+
+    READ = 5.0
+
+    def __init__(self):
+        self.now, self.armed, self.release, self.reads = 0.0, False, None, []
+
+    def perf_counter(self):
+        import threading
+
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            self.release.set()
+        return self.now
+
+    def wrap(self, gather):
+        import threading
+
+        def timed(*args, **kwargs):
+            self.reads.append(threading.current_thread().name)
+            self.now += self.READ
+            return gather(*args, **kwargs)
+
+        return timed
+
+
+def test_prefetch_reads_on_the_worker_while_the_training_thread_goes_on(mcore_single_rank,
+                                                                        monkeypatch):
+    """A fetch started ahead returns before its rows are read: the read is queued on the worker
+    thread (here held up by an earlier task) and runs there. What the training thread did not
+    wait for is counted as hidden: all of the read when it was done before ``finish_fetch``,
+    none when ``finish_fetch`` waited for all of it, none for a synchronous fetch."""
+    import threading
+
+    from megatron_ext.stem import tables as tables_module
+    from megatron_ext.stem.worker import WORKER
+
+    g = torch.Generator().manual_seed(4)
+    full, layers, tables, device = host_tables(g)
+    clock = ReadClock()
+    monkeypatch.setattr(tables_module, "time", clock)
+    monkeypatch.setattr(tables.store, "gather", clock.wrap(tables.store.gather))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g).to(device)
+
+    def check_bound():
+        for layer, table in zip(layers, full):
+            rows, inverse = layer.bound
+            torch.testing.assert_close(rows[inverse].cpu(), table[ids.t().cpu()])
+
+    gate = threading.Event()
+    clock.release = threading.Event()
+    try:
+        with torch.no_grad():
+            # Read ahead, done before the training thread asks for it: all of it hidden.
+            WORKER.submit(gate.wait)
+            fetch = tables.start_fetch(ids, ahead=True)
+            assert clock.reads == [] and not fetch.served.done()  # queued, not read
+            gate.set()
+            fetch.served.result(timeout=60)
+            tables.finish_fetch(fetch)
+            check_bound()
+            assert clock.reads == ["stem-worker"]
+            assert tables.stats["fetch_seconds_hidden"] == ReadClock.READ
+            # Read ahead, but the worker starts it only once finish_fetch waits: none hidden.
+            WORKER.submit(clock.release.wait)
+            fetch = tables.start_fetch(ids, ahead=True)
+            clock.armed = True
+            tables.finish_fetch(fetch)
+            check_bound()
+            assert clock.reads == ["stem-worker"] * 2
+            # Synchronous: read on the worker as well, never counted as hidden.
+            tables.fetch_now(ids)
+            check_bound()
+            assert clock.reads == ["stem-worker"] * 3
+    finally:  # a failed check leaves no worker task waiting (later tests share the worker)
+        gate.set()
+        clock.release.set()
+        WORKER.wait()
+    assert tables.stats["fetch_seconds_hidden"] == ReadClock.READ
+    assert tables.stats["fetch_seconds"] == 2 * ReadClock.READ  # the waits of the last two
 
 
 @pytest.mark.parametrize("huge", [True, False])
@@ -125,6 +210,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
     later micro-batches come while most of the step is still owed. The gradients' arrival (a
     GPU copy's event: here one that takes 20 ms) is waited for before any row steps, and that
     wait is counted apart (``stem/optimizer-seconds-grad-wait``), inside the step's time."""
+    import threading
     import time
 
     from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
@@ -153,10 +239,21 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
         def step_rows(self, i, rows, grad, plan):
             if slow:
                 time.sleep(0.004 * rows.numel())
-            stepped.extend((i, int(r)) for r in rows)
+            stepped.extend((i, int(r), getattr(in_read, "on", False)) for r in rows)
             tables.store.shards[i].index_add_(0, rows, grad.to(torch.float32), alpha=-lr)
 
-    stepped = []
+    stepped = []  # (table, row, stepped inside a read of rows)
+    in_read = threading.local()  # set on the worker while a read of rows runs
+    gather = tables.store.gather
+
+    def gather_marked(*args, **kwargs):
+        in_read.on = True
+        try:
+            return gather(*args, **kwargs)
+        finally:
+            in_read.on = False
+
+    monkeypatch.setattr(tables.store, "gather", gather_marked)
 
     class Arrived:  # the event of the gradients' copy to the host: lands 20 ms after the step
         def __init__(self):
@@ -170,6 +267,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
 
     steps = TableSteps("sparse")  # the table optimizer's row steps, without Megatron's part
     read_ahead = TableReadAhead(tables)
+    touched = []  # the owned rows each step touched
     for step in range(2):
         run_microbatches(read_ahead, reader, layers, expected, weights, step)
         WORKER.wait()  # as the optimizer's prepare_grads does (drain) before collecting
@@ -179,19 +277,26 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
             want.index_add_(0, tables.owned_ids[local], x, alpha=-lr)
         # After the first step the next step's first micro-batch waits for this step.
         assert (tables.deferred is not None) == (step == 0)
+        touched.append(local)
+        overlapped = list(stepped)  # at step 1: step 0's rows, stepped during step 1
         stepped.clear()
         steps.step_table(tables, SGD(), None, [(local, x) for x in grads], Arrived())
         assert tables.deferred is None
         if step == 1:
             WORKER.wait()
             # every touched row of every table exactly once, whoever stepped it
-            assert sorted(stepped) == sorted((i, int(r)) for i in range(2) for r in local)
+            for rows, record in ((touched[0], overlapped), (touched[1], stepped)):
+                assert sorted((i, r) for i, r, _ in record) == \
+                    sorted((i, int(r)) for i in range(2) for r in rows)
     WORKER.wait()
     assert tables.store.owed_step is None
     results = [done.result() for _, done, _ in steps.tasks]
-    assert sum(took for took, _ in results) > 0
-    if slow:  # the reads stepped their rows (part of the step) before the rest was done
-        assert sum(in_reads for _, in_reads in results) > 0
+    assert not any(in_a_read for _, _, in_a_read in stepped)  # the last step: at once
+    if slow:
+        # Step 0 was left with the store: step 1's reads stepped the owed rows they needed (its
+        # first micro-batch's at least), the chunks the rest (rows no read of step 1 needs).
+        by_reads = sum(in_a_read for _, _, in_a_read in overlapped)
+        assert 0 < by_reads < len(overlapped)
         assert all(in_reads < took for took, in_reads in results)
     # Step 1 ran at once (nothing to overlap: its stats are in), step 0 in the background:
     # drained into the stats as the optimizer's next prepare_grads would.
