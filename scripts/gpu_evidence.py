@@ -23,6 +23,7 @@ import argparse
 import collections
 import csv
 import datetime
+import functools
 import json
 import os
 import selectors
@@ -140,26 +141,26 @@ def _runs(ratios: List[Optional[float]]) -> Tuple[Optional[float], str]:
                         f"{statistics.median(known):.3f}, spread {max(known) - min(known):.3f}")
 
 
-def _rows_placement(path: str) -> List[Row]:
+def _rows_placement(path: str, step: str = "stem_placement") -> List[Row]:
     s = _load(path)
     rows = []
     gpu_ok = s.get("gpu", {}).get("status", "ok") == "ok"
     for name, r in s.items():
-        status = r.get("status", "ok")  # results written before 2026-11-28 held no status
+        status = r.get("status", "ok")  # results of 2026-11-27 and before held no status
         failed = "" if status == "ok" else f"{status}: {r.get('reason', '')}; "
         idle = (r.get("trace") or {}).get("summary", {}).get("main_stream")
         if idle:  # two profiled steps: the GPU waiting for the host
             during = idle.get("idle_ms_per_step_during") or {}
-            rows.append(Row("stem_placement", f"{name} tables, GPU main stream idle per step",
+            rows.append(Row(step, f"{name} tables, GPU main stream idle per step",
                             idle["idle_ms_per_step"], "ms",
                             note=f"trace {os.path.basename(r['trace']['path'])}" + "".join(
                                 f"; {k} {v:.1f} ms" for k, v in during.items())))
         if name == "gpu":
-            rows.append(Row("stem_placement", "gpu tables, step", r.get("iteration_ms"), "ms",
+            rows.append(Row(step, "gpu tables, step", r.get("iteration_ms"), "ms",
                             note=failed.rstrip("; "), incomplete=bool(failed)))
             continue
         goal = PLACEMENT_GOALS.get(name)
-        # Results written before 2026-11-27 held one ratio, no per-repeat list.
+        # Results of the first 2026-11-27 runs held one ratio, no per-repeat list.
         worst, runs = _runs(r.get("ratios_per_repeat") or [r.get("ratio_vs_gpu")])
         short = ""
         if not failed and goal is not None and len(
@@ -175,7 +176,7 @@ def _rows_placement(path: str) -> List[Row]:
             f"{1e3 * r.get('stem/fetch-seconds-exposed', float('nan')):.1f} ms, rows from host "
             f"{r.get('stem/fetch-bytes-from-host', float('nan')) / 2**20:.0f} MiB/step"
             + _kernel_rate(r))
-        rows.append(Row("stem_placement", f"{name} tables, step vs gpu tables", worst, "x", goal,
+        rows.append(Row(step, f"{name} tables, step vs gpu tables", worst, "x", goal,
                         "lower", note=failed + short + runs + details,
                         incomplete=bool(failed or short)))
         sparse = r.get("ratios_per_repeat_vs_gpu_sparse") or [r.get("ratio_vs_gpu_sparse")]
@@ -183,7 +184,7 @@ def _rows_placement(path: str) -> List[Row]:
             # gpu steps whole tables with Megatron's dense Adam; gpu-sparse has the host
             # variants' optimizer with every row on the GPU: this ratio is the host rows' cost.
             worst, runs = _runs(sparse)
-            rows.append(Row("stem_placement", f"{name} tables, step vs gpu-sparse tables",
+            rows.append(Row(step, f"{name} tables, step vs gpu-sparse tables",
                             worst, "x", note=failed + "every row on the GPU, the same sparse "
                             f"row-wise AdamW; {runs}", incomplete=bool(failed)))
     return rows
@@ -276,6 +277,11 @@ def _rows_pytest(path: str, step: str = "gpu_tests") -> List[Row]:
     result = isolated_pytest.load(path)
     rows = []
     for name, f in result["files"].items():
+        if not (f.get("collected") or f["errors"] or f["crashed"]):
+            rows.append(Row(step, f"{name}: failed, errored or crashed", None, "tests", 0,
+                            "lower", note="no test of it ran: the step stopped before it, or "
+                                          "none was collected", incomplete=True))
+            continue
         note = f"{f['passed']} passed, {f['skipped']} skipped"
         if f["crashed"]:
             note += (f"; crashed in {f['crashed_in'].split('::')[-1]} ({f['crash']}), "
@@ -353,13 +359,25 @@ def plan() -> List[Step]:
               "--json", f"{RES}/sigma_step.json"],
              300, "sigma_step.json", _rows_sigma),
         # Two runs of each variant in ABBA order: one run's ratio moved by 0.16 between two
-        # runs of the same code (2026-11-27).
-        Step("stem_placement", "STEM tables on the GPU vs host (and tiered) in training",
+        # runs of the same code (2026-11-27). A 1B run took about 74 s on an H200 (2026-11-27:
+        # three in 222 s), so the host-only variant has its own step: eight runs would not fit
+        # one step's limit, nor one device call.
+        Step("stem_placement", "STEM tables on the GPU vs tiered vs every row in the GPU tier, "
+             "in training, two runs each",
              [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
-              "--timeout", "180", "--repeats", "2", "--variants", "gpu,tiered,cpu,gpu-sparse",
+              "--timeout", "180", "--repeats", "2", "--variants", "gpu,tiered,gpu-sparse",
               "--profile", "gpu,tiered",
               "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
-             540, "stem_placement.json", _rows_placement),
+             540, "stem_placement.json", functools.partial(_rows_placement,
+                                                           step="stem_placement")),
+        Step("stem_placement_cpu", "STEM tables on the GPU vs host memory, in training, two "
+             "runs each",
+             [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
+              "--timeout", "180", "--repeats", "2", "--variants", "gpu,cpu",
+              "--out", f"{RES}/work/stem_placement_cpu",
+              "--json", f"{RES}/stem_placement_cpu.json"],
+             360, "stem_placement_cpu.json", functools.partial(_rows_placement,
+                                                               step="stem_placement_cpu")),
         # The GPU machine's host: the CPU AdamW (0.26 G row-params/s inside the tiered run of
         # 2026-11-24) and the worker's schedule at the 1B shape's host tier (DP=8 share).
         Step("host_optimizer", "sparse CPU AdamW vs DeepSpeed dense CPU Adam, this host",

@@ -10,7 +10,8 @@
 #    into RESULTS_DIR/.site, and names any package still missing;
 # 2. runs the plan of scripts/gpu_evidence.py (GPU tests, every GPU benchmark, the 350M scaling
 #    runs), each step under its own time limit, a failure recorded rather than fatal;
-# 3. writes RESULTS_DIR/evidence.json and RESULTS_DIR/evidence.md (every ratio against its goal).
+# 3. writes RESULTS_DIR/evidence.json and RESULTS_DIR/evidence.md (every ratio against its goal),
+#    then exits 1 if a step failed, crashed, timed out or left a goal without its number.
 # --print-only prints the plan (every command with its limit) and runs nothing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -1,17 +1,17 @@
 """pytest that survives a crashing test: what ran, and the test a crash or hang stopped in.
 
 A test that kills its process (a segmentation fault in a compiled kernel, an abort, a hang) takes
-pytest's JUnit report with it, and every file after it goes unrun: on 2026-11-28 the GPU tests
-died of SIGSEGV at 81% of their files and the one failure before it was lost. Here pytest runs as
-a child with this module loaded as its plugin (``-p isolated_pytest``), which appends one JSON
-line per event (collected, started, each phase's outcome, finished) to a log, flushed as it is
-written. When the child dies, or a test makes no progress for ``--test-timeout`` seconds (the
-child is killed), the log names the test that started and never finished; pytest then starts
-again on the files that had not started (a crash before the first test: each file alone, so
-that the one that dies is found). ``--json`` gets, per file, the tests passed, failed, errored,
-skipped, crashed and never run, the failing test ids, the crash; it is rewritten before and after
-each pytest run, so a kill of this process too (the GPU runner's step limit) leaves a record that
-:func:`load` completes from the event logs.
+pytest's JUnit report with it, and every file after it goes unrun: on an H100 the GPU tests died
+of SIGSEGV at 81% of their files and the one failure before it was lost (issue 48). Here pytest
+runs as a child with this module loaded as its plugin (``-p isolated_pytest``), which appends
+one JSON line per event (collected, started, each phase's outcome, finished) to a log, flushed
+as it is written. When the child dies, or no test starts or finishes for ``--test-timeout``
+seconds (the child is then killed), the log names the test that started and never finished;
+pytest starts again on the files that had not started (a crash before the first test: each file
+alone, so that the one that dies is found). ``--json`` gets, per file, the tests passed, failed,
+errored, skipped, crashed and never run, the failing test ids, the crash; it is rewritten before
+and after each pytest run, so a kill of this process too (the GPU runner's step limit) leaves a
+record that :func:`load` completes from the event logs.
 
     python scripts/isolated_pytest.py --json OUT.json [--junit-dir DIR] [--test-timeout 180] \\
         tests/test_a.py tests/test_b.py::test_one ...
@@ -118,8 +118,9 @@ def _signal_name(rc: int) -> str:
 
 
 def _empty() -> dict:
-    return {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "crashed": 0, "not_run": 0,
-            "failed_ids": [], "crashed_in": None, "crash": None, "skip_reasons": {}}
+    return {"collected": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "crashed": 0,
+            "not_run": 0, "failed_ids": [], "crashed_in": None, "crash": None,
+            "skip_reasons": {}}
 
 
 def _keys(doc: dict, events: List[dict]) -> Dict[str, str]:
@@ -145,6 +146,8 @@ def summarize(doc: dict) -> dict:
         started: List[str] = []
         finished = set()
         collect_errors = 0
+        for k in key.values():
+            files.setdefault(k, _empty())["collected"] += 1
         for ev in events:
             if "collect_error" in ev:
                 collect_errors += 1

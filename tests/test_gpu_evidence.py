@@ -309,6 +309,32 @@ def test_pytest_steps_survive_a_crash_and_an_all_skipped_step_is_not_met(
     assert "all 2 skipped" in skipped["note"] and "needs CUDA" in skipped["note"]
 
 
+def test_a_pytest_step_stopped_from_outside_names_the_test_and_the_files_not_run(tmp_path):
+    """The runner kills a test step at its limit, the isolating driver with it: its last record
+    (written before its last pytest started) and that pytest's events still name the test it
+    stopped in, and a file that never started is not read as met."""
+    events = tmp_path / "part1.events.jsonl"
+    events.write_text("\n".join(json.dumps(e) for e in [
+        {"collected": [["tests/test_b.py::test_one", str(tmp_path / "tests/test_b.py")],
+                       ["tests/test_b.py::test_two", str(tmp_path / "tests/test_b.py")]]},
+        {"start": "tests/test_b.py::test_one"},
+        {"report": "tests/test_b.py::test_one", "when": "call", "outcome": "passed"},
+        {"finish": "tests/test_b.py::test_one"},
+        {"start": "tests/test_b.py::test_two"}]) + "\n")
+    (tmp_path / "gpu_tests.json").write_text(json.dumps({
+        "status": "running",
+        "paths": {"tests/test_b.py": str(tmp_path / "tests/test_b.py"),
+                  "tests/test_c.py": str(tmp_path / "tests/test_c.py")},
+        "parts": [{"args": ["tests/test_b.py", "tests/test_c.py"], "events": str(events),
+                   "exit": None}]}))
+    rows = {r.metric: r for r in gpu_evidence._rows_pytest(str(tmp_path / "gpu_tests.json"))}
+    b = rows["tests/test_b.py: failed, errored or crashed"]
+    assert b.value == 1 and b.met is False
+    assert "crashed in test_two (stopped from outside" in b.note
+    c = rows["tests/test_c.py: failed, errored or crashed"]
+    assert c.value is None and c.met is False and "no test of it ran" in c.note
+
+
 def test_wheel_script_lists_pinned_packages():
     """The wheel script fetches exact pins from requirements.txt (checked without the network)."""
     text = open(os.path.join(ROOT, "scripts", "gpu_wheels.sh")).read()

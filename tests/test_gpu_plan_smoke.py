@@ -37,6 +37,9 @@ TINY = {
     # tested in tests/test_stem_placement_repeats.py).
     "stem_placement": ["--shape", "tiny", "--iters", "6", "--skip", "4",
                        "--variants", "gpu,tiered", "--profile", "tiered", "--repeats", "1"],
+    # The same benchmark and reader with other variants: its flags are parsed by
+    # tests/test_gpu_evidence.py::test_every_command_parses, no second tiny training here.
+    "stem_placement_cpu": None,
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
     "stem_worker_schedule": ["--rows", "512", "--width", "64", "--tokens", "256",
@@ -49,13 +52,23 @@ def _benchmark_steps():
             if s.kind == "python" and s.argv[1].startswith("benchmarks/")]
 
 
+def _reader(step):
+    return getattr(step.rows, "func", step.rows)  # a reader bound to its step's name
+
+
 def test_every_benchmark_step_has_a_tiny_run():
-    """A benchmark step added to the plan needs its tiny flags here."""
-    names = {s.name for s in _benchmark_steps()}
+    """A benchmark step added to the plan needs its tiny flags here, or runs the script and
+    reader of a step that has them."""
+    steps = _benchmark_steps()
+    names = {s.name for s in steps}
     assert names == set(TINY), f"plan's benchmark steps {sorted(names)} vs tiny runs {sorted(TINY)}"
+    tried = {(s.argv[1], _reader(s)) for s in steps if TINY[s.name] is not None}
+    for s in steps:
+        assert (s.argv[1], _reader(s)) in tried, f"{s.name}: no tiny run of its script and reader"
 
 
-@pytest.mark.parametrize("step", _benchmark_steps(), ids=lambda s: s.name)
+@pytest.mark.parametrize("step", [s for s in _benchmark_steps() if TINY[s.name] is not None],
+                         ids=lambda s: s.name)
 def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     argv = gpu_evidence._expand(step.argv, sys.executable, str(tmp_path)) + TINY[step.name]
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -142,7 +142,8 @@ def test_failure_reason_is_the_error_line_not_torchruns_report():
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
            "============================================================\n"
            "launch/pretrain.py FAILED\n------------------------------------------------------\n"
-           "  exitcode  : 1 (pid: 12)\n============================================================\n")
+           "  exitcode  : 1 (pid: 12)\n"
+           "============================================================\n")
     assert placement.failure_reason(log, 1) == \
         "ValueError: --stem-gpu-tier=200% must be at most 100% (exit 1)"
     assert placement.failure_reason("pretrain.py: error: unrecognized arguments: --x\n", 2) == \
