@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVENTS_ENV = "ISOLATED_PYTEST_EVENTS"
 NORMAL_EXITS = (0, 1, 5)  # pytest: all passed, some failed, none collected
+STARTUP_S = 60.0
 
 
 # ----------------------------------------------------------------------------- the plugin (child)
@@ -280,13 +281,16 @@ def _run_part(args: List[str], events: str, junit: Optional[str], test_timeout: 
 
     reader = threading.Thread(target=echo, daemon=True)
     reader.start()
-    size, last = -1, time.time()
+    size, last = 0, time.time()
     while proc.poll() is None:
         now = os.path.getsize(events)
         if now != size:
             size, last = now, time.time()
-        elif time.time() - last > test_timeout:
-            part["killed"] = f"timeout: no progress for {test_timeout:g} s (--test-timeout)"
+        # Before the first event, start-up and collection (torch and Megatron imports: tens of
+        # seconds on a busy machine) get at least STARTUP_S.
+        elif time.time() - last > (test_timeout if size else max(test_timeout, STARTUP_S)):
+            part["killed"] = f"timeout: no progress for {time.time() - last:.0f} s " \
+                             f"(--test-timeout {test_timeout:g})"
             proc.kill()
             break
         time.sleep(0.2)
@@ -303,7 +307,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--junit-dir", default=None,
                    help="one JUnit report per pytest run here (part0.xml, part1.xml, ...)")
     p.add_argument("--test-timeout", type=float, default=300.0,
-                   help="kill pytest when no test has started or finished for this long")
+                   help="kill pytest when no test has started or finished for this long "
+                        f"(before the first test: at least {STARTUP_S:g} s)")
     p.add_argument("--collect-only", action="store_true",
                    help="collect the tests in one pytest run, run none")
     opts = p.parse_args(argv)
