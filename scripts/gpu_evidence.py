@@ -482,7 +482,7 @@ def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[st
     if timed_out:
         status = "timeout"
     elif rc < 0:  # killed by a signal: a segmentation fault, an abort
-        status = f"crashed ({isolated_pytest._signal_name(rc)})"
+        status = f"crashed ({isolated_pytest.signal_name(rc)})"
     else:
         status = "ok" if rc == 0 else f"failed (exit {rc})"
     return {"status": status, "seconds": round(time.time() - t0, 1), "limit_s": limit,

@@ -111,7 +111,7 @@ def _read_events(path: str) -> List[dict]:
     return out
 
 
-def _signal_name(rc: int) -> str:
+def signal_name(rc: int) -> str:
     try:
         return f"{signal.Signals(-rc).name}, exit {rc}"
     except ValueError:
@@ -210,7 +210,7 @@ def _how_it_ended(part: dict, in_test: bool) -> str:
     if rc is None:
         return "stopped from outside (the step's time limit?) while it ran"
     if rc < 0:
-        return _signal_name(rc)
+        return signal_name(rc)
     if in_test:
         return f"exit {rc} inside the test"
     said = [ln for ln in part.get("output_tail", []) if ln.strip()]
