@@ -129,8 +129,9 @@ def test_megatrons_own_validation_is_one_line_naming_its_check():
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("megatron-ext: Megatron refused these flags: --mla-down-proj-fusion "
-                           "requires --multi-latent-attention (megatron/training/arguments.py:"), last
+    assert last.startswith(
+        "megatron-ext: Megatron refused these flags: --mla-down-proj-fusion requires "
+        "--multi-latent-attention (megatron/training/arguments.py:"), last
     assert "------------------------ arguments" not in proc.stdout
 
 

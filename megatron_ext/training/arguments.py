@@ -76,7 +76,9 @@ def parse_error_line(usage_and_error: str) -> str:
         known = known_flags()
         hints = []
         for flag in (word.split("=", 1)[0] for word in rest.split()):
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8) if flag.startswith("--") else []
+            if not flag.startswith("--"):  # a value of the unknown flag
+                continue
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
             if close:
                 hints.append((flag, close[0]))
         if len(hints) == 1:

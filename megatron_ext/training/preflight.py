@@ -5,8 +5,8 @@ ranks, a resume whose learning-rate schedule differs from the checkpoint's, and 
 managed STEM tables need against the memory available.
 
 A check raises ``ValueError`` with the one line to show; ``entry.py`` prints it through
-``megatron_ext.training.refusal.refuse`` (printed once per node, every rank exits): a new check raises
-the same way, or calls ``refuse`` itself where its outcome depends on the node or the rank."""
+``megatron_ext.training.refusal.refuse`` (printed once per node, every rank exits): a new check
+raises the same way, or calls ``refuse`` itself where its outcome depends on the rank."""
 
 from __future__ import annotations
 
