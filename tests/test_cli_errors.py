@@ -375,7 +375,8 @@ def test_load_without_a_checkpoint_is_refused_unless_it_is_the_save_dir(tmp_path
     same = tmp_path / "ck"
     assert "training starts from scratch" in check_load_dir(str(same), str(same))
     (same / "iter_0000002").mkdir(parents=True)
-    assert check_load_dir(str(same), str(tmp_path / "other")) is None  # a checkpoint: loads
+    (same / "iter_0000002" / ".metadata").write_bytes(b"")  # a finished save (DCP's last file)
+    assert check_load_dir(str(same), str(tmp_path / "other"), step=2) is None  # it loads
     with pytest.raises(ValueError, match="no checkpoint there"):
         check_load_dir(str(typo), str(tmp_path / "other"))
 

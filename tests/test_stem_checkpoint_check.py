@@ -60,24 +60,29 @@ def _hybrid_model(stem_layers, ffn=FFN):
                                position_embedding_type="rope")
 
 
-def _args(stem_layers, pattern, no_load_optim=False):
+def _args(stem_layers, pattern, no_load_optim=False, variant="up"):
     return argparse.Namespace(
         model_family="stem", hybrid_layer_pattern=pattern, num_layers=8 if pattern else 4,
-        stem_layers=",".join(map(str, stem_layers)), stem_ratio="1/3",
+        stem_layers=",".join(map(str, stem_layers)), stem_ratio="1/3", stem_variant=variant,
         no_load_optim=no_load_optim, finetune=False)
 
 
-def _save(model, directory, pattern=None, row_state=None):
+def _save(model, directory, pattern=None, row_state=None, stem_layers=None):
     """``model`` as Megatron saves it (iteration 1, the run's args in the common state), with
     ``row_state`` (a name): a per-row tensor of the tables' optimizer state under that name, as
-    the sparse table optimizer saves it (``stem/checkpoint.py``)."""
+    the sparse table optimizer saves it (``stem/checkpoint.py``). ``stem_layers``: the STEM
+    flags in its args (None: args without them, as an older version saved, which leave the
+    tables alone to be checked)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
     folder = os.path.join(directory, "iter_0000001")
     os.makedirs(folder)
-    state = {"model": model.sharded_state_dict(), "iteration": 1,
-             "args": _args([], pattern)}
+    args = _args(stem_layers or [], pattern)
+    if stem_layers is None:
+        for name in ("stem_layers", "stem_ratio", "stem_variant"):
+            delattr(args, name)
+    state = {"model": model.sharded_state_dict(), "iteration": 1, "args": args}
     if row_state is not None:
         key = f"optimizer.state.{row_state}.decoder.layers.1.mlp.table"
         state["optimizer"] = {"stem": ShardedTensor.from_rank_offsets(
@@ -103,6 +108,8 @@ def checkpoints(mcore_single_rank, tmp_path_factory):
                                row_state="stem_row_touched"),
         "gpt_13_lazy": _save(_gpt_model((1, 3)), str(root / "gpt_13_lazy"),
                              row_state="stem_row_steps"),
+        # With the STEM flags in its args, as this version saves.
+        "gpt_13_args": _save(_gpt_model((1, 3)), str(root / "gpt_13_args"), stem_layers=(1, 3)),
     }
 
 
@@ -110,9 +117,9 @@ def _check(model, stem_layers, load, pattern=PATTERN, no_load_optim=False, **ste
     from megatron_ext.models.registry import get_family
     from megatron_ext.stem.config import StemConfig
 
-    get_family("stem").check_checkpoint([model], _args(stem_layers, pattern, no_load_optim),
-                                        StemConfig(layers=stem_layers, **stem), load, None,
-                                        VOCAB)
+    get_family("stem").check_checkpoint(
+        [model], _args(stem_layers, pattern, no_load_optim, stem.get("variant", "up")),
+        StemConfig(layers=stem_layers, **stem), load, None, VOCAB)
 
 
 def test_the_paired_checkpoint_is_accepted(checkpoints):
@@ -155,3 +162,21 @@ def test_a_lazy_adam_sparse_state_is_refused_for_a_sparse_resume(checkpoints):
     _check(model, (1, 3), checkpoints["gpt_13_lazy"], pattern=None,
            **{**SPARSE, "optimizer": "dense"})
     _check(model, (1, 3), checkpoints["gpt_13_sparse"], pattern=None, **SPARSE)
+
+
+@pytest.mark.parametrize("layers,variant,message", [
+    ((1, 2), "up", r"STEM layers \(MLP blocks, from --stem-layers/--stem-ratio\): \[1, 3\] in "
+                   r"the checkpoint, \[1, 2\] in this run"),
+    ((1, 3), "gate", "--stem-variant: up in the checkpoint, gate in this run"),
+])
+def test_the_stem_settings_of_the_checkpoint_are_compared_first(checkpoints, layers, variant,
+                                                                message):
+    """A checkpoint with the STEM flags in its args: another variant (same tables: it loaded
+    silently before) or other STEM layers are refused naming both values; the same model
+    passes, on the GPT and the hybrid path."""
+    from megatron_ext.checkpoint_manifest import CheckpointError
+
+    with pytest.raises(CheckpointError, match=message):
+        _check(_hybrid_model(layers), layers, checkpoints["gpt_13_args"], variant=variant)
+    _check(_hybrid_model((1, 3)), (1, 3), checkpoints["gpt_13_args"])
+    _check(_gpt_model((1, 3)), (1, 3), checkpoints["gpt_13_args"], pattern=None)

@@ -1,11 +1,11 @@
-"""The dense SwiGLU GPT baseline as a family (``--model-family gpt``): a block spec and nothing
-else (``models/registry.py``)."""
+"""The dense SwiGLU GPT baseline as a family (``--model-family gpt``): a block spec and the width
+its checkpoints are checked for (``models/registry.py``)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from megatron_ext.models import hybrid_specs
+from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.specs import block_spec as dense_block_spec
@@ -26,5 +26,12 @@ def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
             for _ in range(mlp_block_count(args))]
 
 
+def check_checkpoint(chunks, args, cfg, load_dir: str, step: Optional[int],
+                     tokenizer_vocab_size: Optional[int]) -> None:
+    """The checkpoint's dense MLPs have this run's width (models/saved_settings.py)."""
+    saved_settings.check(load_dir, step, args, (saved_settings.FFN,))
+
+
 FAMILY = Family("gpt", "dense SwiGLU GPT (the baseline)", block_spec,
-                hybrid_stack_spec=hybrid_stack_spec, hf_mlp_layers=hf_mlp_layers)
+                hybrid_stack_spec=hybrid_stack_spec, hf_mlp_layers=hf_mlp_layers,
+                check_checkpoint=check_checkpoint)

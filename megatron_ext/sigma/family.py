@@ -21,7 +21,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_h
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.convert.layout import split_gated_fc1
-from megatron_ext.models import hybrid_specs
+from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import main_pattern, mlp_block_count
 from megatron_ext.models.log import print_rank_0
@@ -141,6 +141,22 @@ def check_args(args) -> None:
 
 def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
     check_args(args)
+
+
+# What changes a Sigma model on resume (models/saved_settings.py): its experts' number and width,
+# and the top-k every layer routes with in the end. The load-balancing loss, the top-k schedule of
+# training (--sigma-topk-schedule, --sigma-sparsify-at) and expert parallelism are free.
+SETTINGS = (
+    ("--num-experts", lambda a: a.num_experts),
+    ("--moe-ffn-hidden-size", lambda a: a.moe_ffn_hidden_size),
+    ("--moe-router-topk", lambda a: a.moe_router_topk),
+)
+
+
+def check_checkpoint(chunks, args, sigma: SigmaConfig, load_dir: str, step: Optional[int],
+                     tokenizer_vocab_size: Optional[int]) -> None:
+    """The checkpoint's Sigma model is this run's (``SETTINGS``)."""
+    saved_settings.check(load_dir, step, args, SETTINGS)
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
@@ -281,5 +297,6 @@ FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", blo
                 config_from_args=config_from_args, default_flags=FAMILY_FLAGS,
                 check_args=check_args, validate_args=validate_args,
                 model_state=model_state, log_report=log_report, before_forward=before_forward,
-                at_iteration=at_iteration, reset=reset, estimate_terms=SigmaTerms(),
+                at_iteration=at_iteration, reset=reset, check_checkpoint=check_checkpoint,
+                estimate_terms=SigmaTerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})

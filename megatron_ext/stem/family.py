@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_ext.models import hybrid_specs
+from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count, mlp_layer_indices
 from megatron_ext.models.layer import TokenContextMLPLayer
@@ -263,16 +263,32 @@ def _saved_layer(args, saved: SavedTables) -> Optional[Callable[[int], int]]:
     return lambda i: mlp_to_gpt[i]
 
 
+def _stem_layers(args):
+    layers = parse_layers(args.stem_layers) if args.stem_layers else None
+    return StemConfig(ratio=args.stem_ratio, layers=layers).stem_layers(mlp_block_count(args))
+
+
+# What changes a STEM model on resume (models/saved_settings.py): what its tables do and which
+# MLP blocks have one. The tables' width (--ffn-hidden-size) and rows are compared with the
+# checkpoint's tensors (check_table_shapes). Placement, sharding, ownership, optimizer, prefetch,
+# kernel and init are free: a checkpoint's layout does not depend on them (stem/checkpoint.py).
+SETTINGS = (
+    ("--stem-variant", lambda a: a.stem_variant),
+    ("STEM layers (MLP blocks, from --stem-layers/--stem-ratio)", _stem_layers),
+)
+
+
 def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Optional[int],
                      tokenizer_vocab_size: Optional[int]) -> None:
-    """The checkpoint has this model's STEM tables, in the layers ``--stem-layers`` /
-    ``--stem-ratio`` choose and with its ``[vocab, d_ff]`` (``check_table_shapes``), looked up
-    where upstream's loader reads them (a GPT-path checkpoint into the hybrid path: the paired
-    GPT layers)."""
+    """The checkpoint's STEM model is this run's (``SETTINGS``, from the args it was saved
+    with); it has this model's STEM tables, in the layers ``--stem-layers`` / ``--stem-ratio``
+    choose and with its ``[vocab, d_ff]`` (``check_table_shapes``), looked up where upstream's
+    loader reads them (a GPT-path checkpoint into the hybrid path: the paired GPT layers)."""
     saved = saved_tables(load_dir, step)
     if saved is not None:
         check_optimizer_state(saved, stem.optimizer if stem.managed_tables else "ordinary",
                               not (args.no_load_optim or args.finetune))
+    saved_settings.check(load_dir, step, args, SETTINGS)
     saved_layer = _saved_layer(args, saved) if saved is not None else None
     if saved_layer is None:
         return

@@ -11,7 +11,7 @@ from typing import Optional
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_model_config
 
-from megatron_ext.models import hybrid_specs
+from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.log import print_rank_0
@@ -78,6 +78,27 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
                          "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
 
     check_fused_backend(smoe.backend)  # --structmoe-backend triton where it cannot run
+
+
+# What changes a StructMoE model on resume (models/saved_settings.py): the shapes of its
+# projections and experts, and what a layer computes with them (top-k, fusion). Backend, init
+# and the load-balancing coefficient are free.
+SETTINGS = (
+    saved_settings.FFN,
+    ("--structmoe-num-experts", lambda a: a.structmoe_num_experts),
+    ("--structmoe-rank", lambda a: a.structmoe_rank),
+    ("--structmoe-topk", lambda a: a.structmoe_topk),
+    ("--structmoe-fusion", lambda a: a.structmoe_fusion),
+    ("StructMoE D'_ff (--structmoe-ffn-hidden-size, or Eq. 8 with --structmoe-param-matched)",
+     lambda a: layer_budget(config_from_args(a), a.hidden_size, a.ffn_hidden_size,
+                            bool(a.swiglu)).ffn),
+)
+
+
+def check_checkpoint(chunks, args, smoe: StructMoEConfig, load_dir: str, step: Optional[int],
+                     tokenizer_vocab_size: Optional[int]) -> None:
+    """The checkpoint's StructMoE model is this run's (``SETTINGS``)."""
+    saved_settings.check(load_dir, step, args, SETTINGS)
 
 
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
@@ -172,5 +193,6 @@ FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP",
                 hybrid_stack_spec=hybrid_stack_spec,
                 add_args=add_args, config_from_args=config_from_args,
                 validate_args=validate_args, model_state=model_state, log_report=log_report,
-                before_forward=before_forward, estimate_terms=StructMoETerms(),
+                before_forward=before_forward, check_checkpoint=check_checkpoint,
+                estimate_terms=StructMoETerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"structmoe": hf_structmoe_tensors})

@@ -37,6 +37,10 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--no-verify-checkpoint", action="store_true",
                        help="load --load's checkpoint without checking its files against the "
                             "checksum manifest written beside it at save time")
+    group.add_argument("--ext-allow-fresh-start", action="store_true",
+                       help="start from scratch when --load holds no complete checkpoint (an "
+                            "unfinished save, or nothing) instead of refusing to start; an "
+                            "empty or missing --load that is also --save starts fresh anyway")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,

@@ -17,6 +17,19 @@ Wraps ``gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint`` (
 ``load_checkpoint`` calls for a GPT checkpoint loaded by a ``HybridModel`` run): a family with
 heterogeneous layers saved its GPT-path checkpoints with one key per layer, which
 ``models/hybrid_checkpoint.py`` retargets instead.
+
+Wraps ``training.initialize_megatron`` (what ``pretrain`` calls first): once the ranks are up and
+before anything is written into ``--save``, rank 0 takes that directory's lock (``save_lock``) and
+tells the others whether it got it; all of them stop when it did not.
+
+A save that fails (a full device: torch's "unexpected pos" or a ``CheckpointException`` naming no
+cause) stops the training with one line naming the folder and the cause; rank 0 removes the
+unfinished iteration folder, and the tracker, which upstream writes only after a whole save, still
+names the last complete checkpoint (``checkpoint_state``).
+
+Before upstream's loader reads a tensor, the settings every model has are compared with those the
+checkpoint was saved with (``models/saved_settings.py``), then the family's own
+(``Family.check_checkpoint``); a refusal there is one line (``CheckpointError``).
 """
 
 from __future__ import annotations
@@ -28,11 +41,15 @@ from typing import List, Optional, Sequence
 
 import torch
 from megatron.core.dist_checkpointing import gpt_checkpoint_interop
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.training import get_args, get_tokenizer, training
 
 from megatron_ext import checkpoint_manifest as cm
+from megatron_ext import checkpoint_state
+from megatron_ext.models import saved_settings
 from megatron_ext.models.hybrid_checkpoint import retarget_to_layered_gpt_checkpoint
 from megatron_ext.models.registry import family_of
+from megatron_ext.training.save_lock import LOCKS, SaveLockError
 
 
 def _log(line: str) -> None:
@@ -87,7 +104,75 @@ def verify_distributed(folder: str) -> Optional[dict]:
     return manifest
 
 
+def _rank_world():
+    dist = torch.distributed
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def lock_save_dir(save: Optional[str]) -> None:
+    """Rank 0 takes ``--save``'s lock; every rank raises ``CheckpointError`` (the same line) when
+    it could not. Collective over the default group."""
+    if not save:
+        return
+    rank, world = _rank_world()
+    problem: List[Optional[str]] = [None]
+    if rank == 0:
+        try:
+            LOCKS.acquire(save, log=_log)
+        except SaveLockError as exc:
+            problem = [str(exc)]
+        except OSError as exc:
+            problem = [f"--save={save}: cannot take its lock file ({exc.strerror or exc})"]
+    if world > 1:
+        torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise cm.CheckpointError(problem[0])
+
+
+def failed_save(save_dir: str, iteration: Optional[int], exc: BaseException) -> str:
+    """The line a failed save stops with; rank 0 also removes the unfinished iteration folder.
+    DCP raises its ``CheckpointException`` on every rank once the ranks' writes are over (it
+    gathers their results first), so no rank writes into the folder any more; the other ranks
+    then wait for rank 0's removal (torchrun stops the other ranks when the first one exits: a
+    long removal could be cut off before rank 0 prints the line). Another error (rank 0's
+    ``common.pt``) may be rank 0's alone, while the others wait in DCP's collectives: no wait
+    then."""
+    free = checkpoint_state.free_bytes(save_dir)  # before the removal gives some back
+    rank, world = _rank_world()
+    removed = checkpoint_state.remove_partial(save_dir, iteration) if rank == 0 else None
+    message = checkpoint_state.failed_save_message(save_dir, iteration, exc, free, removed)
+    if world > 1 and isinstance(exc, CheckpointException):
+        torch.distributed.barrier()
+    return message
+
+
+def check_checkpoint(model, margs, load_dir: str,
+                     tokenizer_vocab_size: Optional[int] = None) -> None:
+    """The model the checkpoint holds is the one this run builds: the settings of every model,
+    then the family's check (STEM: its tables' shapes and layers), each refusal one line."""
+    family = family_of(margs)
+    try:
+        saved_settings.check(load_dir, margs.ckpt_step, margs, saved_settings.COMMON)
+        if family.check_checkpoint is not None:
+            family.check_checkpoint(model, margs, family.config_from_args(margs), load_dir,
+                                    margs.ckpt_step, tokenizer_vocab_size)
+    except ValueError as exc:  # the family's checks name the flags; no traceback around them
+        raise cm.CheckpointError(str(exc)) from None
+
+
 def install() -> None:
+    init_upstream = training.initialize_megatron
+    if not getattr(init_upstream, "_ext_save_lock", False):
+
+        def initialize_megatron(*args, **kwargs):
+            result = init_upstream(*args, **kwargs)
+            # Before pretrain writes into --save (its progress log, the first checkpoint).
+            lock_save_dir(get_args().save)
+            return result
+
+        initialize_megatron._ext_save_lock = True
+        training.initialize_megatron = initialize_megatron
+
     retarget_upstream = gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint
     if not getattr(retarget_upstream, "_ext_layered", False):
 
@@ -104,15 +189,18 @@ def install() -> None:
     if not getattr(save_upstream, "_ext_manifest", False):
 
         def save_checkpoint(iteration, *args, **kwargs):
-            result = save_upstream(iteration, *args, **kwargs)
-
             margs = get_args()
+            persistent = margs.save and not kwargs.get("non_persistent_ckpt", False)
+            step = None if kwargs.get("release", False) else iteration
+            try:
+                result = save_upstream(iteration, *args, **kwargs)
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+                if not persistent:
+                    raise
+                raise cm.CheckpointError(failed_save(margs.save, step, exc)) from None
 
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            if rank == 0 and margs.save and not kwargs.get("non_persistent_ckpt", False):
-                release = kwargs.get("release", False)
-                folder = cm.iteration_dir(margs.save, None if release else iteration)
-                WRITER.submit(folder, None if release else iteration,
+            if _rank_world()[0] == 0 and persistent:
+                WRITER.submit(cm.iteration_dir(margs.save, step), step,
                               save_dir=margs.save if margs.async_save else None)
             return result
 
@@ -136,11 +224,9 @@ def install() -> None:
                         _log(f"checkpoint {folder}: {len(manifest['files'])} files match their "
                              f"checksums ({manifest['bytes'] / 2**20:.1f} MiB, "
                              f"{time.perf_counter() - start:.2f} s)")
-            family = family_of(margs)
-            if load_dir and family.check_checkpoint is not None:
-                family.check_checkpoint(model, margs, family.config_from_args(margs), load_dir,
-                                        margs.ckpt_step,
-                                        getattr(get_tokenizer(), "vocab_size", None))
+            if load_dir:
+                check_checkpoint(model, margs, load_dir,
+                                 getattr(get_tokenizer(), "vocab_size", None))
             return load_upstream(model, *args, **kwargs)
 
         load_checkpoint._ext_manifest = True

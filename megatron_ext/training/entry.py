@@ -175,7 +175,9 @@ def main(argv=None) -> None:
     try:
         validate_extension_args(args, tokenizer_vocab_size=get_tokenizer().vocab_size)
         check_data_paths(args)
-        note = check_load_dir(args.load, args.save)  # before --save's directory is made
+        # Before --save's directory is made.
+        note = check_load_dir(args.load, args.save, args.ckpt_step,
+                              args.ext_allow_fresh_start)
         if note and launch_rank() == 0:
             print(f"megatron-ext: {note}", flush=True)
         check_save_dir(args.save, launch_rank())

@@ -27,6 +27,7 @@ from megatron.training.training import get_optimizer_param_scheduler
 from megatron.training.utils import has_nvrx_checkpointing_async_support
 
 from megatron_ext.checkpoint_manifest import TRACKER
+from megatron_ext.checkpoint_state import unloadable_reason
 from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
 from megatron_ext.stem.host_memory import available_bytes
 from megatron_ext.stem.initial_rows import BLOCK_BYTES
@@ -130,15 +131,33 @@ def has_checkpoint(path: str) -> bool:
                for name in os.listdir(path))
 
 
-def check_load_dir(load: Optional[str], save: Optional[str]) -> Optional[str]:
+def check_load_dir(load: Optional[str], save: Optional[str], step: Optional[int] = None,
+                   allow_fresh: bool = False) -> Optional[str]:
     """``--load`` names a checkpoint. Megatron warns and trains from scratch when it does not
     (then saves into the mistyped directory): refused unless ``--load`` is also ``--save`` (the
-    auto-resume pattern, whose first run finds nothing), for which a line to print is returned."""
-    if not load or has_checkpoint(load):
+    auto-resume pattern, whose first run finds nothing), for which a line to print is returned.
+    A directory with checkpoint folders but none complete (a save that stopped part-way:
+    ``checkpoint_state.unloadable_reason``) is refused even then, unless ``allow_fresh``
+    (``--ext-allow-fresh-start``); ``step``: ``--ckpt-step``."""
+    if not load:
         return None
+    if has_checkpoint(load):
+        problem = unloadable_reason(load, step or None)  # Megatron ignores --ckpt-step 0
+        if problem is None:
+            return None
+        if allow_fresh:
+            return (f"--load={load}: no complete checkpoint there ({problem}): training starts "
+                    "from scratch (--ext-allow-fresh-start)")
+        raise ValueError(f"--load={load}: no complete checkpoint there ({problem}): Megatron "
+                         "would load nothing and train from scratch. Load another directory or "
+                         "iteration (--ckpt-step), or pass --ext-allow-fresh-start to start from "
+                         "scratch")
     if save and os.path.realpath(load) == os.path.realpath(save):
         return (f"--load={load}: no checkpoint there yet: training starts from scratch (the "
                 "directory is also --save, so a later run resumes from it)")
+    if allow_fresh:
+        return (f"--load={load}: no checkpoint there: training starts from scratch "
+                "(--ext-allow-fresh-start)")
     raise ValueError(f"--load={load}: no checkpoint there (no {TRACKER}, iter_* or release "
                      "directory); a mistyped path would train from scratch. Check the path, or "
                      "give the same directory to --save to start there and resume later")
