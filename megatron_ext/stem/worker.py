@@ -97,8 +97,9 @@ class HostWorker:
             self._thread = threading.Thread(target=self._run, name="stem-worker", daemon=True)
             self._thread.start()
 
-    def _keep(self, future: Future) -> Future:
+    def _keep(self, future: Future, name: str) -> Future:
         # Kept until waited for: finished tasks only if they failed (their error is re-raised).
+        future.task_name = name  # named in the report of a failure (wait)
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(future)
         return future
@@ -114,7 +115,7 @@ class HostWorker:
             task = fn if self.stream is None else _on_stream(fn, self.stream, after)
             self._tasks.append((future, task))
             self._cond.notify()
-        return self._keep(future)
+        return self._keep(future, _task_name(fn))
 
     def submit_background(self, job, after=None) -> Future:
         """Queue ``job``: ``job.run_chunk()`` is called, when no task waits, until it returns
@@ -128,7 +129,7 @@ class HostWorker:
                 ready = after if after is not None else mark()
             self._background.append((future, job, ready))
             self._cond.notify()
-        return self._keep(future)
+        return self._keep(future, f"{type(job).__name__} (background)")
 
     def _run(self) -> None:
         _name_os_thread(b"stem-worker")
@@ -178,19 +179,34 @@ class HostWorker:
                 x.record_stream(stream)
 
     def wait(self) -> float:
-        """Wait for every task and job submitted so far; re-raises the first error among them.
-        On a GPU, the current stream's later work also waits for what they queued on the side
-        stream (a read of the GPU tier after ``wait`` sees its last step). Returns the seconds
-        waited."""
+        """Wait for every task and job submitted so far, failed ones or not. On a GPU, the
+        current stream's later work also waits for what they queued on the side stream (a read
+        of the GPU tier after ``wait`` sees its last step). Returns the seconds waited. If tasks
+        failed, raises the first one's error, with a note naming each of the others (which are
+        also logged, with their tracebacks): none is dropped."""
         start = time.perf_counter()
         pending, self._pending = self._pending, []
-        for future in pending:
-            error = future.exception()
-            if error is not None:
-                raise error
+        failed = [(future, future.exception()) for future in pending]  # waits for each
+        failed = [(future, error) for future, error in failed if error is not None]
+        if failed:
+            first = failed[0][1]
+            others = failed[1:]
+            for future, error in others:
+                logger.error("STEM host worker: task %s failed too: %s: %s",
+                             future.task_name, type(error).__name__, error, exc_info=error)
+            if others:
+                first.add_note(f"{len(others)} more STEM host task(s) failed: " + "; ".join(
+                    f"{future.task_name}: {type(error).__name__}: {error}"
+                    for future, error in others))
+            raise first
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
         return time.perf_counter() - start
+
+
+def _task_name(fn: Callable) -> str:
+    """What a failure report calls a submitted function (its qualified name)."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _name_os_thread(name: bytes) -> None:
@@ -230,11 +246,14 @@ WORKER = HostWorker()
 
 
 def _finish_at_exit() -> None:
-    """Let queued host work end before the interpreter does (the thread is a daemon)."""
+    """Let queued host work end before the interpreter does (the thread is a daemon). A task
+    that failed after the last wait has nobody left to raise its error to: it is logged here
+    (every failure, ``HostWorker.wait``), not dropped."""
     try:
         WORKER.wait()
-    except BaseException:  # reported where it was waited for, if it was
-        pass
+    except BaseException as exc:
+        logger.error("STEM host worker: a task failed after the training's last wait: %s: %s",
+                     type(exc).__name__, exc, exc_info=exc)
 
 
 atexit.register(_finish_at_exit)
