@@ -2,8 +2,8 @@
 embeddings do: vocabulary 777 is padded to 896 rows at TP=1 and to 1024 at TP=2
 (``--make-vocab-size-divisible-by 128`` times TP). A step-5 checkpoint saved at one TP size loads
 at the other with its optimizer state, trains no step (``--train-iters 5``) and saves on exit, so
-its table is the loaded one: the rows both paddings have are the saved rows, bit for bit, and the
-rows only the larger padding has are zero.
+its table and Adam moments are the loaded ones: the rows both paddings have are the saved rows,
+bit for bit, and the rows only the larger padding has are zero.
 
 Losses are not compared across the two paddings: Megatron's output layer scores the padding rows
 too (its cross entropy runs over the padded vocabulary), so a dense GPT resumed with another
@@ -55,6 +55,11 @@ def runs(tmp_path_factory):
     ("managed_tp2", "managed_tp1_from_tp2", 1024, 896)])
 def test_tables_reshard_across_tp_with_other_padding(runs, saved, loaded, rows_saved,
                                                      rows_loaded, mcore_single_rank):
+    """The table and its Adam moments (``exp_avg``, ``exp_avg_sq``) after the load equal the
+    saved ones row by row on every row both paddings have (the vocabulary's 777 and the
+    smaller padding's); rows only the loaded layout's padding has are zero; rows only the saved
+    one had are padding (no token reads them), dropped. The moments of padding rows are zero
+    (never a gradient)."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     require_ok(runs[saved])
@@ -68,9 +73,20 @@ def test_tables_reshard_across_tp_with_other_padding(runs, saved, loaded, rows_s
     after = load_plain_tensors(str(tmp / directory[1] / "iter_0000005"))
     common = min(rows_saved, rows_loaded)
     for layer in (1, 3):
-        key = f"decoder.layers.{layer}.mlp.table"
-        a, b = before[key], after[key]
-        assert a.shape == (rows_saved, 128) and b.shape == (rows_loaded, 128)
-        assert torch.equal(b[:common], a[:common])
-        assert a[:777].abs().min() > 0 or a[:777].abs().max() > 0  # a real table
-        assert torch.count_nonzero(b[common:]) == 0
+        table = f"decoder.layers.{layer}.mlp.table"
+        for key in (table, f"optimizer.state.exp_avg.{table}",
+                    f"optimizer.state.exp_avg_sq.{table}"):
+            a, b = before[key], after[key]
+            assert a.shape == (rows_saved, 128) and b.shape == (rows_loaded, 128), key
+            for row in range(common):  # row by row: a shifted or transposed layout fails here
+                assert torch.equal(b[row], a[row]), (key, row)
+            assert torch.count_nonzero(b[common:]) == 0, key  # new padding rows (if any)
+            if key != table:
+                for padded in (a, b):
+                    assert torch.count_nonzero(padded[777:]) == 0, key
+        # Five steps of Adam: every row of the table is non-zero; the moments of the rows the
+        # mock data's tokens hit are, those of the others zero.
+        assert torch.count_nonzero(before[table][:777].abs().sum(1)) == 777
+        touched = torch.count_nonzero(before[f"optimizer.state.exp_avg_sq.{table}"][:777]
+                                      .abs().sum(1))
+        assert 0 < touched < 777
