@@ -111,12 +111,27 @@ def reference(checkpoints, tmp_path_factory):
          ("sigma_step3_tp2", SIGMA + TP2_SP, SIGMA_EP2, tokens(1), None)])
 
 
+@pytest.fixture(scope="module")
+def converted(checkpoints, tmp_path_factory):
+    """to-hf of a case's checkpoint, once for the module (the logits test and the lm-eval test
+    read the same output): ``converted(case)`` is its Hugging Face directory."""
+    outs = {}
+
+    def convert(case):
+        if case not in outs:
+            # A small shard size: the output has several shards and an index that must cover
+            # them.
+            outs[case] = to_hf(trained(checkpoints, case),
+                               str(tmp_path_factory.mktemp(f"hf_{case}") / "hf"),
+                               "--max-shard-size", "300KB")
+        return outs[case]
+    return convert
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_megatron(case, checkpoints, reference, tmp_path):
+def test_logits_match_megatron(case, converted, reference):
     model, train_layout, layouts, arch = CASES[case]
-    ck = trained(checkpoints, case)
-    # A small shard size: the output has several shards and an index that must cover them.
-    out = to_hf(ck, str(tmp_path / "hf"), "--max-shard-size", "300KB")
+    out = converted(case)
     _check_directory(out, arch)
     hf = hf_model(out, remote=arch == CUSTOM)
     assert type(hf).__name__ == arch
@@ -128,19 +143,19 @@ def test_logits_match_megatron(case, checkpoints, reference, tmp_path):
     # Converted models generate (greedy, with the KV cache).
     out_ids = hf.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
     assert out_ids.shape == (1, 12)
-    if case == "stem_up_managed":
-        _lm_eval(hf, tmp_path)
 
 
-def _lm_eval(model, tmp_path):
+def test_lm_eval_scores_a_converted_stem_model(converted, tmp_path):
     """A converted model with exported code (STEM) runs in lm-eval's HFLM on the synthetic task,
-    and lm-eval's accuracy is the one computed by hand from the model's log-probabilities."""
+    and lm-eval's accuracy is the one computed by hand from the model's log-probabilities. Its
+    own test: without lm-eval only this skips, the logits test above still passes or fails."""
     import test_lm_eval_hf as lm
 
     if lm.LM_EVAL_MISSING:
         pytest.skip(lm.LM_EVAL_MISSING)
     from megatron_ext.convert.evaluate import evaluate_hf
 
+    model = hf_model(converted("stem_up_managed"), remote=True)
     tok = lm.tiny_tokenizer()
     out = evaluate_hf(model, tok, [lm.TASK], lm.write_include_path(tmp_path), batch_size=4)
     acc, _ = lm.reference_accuracy(model, tok)
