@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -32,9 +33,11 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.training import global_vars
 
 from megatron_ext.models.layer import TokenContextTransformerLayer
 from megatron_ext.models.norm import SequenceParallelTorchNorm
+from megatron_ext.models.sdpa_attention import SDPAttention
 
 try:
     from megatron.core.extensions.transformer_engine import TENorm
@@ -72,6 +75,28 @@ def te_available() -> bool:
         and te_problem() is None
 
 
+CORE_ATTENTION_CHOICES = ("auto", "sdpa", "unfused")
+
+
+def local_core_attention(choice: Optional[str] = None):
+    """The local backend's core attention for ``--ext-core-attention`` (``choice``; None: the
+    flag of this training, ``auto`` outside one): ``sdpa`` PyTorch's fused attention
+    (``sdpa_attention.py``), ``unfused`` upstream's ``DotProductAttention``; ``auto`` the fused one
+    when Transformer Engine is absent (a GPU without TE cannot fit upstream's [b, heads, s, s]
+    scores at long sequences), upstream's when TE is there and the local backend was asked for."""
+    if choice is None:
+        # Megatron's parsed flags, read where the spec is built (every family's local layer
+        # comes through dense_layer_spec); not set when a spec is built outside a training.
+        args = getattr(global_vars, "_GLOBAL_ARGS", None)
+        choice = getattr(args, "ext_core_attention", None) or "auto"
+    if choice not in CORE_ATTENTION_CHOICES:
+        raise ValueError(f"--ext-core-attention {choice}: choose one of "
+                         f"{', '.join(CORE_ATTENTION_CHOICES)}")
+    if choice == "auto":
+        choice = "unfused" if te_available() else "sdpa"
+    return SDPAttention if choice == "sdpa" else DotProductAttention
+
+
 def _swap_norm(spec, new):
     """Replace Megatron's torch-norm wrapper (which refuses sequence parallelism) by ``new``."""
     return new if spec is WrappedTorchNorm else spec
@@ -79,9 +104,12 @@ def _swap_norm(spec, new):
 
 def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
                      num_experts: Optional[int] = None,
-                     moe_grouped_gemm: bool = False) -> ModuleSpec:
+                     moe_grouped_gemm: bool = False,
+                     core_attention: Optional[str] = None) -> ModuleSpec:
     """Upstream's GPT layer spec (dense, or upstream's MoE layer when ``num_experts`` is given);
-    the local one with sequence-parallel-capable torch norms."""
+    the local one with sequence-parallel-capable torch norms and the core attention of
+    ``--ext-core-attention`` (``core_attention``: that flag's value; None reads it,
+    ``local_core_attention``)."""
     moe = dict(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm) if num_experts else {}
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
@@ -92,6 +120,7 @@ def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
         attn.submodules,
         q_layernorm=_swap_norm(attn.submodules.q_layernorm, SequenceParallelTorchNorm),
         k_layernorm=_swap_norm(attn.submodules.k_layernorm, SequenceParallelTorchNorm),
+        core_attention=local_core_attention(core_attention),
     )
     new_sub = dataclasses.replace(
         sub,

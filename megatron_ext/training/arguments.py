@@ -18,7 +18,7 @@ from megatron.training.arguments import add_megatron_arguments
 
 from megatron_ext.models.hybrid_pattern import check_family_symbols
 from megatron_ext.models.registry import families, family_of, registered_families
-from megatron_ext.models.specs import te_available
+from megatron_ext.models.specs import CORE_ATTENTION_CHOICES, te_available
 from megatron_ext.tools.data_prep import verify_manifest
 
 
@@ -41,6 +41,11 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="start from scratch when --load holds no complete checkpoint (an "
                             "unfinished save, or nothing) instead of refusing to start; an "
                             "empty or missing --load that is also --save starts fresh anyway")
+    group.add_argument("--ext-core-attention", choices=CORE_ATTENTION_CHOICES, default="auto",
+                       help="core attention of --transformer-impl local: sdpa (PyTorch's fused "
+                            "scaled_dot_product_attention, no [b, heads, s, s] scores; refuses "
+                            "context parallelism and window attention), unfused (Megatron's "
+                            "DotProductAttention); auto: sdpa when Transformer Engine is absent")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,
