@@ -178,7 +178,12 @@ def torchrun_command(layout: Layout, opts, extra: Sequence[str], report: str,
         cmd += ["--mock-data", "--tokenizer-type", "NullTokenizer",
                 "--vocab-size", str(null_tokenizer_vocab(opts.preset, opts.vocab_size))]
     # Without CUDA the entry point's CPU backend defaults (gloo, CPU initialization, no fused
-    # kernels: megatron_ext/compat/cpu.py) apply.
+    # kernels: megatron_ext/compat/cpu.py) apply. On a GPU the batch carries no [b, 1, s, s]
+    # mask: the presets are causal without EOD resets, and the local backend's fused attention
+    # (--ext-core-attention sdpa, models/sdpa_attention.py) takes its flash kernel only without
+    # a mask (with one, the memory-efficient kernel; Transformer Engine ignores it either way).
+    if cuda:
+        cmd += ["--no-create-attention-mask-in-dataloader"]
     cmd += ["--ext-run-report", report, *extra]
     return cmd
 

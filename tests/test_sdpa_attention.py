@@ -208,11 +208,11 @@ def _family_specs():
     }
 
 
-@pytest.mark.parametrize("flag, expected", [(None, SDPAttention), ("auto", SDPAttention),
-                                            ("sdpa", SDPAttention),
-                                            ("unfused", DotProductAttention)])
+@pytest.mark.parametrize("flag, expected", [("sdpa", SDPAttention),
+                                            ("unfused", DotProductAttention),
+                                            ("auto", DotProductAttention),  # the CPU
+                                            (None, DotProductAttention)])  # no training's flags
 def test_every_family_gets_the_flags_core_attention(monkeypatch, flag, expected):
-    assert not specs.te_available()  # auto: sdpa, Transformer Engine being absent here
     args = None if flag is None else SimpleNamespace(ext_core_attention=flag)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     for name, spec in _family_specs().items():
@@ -220,10 +220,17 @@ def test_every_family_gets_the_flags_core_attention(monkeypatch, flag, expected)
         assert found and all(c is expected for c in found), (name, found)
 
 
-def test_auto_keeps_upstreams_attention_beside_transformer_engine(monkeypatch):
-    monkeypatch.setattr(specs, "te_available", lambda: True)
-    assert specs.local_core_attention("auto") is DotProductAttention
+@pytest.mark.parametrize("cuda, te, expected", [(True, False, SDPAttention),
+                                                (True, True, DotProductAttention),
+                                                (False, False, DotProductAttention)])
+def test_auto(monkeypatch, cuda, te, expected):
+    """auto: the fused attention on a GPU without Transformer Engine; upstream's beside TE and
+    on the CPU backend (whose saved tensors tools/estimate.py itemises)."""
+    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(specs, "te_available", lambda: te)
+    assert specs.local_core_attention("auto") is expected
     assert specs.local_core_attention("sdpa") is SDPAttention
+    assert specs.local_core_attention("unfused") is DotProductAttention
 
 
 def test_flag_parses():
@@ -291,3 +298,6 @@ def test_stem_losses_unchanged_under_tp2_sp(launched):
     for it in sdpa:
         assert sdpa[it] == pytest.approx(unfused[it], rel=1e-5), (it, sdpa, unfused)
     assert len(set(sdpa.values())) == 4  # it trains: each iteration's loss differs
+    # the flag reached the model (the losses may agree to the last bit)
+    line = "core attention: torch scaled_dot_product_attention"
+    assert line in launched["sdpa"] and line not in launched["unfused"]

@@ -16,6 +16,7 @@ attention, the off-by-one/learnable softmax, packed sequences and attention bias
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -30,9 +31,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
-from megatron.core.utils import divide
+from megatron.core.utils import divide, log_single_rank
 
 FLAG = "--ext-core-attention"
+logger = logging.getLogger(__name__)
 
 
 class SDPAttention(MegatronModule):
@@ -91,6 +93,10 @@ class SDPAttention(MegatronModule):
                               if softmax_scale is None else softmax_scale)
         self.dropout_p = config.attention_dropout if attention_dropout is None \
             else attention_dropout
+        if layer_number == 1:  # once per model: which attention a run used shows in its log
+            log_single_rank(logger, logging.INFO,
+                            f"core attention: torch scaled_dot_product_attention ({FLAG} sdpa; "
+                            f"scale {self.softmax_scale:.6g}, dropout {self.dropout_p})")
 
     def forward(
         self,

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 from typing import Callable, List, Optional, Sequence
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     LNImpl,
     get_gpt_layer_local_spec,
@@ -82,8 +83,9 @@ def local_core_attention(choice: Optional[str] = None):
     """The local backend's core attention for ``--ext-core-attention`` (``choice``; None: the
     flag of this training, ``auto`` outside one): ``sdpa`` PyTorch's fused attention
     (``sdpa_attention.py``), ``unfused`` upstream's ``DotProductAttention``; ``auto`` the fused one
-    when Transformer Engine is absent (a GPU without TE cannot fit upstream's [b, heads, s, s]
-    scores at long sequences), upstream's when TE is there and the local backend was asked for."""
+    on a GPU without Transformer Engine (which cannot fit upstream's [b, heads, s, s] scores at
+    long sequences); upstream's beside TE (the local backend asked for by name) and on the CPU
+    backend, whose saved tensors ``tools/estimate.py`` itemises for upstream's attention."""
     if choice is None:
         # Megatron's parsed flags, read where the spec is built (every family's local layer
         # comes through dense_layer_spec); not set when a spec is built outside a training.
@@ -93,7 +95,7 @@ def local_core_attention(choice: Optional[str] = None):
         raise ValueError(f"--ext-core-attention {choice}: choose one of "
                          f"{', '.join(CORE_ATTENTION_CHOICES)}")
     if choice == "auto":
-        choice = "unfused" if te_available() else "sdpa"
+        choice = "sdpa" if torch.cuda.is_available() and not te_available() else "unfused"
     return SDPAttention if choice == "sdpa" else DotProductAttention
 
 

@@ -45,7 +45,8 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="core attention of --transformer-impl local: sdpa (PyTorch's fused "
                             "scaled_dot_product_attention, no [b, heads, s, s] scores; refuses "
                             "context parallelism and window attention), unfused (Megatron's "
-                            "DotProductAttention); auto: sdpa when Transformer Engine is absent")
+                            "DotProductAttention); auto: sdpa on a GPU without "
+                            "Transformer Engine, unfused otherwise")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,
