@@ -46,6 +46,7 @@ from megatron_ext.training.preflight import (
 from megatron_ext.training.presets import expand_argv, flag_value, has_flag
 from megatron_ext.training.refusal import launch_rank, refuse, say
 from megatron_ext.training.run_report import install as install_run_report
+from megatron_ext_kernels.row_adam_cpu import RowKernelError
 
 
 def _default_transformer_impl(argv):
@@ -214,6 +215,18 @@ def main(argv=None) -> None:
                  forward_step, model_provider=model_provider)
     except CheckpointError as exc:
         refuse(str(exc))
+    except RowKernelError as exc:
+        # Raised on the rank whose table rows the kernel refused (on the tables' worker thread,
+        # re-raised where the training thread waits for it); torchrun ends the other ranks.
+        refuse("the CPU row kernel refused a STEM table step or read (nothing was written): "
+               + " ".join([str(exc), *getattr(exc, "__notes__", [])]), scope="per_rank")
+    except RuntimeError as exc:
+        if "Connection closed by peer" not in str(exc):
+            raise
+        # gloo's error in a collective whose peer process ended (a rank that stopped with its
+        # own line, or was killed): one line from rank 0 instead of a traceback per rank.
+        refuse("another rank ended during training (its own message, or torchrun's summary, "
+               "says why); this rank stopped in a collective with it")
     checkpoint_hooks.WRITER.wait()  # the last save's manifest
     if family.after_training is not None:
         family.after_training(args, family_cfg)
