@@ -23,6 +23,9 @@ STEM = TINY_GPT + ["--model-family", "stem", "--stem-layers", "1,3", "--train-it
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
 TIERED = ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
           "--stem-gpu-tier", "25%"]
+# benchmarks/stem_placement.py's gpu-sparse variant.
+GPU_SPARSE = ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+              "--stem-optimizer", "sparse", "--stem-gpu-tier", "100%"]
 STEPS = list(range(1, 11))
 VOCAB, FFN = 1024, 128  # padded vocab of TINY_GPT, --ffn-hidden-size
 
@@ -63,7 +66,8 @@ def runs(tmp_path_factory):
     # Sparse, overlapped table step (prefetch on) vs synchronous, with evaluation and a checkpoint
     # between steps while the step of the rows may still run in the background.
     run("sparse_dp2", CPU_VOCAB + ["--stem-optimizer", "sparse", "--save",
-                                   str(tmp / "ck_sparse"), "--save-interval", "5"] + evals)
+                                   str(tmp / "ck_sparse"), "--save-interval", "5",
+                                   "--stem-dump-tables", str(tmp / "dump_sparse")] + evals)
     run("sparse_dp2_no_prefetch", CPU_VOCAB + ["--stem-optimizer", "sparse",
                                                "--no-stem-prefetch"] + evals)
     # Tiered tables (a quarter of the rows in the "GPU" tier: the model's device, here the CPU).
@@ -71,6 +75,10 @@ def runs(tmp_path_factory):
                                 str(tmp / "ck_tiered"), "--save-interval", "5"])
     run("tiered_sparse_dp2_no_prefetch", TIERED + ["--stem-optimizer", "sparse",
                                                    "--no-stem-prefetch"] + evals)
+    # gpu-sparse (benchmarks/stem_placement.py): every row in the "GPU" tier, the sparse
+    # row-wise AdamW; the like-for-like baseline of the host placements.
+    run("gpu_sparse_dp2", GPU_SPARSE + ["--stem-dump-tables", str(tmp / "dump_gpu_sparse")]
+        + evals)
     # Across placements and DP sizes.
     run("resume_tiered_dp2_from_cpu", TIERED + ["--load", str(tmp / "ck_vocab")] + at5)
     run("tiered_from_ordinary", TIERED + ["--load", str(tmp / "ck_ref"), "--no-load-optim",
@@ -219,9 +227,7 @@ def test_tiered_tables(runs):
     and evaluation losses to 1e-5); the start-up lines name the tier and its size per rank."""
     tiered, host = require_ok(runs["tiered_sparse_dp2"]), require_ok(runs["sparse_dp2"])
     assert_close_curves(tiered, host, STEPS)
-    for (_, a), (_, b) in zip(tiered.scalars["lm loss validation"],
-                              host.scalars["lm loss validation"]):
-        assert abs(a - b) <= 1e-5 * abs(b)
+    assert_close_validation(tiered, host)
     log = require_ok(runs["tiered_dp2"]).log
     assert "STEM GPU tier: 256 of 1024 rows (--stem-gpu-tier 25%)" in log
     lines = [line for line in log.splitlines() if "STEM tables on this rank" in line]
@@ -229,6 +235,47 @@ def test_tiered_tables(runs):
     assert len(lines) == 2 and all("1,024 rows (256 in the GPU tier" in line for line in lines)
     assert "tables (fp32, also the master copy) 0.4 MiB" in lines[0]
     assert "STEM GPU tier: 100 of 1024 rows" in runs["resume_tiered_sparse_dp1_other_tier"].log
+
+
+def assert_close_validation(a, b, rel=1e-5):
+    """The evaluations of ``a`` and ``b`` (steps 4, 8 and the end, with ``evals``): the same
+    steps, losses within ``rel``."""
+    va, vb = a.scalars["lm loss validation"], b.scalars["lm loss validation"]
+    assert [s for s, _ in va] == [s for s, _ in vb] and {4, 8} <= {s for s, _ in va}
+    for (_, x), (_, y) in zip(va, vb):
+        assert abs(x - y) <= rel * abs(y)
+
+
+def test_gpu_sparse_placement_is_the_host_tables_semantics(runs, mcore_single_rank):
+    """gpu-sparse (every row in the GPU tier, here the model's device, the CPU) trains as the
+    host tables with the same sparse optimizer: losses and evaluation losses to 1e-5 (the
+    tiers' kernels round differently from the host row kernel at most at fp32 rounding), final
+    tables row by row to fp32 rounding; every row in the tier, nothing read from or stepped in
+    host memory."""
+    gpu_sparse, host = require_ok(runs["gpu_sparse_dp2"]), require_ok(runs["sparse_dp2"])
+    assert_close_curves(gpu_sparse, host, STEPS)
+    assert_close_validation(gpu_sparse, host)
+    tables = {}
+    for name in ("gpu_sparse", "sparse"):
+        dumps = [torch.load(f) for f in sorted(glob.glob(str(runs["tmp"] / f"dump_{name}" /
+                                                             "*.pt")))]
+        assert len(dumps) == 2  # one per rank
+        for layer in (2, 4):  # 1-based layer numbers of the STEM layers 1 and 3
+            full = torch.full((VOCAB, FFN), float("nan"))
+            for dump in dumps:
+                (chunk,) = dump["chunks"]
+                full[chunk["ids"]] = chunk["rows"][chunk["layers"].index(layer)]
+            assert not torch.isnan(full).any()
+            tables[name, layer] = full
+    for layer in (2, 4):
+        torch.testing.assert_close(tables["gpu_sparse", layer], tables["sparse", layer],
+                                   rtol=1e-5, atol=1e-6)
+    assert "STEM GPU tier: 1024 of 1024 rows (--stem-gpu-tier 100%)" in gpu_sparse.log
+    scalars = gpu_sparse.scalars
+    assert len(scalars["stem/fetch-bytes-served"]) == len(STEPS)
+    assert all(v > 0 for _, v in scalars["stem/fetch-bytes-served"])
+    assert all(v == 0 for _, v in scalars["stem/fetch-bytes-from-host"])
+    assert all(v == 0 for _, v in scalars["stem/grad-bytes-to-host"])
 
 
 def test_profiled_trace_shows_the_tables_threads(runs):
@@ -342,11 +389,12 @@ def test_host_traffic_is_the_host_rows_share(runs):
                 assert 0 < sum(host.values()) < sum(total[step] for step in host), name
 
 
-@pytest.mark.parametrize("on,off", [("cpu_vocab_dp2", "cpu_vocab_dp2_no_prefetch"),
-                                    ("sparse_dp2", "sparse_dp2_no_prefetch"),
-                                    ("tiered_sparse_dp2", "tiered_sparse_dp2_no_prefetch"),
-                                    ("sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2_no_prefetch")])
-def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
+@pytest.mark.parametrize("on,off,evaluated", [
+    ("cpu_vocab_dp2", "cpu_vocab_dp2_no_prefetch", False),
+    ("sparse_dp2", "sparse_dp2_no_prefetch", True),
+    ("tiered_sparse_dp2", "tiered_sparse_dp2_no_prefetch", True),
+    ("sparse_pp2_vpp_dp2", "sparse_pp2_vpp_dp2_no_prefetch", False)])
+def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off, evaluated):
     """Prefetch on (the default) vs off, dense and sparse (also with two chunks of tables per
     rank, interleaved 1F1B): identical losses bit for bit over 10 steps (and, sparse, identical
     evaluation losses at steps 4, 8 and the end). With it on, part
@@ -355,7 +403,8 @@ def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
     training thread waits for all of every table step."""
     on, off = require_ok(runs[on]), require_ok(runs[off])
     assert on.curve(STEPS) == off.curve(STEPS)
-    if "lm loss validation" in off.scalars:
+    assert ("lm loss validation" in off.scalars) == evaluated
+    if evaluated:  # the runs with ``evals``
         assert {4, 8} <= {s for s, _ in off.scalars["lm loss validation"]}  # (and the end)
         assert on.scalars["lm loss validation"] == off.scalars["lm loss validation"]
     assert sum(v for _, v in on.scalars["stem/fetch-seconds-hidden"]) > 0
@@ -365,9 +414,11 @@ def test_prefetch_is_bitwise_neutral_and_hides_fetches(runs, on, off):
         return sum(v for _, v in run.scalars[tag])
 
     assert total(on, "stem/optimizer-seconds-exposed") < total(on, "stem/optimizer-seconds")
-    for (_, exposed), (_, step) in zip(off.scalars["stem/optimizer-seconds-exposed"],
-                                       off.scalars["stem/optimizer-seconds"]):
-        assert exposed >= step > 0
+    exposed, stepped = (off.scalars[tag] for tag in ("stem/optimizer-seconds-exposed",
+                                                     "stem/optimizer-seconds"))
+    assert [s for s, _ in exposed] == [s for s, _ in stepped] == STEPS
+    for (_, waited), (_, step) in zip(exposed, stepped):
+        assert waited >= step > 0
 
 
 RESUMED = list(range(6, 11))
