@@ -67,7 +67,7 @@ def _args(stem_layers, pattern, no_load_optim=False, variant="up"):
         no_load_optim=no_load_optim, finetune=False)
 
 
-def _save(model, directory, pattern=None, row_state=None, stem_layers=None):
+def _save(model, directory, pattern=None, row_state=None, stem_layers=None, **extra_args):
     """``model`` as Megatron saves it (iteration 1, the run's args in the common state), with
     ``row_state`` (a name): a per-row tensor of the tables' optimizer state under that name, as
     the sparse table optimizer saves it (``stem/checkpoint.py``). ``stem_layers``: the STEM
@@ -82,6 +82,7 @@ def _save(model, directory, pattern=None, row_state=None, stem_layers=None):
     if stem_layers is None:
         for name in ("stem_layers", "stem_ratio", "stem_variant"):
             delattr(args, name)
+    vars(args).update(extra_args)
     state = {"model": model.sharded_state_dict(), "iteration": 1, "args": args}
     if row_state is not None:
         key = f"optimizer.state.{row_state}.decoder.layers.1.mlp.table"
@@ -110,6 +111,11 @@ def checkpoints(mcore_single_rank, tmp_path_factory):
                              row_state="stem_row_steps"),
         # With the STEM flags in its args, as this version saves.
         "gpt_13_args": _save(_gpt_model((1, 3)), str(root / "gpt_13_args"), stem_layers=(1, 3)),
+        # A sparse table optimizer's run, with its table flags in the args.
+        "gpt_13_sparse_args": _save(_gpt_model((1, 3)), str(root / "gpt_13_sparse_args"),
+                                    row_state="stem_row_touched", stem_layers=(1, 3),
+                                    stem_table_placement="cpu", stem_table_sharding="vocab",
+                                    stem_optimizer="sparse"),
     }
 
 
@@ -180,3 +186,36 @@ def test_the_stem_settings_of_the_checkpoint_are_compared_first(checkpoints, lay
         _check(_hybrid_model(layers), layers, checkpoints["gpt_13_args"], variant=variant)
     _check(_hybrid_model((1, 3)), (1, 3), checkpoints["gpt_13_args"])
     _check(_gpt_model((1, 3)), (1, 3), checkpoints["gpt_13_args"], pattern=None)
+
+
+def test_another_table_optimizer_is_refused_before_the_loader(checkpoints):
+    """A resume that would load the sparse table optimizer's state into the dense one is refused
+    with one line naming both modes and the ways out (it was a traceback inside upstream's
+    loader); without the optimizer state, with the same mode, or with ordinary tables (no table
+    optimizer of ours) the check passes."""
+    from megatron_ext.checkpoint_manifest import CheckpointError
+    from megatron_ext.training.checkpoint_hooks import check_checkpoint as trainer_check
+
+    model = _gpt_model((1, 3))
+    load = checkpoints["gpt_13_sparse_args"]
+    with pytest.raises(ValueError, match=r"^--stem-optimizer: sparse in the checkpoint, dense in "
+                       r"this run: .*resume with --stem-optimizer sparse, or pass "
+                       r"--no-load-optim"):
+        _check(model, (1, 3), load, pattern=None, **{**SPARSE, "optimizer": "dense"})
+    _check(model, (1, 3), load, pattern=None, no_load_optim=True,
+           **{**SPARSE, "optimizer": "dense"})
+    _check(model, (1, 3), load, pattern=None, **SPARSE)
+    _check(model, (1, 3), load, pattern=None, placement="gpu", sharding="replicated")
+    # Through the trainer's check: one line (CheckpointError), no traceback around it.
+    from megatron_ext.stem.family import add_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--stem-table-placement", "gpu", "--stem-table-sharding", "vocab",
+                              "--stem-optimizer", "dense", "--stem-layers", "1,3"])
+    vars(args).update({k: v for k, v in vars(_args((1, 3), None)).items()
+                       if k not in vars(args) or k.startswith("stem_layers")},
+                      ckpt_step=None, hidden_size=model.config.hidden_size,
+                      num_attention_heads=model.config.num_attention_heads)
+    with pytest.raises(CheckpointError, match="^--stem-optimizer: sparse in the checkpoint"):
+        trainer_check([model], args, load, VOCAB)

@@ -278,6 +278,30 @@ SETTINGS = (
 )
 
 
+def _table_optimizer(placement: str, sharding: str, mode: str) -> Optional[str]:
+    """The optimizer of managed tables (``--stem-optimizer``); None for ordinary tables
+    (``StemConfig.managed_tables``), whose state is Megatron's optimizer's and not compared here."""
+    return None if (placement == "gpu" and sharding == "replicated") else mode
+
+
+def check_table_optimizer(saved_args, stem: StemConfig) -> None:
+    """Refuse (one line), before upstream's loader reads a tensor, a resume that loads the tables'
+    optimizer state of one ``--stem-optimizer`` into the other: the sparse state holds each row's
+    last iteration with a gradient, the dense one does not (``load_optimizer_state`` refused it
+    too, but inside upstream's loader, as a traceback on every rank)."""
+    try:
+        then = _table_optimizer(saved_args.stem_table_placement, saved_args.stem_table_sharding,
+                                saved_args.stem_optimizer)
+    except AttributeError:  # no args, or saved without these flags: the loader still checks
+        return
+    now = _table_optimizer(stem.placement, stem.sharding, stem.optimizer)
+    if then is not None and now is not None and then != now:
+        raise ValueError(
+            f"--stem-optimizer: {then} in the checkpoint, {now} in this run: the tables' "
+            f"optimizer state of one does not load into the other; resume with --stem-optimizer "
+            f"{then}, or pass --no-load-optim (the rows load, their moments start anew)")
+
+
 def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Optional[int],
                      tokenizer_vocab_size: Optional[int]) -> None:
     """The checkpoint's STEM model is this run's (``SETTINGS``, from the args it was saved
@@ -289,6 +313,8 @@ def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Option
         check_optimizer_state(saved, stem.optimizer if stem.managed_tables else "ordinary",
                               not (args.no_load_optim or args.finetune))
     saved_settings.check(load_dir, step, args, SETTINGS)
+    if not (args.no_load_optim or args.finetune):
+        check_table_optimizer(saved_settings.saved_args(load_dir, step), stem)
     saved_layer = _saved_layer(args, saved) if saved is not None else None
     if saved_layer is None:
         return
