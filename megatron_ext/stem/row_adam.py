@@ -19,7 +19,9 @@ they differ in which rows are computed at each iteration:
   ``eps b2^((j-s0)/2) / sqrt(1-b2^j)``: eps shrinks with ``sqrt(v)`` while the row is untouched
   (what makes the move O(1); the same order as ``eps`` for a few dozen iterations, when the
   momentum moves the row). So every read of a row sees AdamW's values up to that, whenever and
-  however often the row was read before. Lazy Adam (moments frozen while untouched, FBGEMM's
+  however often the row was read before (how far that is from AdamW, measured:
+  ``benchmarks/stem_sparse_semantics.py``, docs/stem.md; bounded by
+  ``tests/test_stem_sparse_semantics.py``). Lazy Adam (moments frozen while untouched, FBGEMM's
   row-wise and TF's LazyAdam) moves a row 1 lr per gradient impulse where AdamW moves it about
   ``sum r^j`` lr (13 with betas 0.9, 0.95), and cost this project's main job 0.014 of validation
   loss (docs/benchmarks.md). Needs ``b1 < sqrt(b2)`` (the momentum's move converges).
