@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from multirank import ROOT, TINY_GPT, Launches, require_ok
+from tests_helpers import parse_tiny_args
 
 from megatron_ext import checkpoint_manifest as cm
 from megatron_ext import checkpoint_state as cs
@@ -289,19 +290,6 @@ def _save_args(folder, args):
     return folder
 
 
-def _parse(flags):
-    from megatron.training.arguments import parse_args
-
-    from megatron_ext.training.arguments import add_extension_args
-
-    argv = sys.argv
-    sys.argv = ["pretrain.py", *TINY_GPT, *flags]
-    try:
-        return parse_args(extra_args_provider=add_extension_args)
-    finally:
-        sys.argv = argv
-
-
 SIGMA = ["--model-family", "sigma", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
          "--moe-router-topk", "1"]
 STRUCTMOE = ["--model-family", "structmoe"]
@@ -329,8 +317,8 @@ def test_a_resume_that_builds_another_model_is_refused(mcore_single_rank, tmp_pa
     find no tables and its settings decide."""
     from megatron_ext.training.checkpoint_hooks import check_checkpoint
 
-    load = _save_args(str(tmp_path / "ck"), _parse(saved))
-    args = _parse(resumed)
+    load = _save_args(str(tmp_path / "ck"), parse_tiny_args(saved))
+    args = parse_tiny_args(resumed)
     args.ckpt_step = None
     with pytest.raises(cm.CheckpointError, match=rf"--load={re.escape(load)}: the checkpoint "
                        rf"holds another model than this run builds \(.*{re.escape(message)}"):
@@ -347,8 +335,8 @@ def test_settings_that_keep_the_model_stay_free(mcore_single_rank, tmp_path, sav
     """(STEM's: test_settings_that_keep_the_stem_model_are_free_on_resume, with its tables.)"""
     from megatron_ext.training.checkpoint_hooks import check_checkpoint
 
-    load = _save_args(str(tmp_path / "ck"), _parse(saved))
-    args = _parse(resumed)
+    load = _save_args(str(tmp_path / "ck"), parse_tiny_args(saved))
+    args = parse_tiny_args(resumed)
     args.ckpt_step = args.no_load_optim = None
     check_checkpoint([], args, load)
 
@@ -360,7 +348,8 @@ def test_settings_an_older_checkpoint_lacks_are_not_compared():
 
     old = argparse.Namespace(ffn_hidden_size=128, stem_ratio="1/2", stem_layers=None,
                              num_layers=4)  # no stem_variant
-    new = _parse(["--model-family", "stem", "--stem-variant", "gate", "--stem-layers", "1,2"])
+    new = parse_tiny_args(["--model-family", "stem", "--stem-variant", "gate",
+                           "--stem-layers", "1,2"])
     assert differences(old, new, SETTINGS) == [
         "STEM layers (MLP blocks, from --stem-layers/--stem-ratio): [1, 3] in the checkpoint, "
         "[1, 2] in this run"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from multirank import PRETRAIN, ROOT, TINY_GPT
+from tests_helpers import parse_tiny_args as parse
 
 
 # The Sigma family's fixed flags (the entry point adds them; parse() here does not) + 4 experts.
@@ -19,18 +20,6 @@ SIGMA = ["--model-family", "sigma", "--num-experts", "4", "--moe-ffn-hidden-size
          "--moe-router-topk", "1", "--qk-layernorm", "--moe-router-pre-softmax", "--moe-router-dtype", "fp32",
          "--moe-router-load-balancing-type", "none"]
 
-
-def parse(extra):
-    from megatron.training.arguments import parse_args
-
-    from megatron_ext.training.arguments import add_extension_args
-
-    argv = sys.argv
-    sys.argv = ["pretrain.py", *TINY_GPT, *extra]
-    try:
-        return parse_args(extra_args_provider=add_extension_args)
-    finally:
-        sys.argv = argv
 
 
 @pytest.mark.parametrize("extra,match", [

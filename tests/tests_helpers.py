@@ -40,3 +40,19 @@ def build_tiny_stem_mlp(variant: str = "up", hidden: int = 16, ffn: int = 24, vo
         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
         stem=StemConfig(variant=variant, init=init), vocab_size=vocab,
         config=TransformerConfig(**cfg), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def parse_tiny_args(extra):
+    """Megatron's ``parse_args`` with the plugin's flags, on ``multirank.TINY_GPT`` + ``extra``
+    (``sys.argv`` restored after)."""
+    from megatron.training.arguments import parse_args
+    from multirank import TINY_GPT
+
+    from megatron_ext.training.arguments import add_extension_args
+
+    argv = sys.argv
+    sys.argv = ["pretrain.py", *TINY_GPT, *extra]
+    try:
+        return parse_args(extra_args_provider=add_extension_args)
+    finally:
+        sys.argv = argv
