@@ -210,10 +210,30 @@ def last_error_line(text: str, limit: int = 300) -> str:
     return pick[-1][:limit]
 
 
-def run_layout(cmd: List[str], log_path: str, timeout: float,
-               threads: int) -> Tuple[str, int, float]:
+def child_pids(pid: int) -> List[int]:
+    """The processes whose parent is ``pid`` (torchrun's ranks), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # the fields after the command's closing parenthesis: state, ppid, ...
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def run_layout(cmd: List[str], log_path: str, timeout: float, threads: int,
+               stop_after: Optional[float] = None) -> Tuple[str, int, float]:
     """Run ``cmd`` (its own process group, so a timeout kills every rank); output to
-    ``log_path``. Returns (status, return code, seconds)."""
+    ``log_path``. Returns (status, return code, seconds).
+
+    ``stop_after``: seconds after which torchrun's ranks get SIGTERM, which a run with
+    Megatron's ``--exit-signal-handler`` answers by ending after its current iteration and
+    exiting 0 (torchrun itself is not signalled: it would tear the ranks down and fail)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     with open(log_path, "w") as f:
@@ -222,7 +242,16 @@ def run_layout(cmd: List[str], log_path: str, timeout: float,
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout)
+            if stop_after is not None:
+                try:
+                    proc.wait(timeout=stop_after)
+                except subprocess.TimeoutExpired:
+                    for child in child_pids(proc.pid):
+                        try:
+                            os.kill(child, signal.SIGTERM)
+                        except ProcessLookupError:
+                            pass
+            rc = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
             status = "ok" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -270,6 +270,33 @@ def _rows_scaling(preset: str):
     return read
 
 
+def _rows_first_runs(path: str) -> List[Row]:
+    """``launch/first_runs.py``'s summary: per run its tokens/s, MFU and peak memory (a run that
+    did not finish: one row saying how, not met), per pair its ratio against the issue's goal."""
+    s = _load(path)
+    step, rows = "first_runs", []
+    for r in s["runs"]:
+        if r["status"] != "ok":
+            rows.append(Row(step, f"{r['run']}: trained", None, "", note=f"{r['status']}: "
+                            f"{r.get('error', '')}", incomplete=True))
+            continue
+        note = (f"{r['measured_iters']} measured iterations of {r['tokens_per_iteration']} "
+                f"tokens, final loss {r['loss_final']}")
+        rows += [Row(step, f"{r['run']} tokens/s", r["tokens_per_s_per_gpu"], "tok/s", note=note),
+                 Row(step, f"{r['run']} MFU", None if r.get("mfu") is None else 100 * r["mfu"],
+                     "%", note=f"peak {s['peak_tflops']} TFLOP/s ({s['peak_source']})"),
+                 Row(step, f"{r['run']} peak memory", r["peak_mem_gib"], "GiB",
+                     note=r.get("peak_mem_metric", ""))]
+    for p in s["pairs"]:
+        mfu = p["metric"] == "mfu"
+        value = p["ratio"] if not mfu or p["ratio"] is None else 100 * p["ratio"]
+        goal = p["goal"] if not mfu or p["goal"] is None else 100 * p["goal"]
+        rows.append(Row(step, f"{p['pair']} {p['metric']}", value, "%" if mfu else "x", goal,
+                        "higher" if p["better"] == "higher" else "lower", note=p["note"],
+                        incomplete=bool(p["goal"] is not None and p["ratio"] is None)))
+    return rows
+
+
 def _rows_pytest(path: str, step: str = "gpu_tests") -> List[Row]:
     """Per test file, its failed, errored and crashed tests (goal none), naming them and the
     test a crash or hang stopped in; in all, the tests that passed (goal: at least one; a step
@@ -404,6 +431,15 @@ def plan() -> List[Step]:
              "--layouts", "tp1ep1pp1dp1", "--iters", "20", "--warmup-iters", "3",
              "--micro-batch-size", "2", "--out", f"{RES}/scaling_{preset}"],
             300, f"scaling_{preset}/scaling.csv", _rows_scaling(preset)))
+    # Issue 51's first runs, one after another on one GPU from the main job's corpus: each
+    # stops 90 s after its start (about 40-60 s of training after a 1B model's start-up), so
+    # five runs and the corpus build take about 8 minutes of the 9.
+    steps.append(Step(
+        "first_runs", "dense_1b, stem_1b tiered, dense_structmoe_0p9b, structmoe_0p9b, "
+        "Sigma-MoE-Tiny 6 layers: tokens/s, MFU, memory, loss, the pairs' ratios",
+        [PY, "launch/first_runs.py", "--run-seconds", "90", "--micro-batch-size", "4",
+         "--out", f"{RES}/first_runs"],
+        540, "first_runs/first_runs.json", _rows_first_runs))
     return steps
 
 

@@ -42,6 +42,10 @@ TINY = {
     "stem_placement_cpu": None,
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
+    # launch/first_runs.py: the CPU pair, a tiny corpus, fixed iterations (the time budget's
+    # check needs CUDA).
+    "first_runs": ["--runs", "dense_cpu,stem_cpu", "--iters", "3", "--warmup-iters", "1",
+                   "--micro-batch-size", "2", "--corpus-vocab", "512", "--corpus-mb", "0.2"],
     "stem_worker_schedule": ["--rows", "512", "--width", "64", "--tokens", "256",
                              "--compute-ms", "2", "--steps", "3", "--skip", "1"],
 }
@@ -49,7 +53,7 @@ TINY = {
 
 def _benchmark_steps():
     return [s for s in gpu_evidence.plan()
-            if s.kind == "python" and s.argv[1].startswith("benchmarks/")]
+            if s.kind == "python" and s.argv[1].startswith(("benchmarks/", "launch/first_runs"))]
 
 
 def _reader(step):

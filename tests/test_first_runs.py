@@ -1,0 +1,111 @@
+"""``launch/first_runs.py``'s summary on fabricated run reports: the pairs' ratios and dense_1b's
+MFU against hand counts, a run that did not finish as a row saying so (in the summary and in the
+GPU runner's reader), the plot and the markdown written. The training itself runs in
+``tests/test_gpu_plan_smoke.py`` (the runner's step with the CPU pair)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests_helpers import load_script
+
+fr = load_script("launch/first_runs.py", "first_runs_under_test")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+import gpu_evidence  # noqa: E402
+
+H100 = "NVIDIA H100 80GB HBM3"
+FLOPS = {"dense_1b": 9_025_093_632, "stem_1b": 8_521_777_152}  # the dry run's estimates
+S, MBS = 4096, 4
+
+
+def _report(seconds, flops, peak_gib, device=H100):
+    """A run report (training/run_report.py's fields): start-up, then iterations of 4 x 4096."""
+    its = [{"iteration": i + 1, "seconds": sec, "sequences": MBS, "tokens": MBS * S,
+            "train_flops_per_token": flops, **({"startup": True} if i == 0 else {})}
+           for i, sec in enumerate(seconds)]
+    return {"iterations": its, "finished_by": "atexit",
+            "layout": {"world_size": 1, "micro_batch_size": MBS, "global_batch_size": MBS,
+                       "num_microbatches": 1, "seq_length": S},
+            "memory": {"peak_bytes": int(peak_gib * 2**30), "peak_metric": "max_reserved_bytes",
+                       "max_allocated_bytes": None, "max_rss_bytes": 0},
+            "device": {"name": device}}
+
+
+def _rows(device=H100):
+    # dense: 3 measured iterations of 0.4 s; STEM: 0.36 s (after 2 left out)
+    dense = fr.run_row("dense_1b", _report([30, 1.0, 0.4, 0.4, 0.4], FLOPS["dense_1b"], 60.0,
+                                           device), 2, 989.4, [(1, 11.9), (5, 9.5)])
+    stem = fr.run_row("stem_1b", _report([40, 1.0, 0.36, 0.36, 0.36], FLOPS["stem_1b"], 64.0,
+                                         device), 2, 989.4, [(1, 11.9), (5, 9.4)])
+    return {"dense_1b": dense, "stem_1b": stem}
+
+
+def test_pair_ratios_and_mfu_by_hand():
+    rows = _rows()
+    tokens = MBS * S  # 16,384 tokens per iteration
+    dense_tps = 3 * tokens / 1.2  # 40,960 tokens/s
+    assert rows["dense_1b"]["tokens_per_s_per_gpu"] == pytest.approx(dense_tps)
+    # 40,960 x 9,025,093,632 = 369.67 TFLOP/s of an H100 SXM's 989.4: 37.36 %
+    assert rows["dense_1b"]["mfu"] == pytest.approx(369.6678 / 989.4, rel=1e-6)
+    assert rows["dense_1b"]["loss"] == [[tokens, 11.9], [5 * tokens, 9.5]]  # loss vs tokens
+    pairs = {(p["pair"], p["metric"]): p for p in fr.pair_rows(rows, H100)}
+    tps = pairs[("stem_1b / dense_1b", "tokens_per_s_per_gpu")]
+    assert tps["ratio"] == pytest.approx(0.4 / 0.36)  # 1.111x
+    assert tps["goal"] == 1.05 and tps["met"] is True
+    mem = pairs[("stem_1b / dense_1b", "peak_mem_gib")]
+    assert mem["ratio"] == pytest.approx(64 / 60) and mem["goal"] == 1.10 and mem["met"] is True
+    mfu = pairs[("dense_1b", "mfu")]
+    assert mfu["goal"] == 0.40 and mfu["met"] is False  # 37.4 % < 40 %
+    # on another GPU the 40 % goal (an H100's) is not judged
+    other = {p["pair"]: p for p in fr.pair_rows(_rows("NVIDIA H200"), "NVIDIA H200")}
+    assert other["dense_1b"]["goal"] is None and other["dense_1b"]["met"] is None
+
+
+def test_a_failed_run_is_a_row_and_its_pair_misses_its_goal(tmp_path):
+    rows = _rows()
+    rows["stem_1b"] = fr.failed_row("stem_1b", fr.failure_status(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"), "exit code 1")
+    assert rows["stem_1b"]["status"] == "out of memory"
+    assert fr.failure_status("ValueError: bad flag") == "failed"
+    pairs = fr.pair_rows(rows, H100)
+    stem = [p for p in pairs if p["pair"] == "stem_1b / dense_1b"]
+    assert stem and all(p["ratio"] is None and p["met"] is False and "out of memory" in p["note"]
+                        for p in stem)
+    summary = {"device": H100, "cuda": True, "peak_tflops": 989.4, "peak_source": "datasheet",
+               "corpus": {"prefix": "x", "vocab": 8192, "tokens": 1000}, "title": "t",
+               "runs": [rows["dense_1b"], rows["stem_1b"]], "pairs": pairs}
+    fr.write_outputs(summary, str(tmp_path))
+    assert "| stem_1b | out of memory |" in (tmp_path / "first_runs.md").read_text()
+    png = (tmp_path / "first_runs.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the GPU runner's reader: the run is a row that is not met, and so are the pair's goals
+    read = gpu_evidence._rows_first_runs(str(tmp_path / "first_runs.json"))
+    (trained,) = [r for r in read if r.metric == "stem_1b: trained"]
+    assert trained.met is False and "out of memory" in trained.note
+    goals = [r for r in read if r.metric.startswith("stem_1b / dense_1b")]
+    assert len(goals) == 2 and all(r.met is False and r.incomplete for r in goals)
+    (mfu,) = [r for r in read if r.metric == "dense_1b mfu"]
+    assert mfu.value == pytest.approx(100 * 369.6678 / 989.4, rel=1e-6) and mfu.goal == 40.0
+
+
+def test_gpu_commands_name_the_corpus_the_vocabulary_and_the_stop():
+    opts = fr.parse_args(["--out", "/tmp/x"])
+    assert opts.run_list == fr.GPU_RUNS
+    data = {"prefix": "/d/corpus", "tokenizer": "/d/tok", "vocab": 8192, "tokens": 1,
+            "manifest": "/d/manifest.json"}
+    cmd = fr.run_command("stem_1b", opts, data, "/tmp/x/stem_1b", "/tmp/x/r.json", cuda=True)
+    flags = cmd[cmd.index(fr.scaling.PRETRAIN) + 1:]
+
+    def last(flag):
+        return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
+
+    assert last("--data-path") == "/d/corpus" and last("--tokenizer-model") == "/d/tok"
+    assert last("--make-vocab-size-divisible-by") == "128256"  # the preset's vocabulary
+    assert last("--stem-table-placement") == "tiered" and last("--stem-gpu-tier") == "10%"
+    assert "--exit-signal-handler" in flags and last("--global-batch-size") == "4"
+    with pytest.raises(ValueError, match="--corpus-vocab=200000"):
+        fr.run_command("dense_1b", opts, dict(data, vocab=200000), "/tmp/x", "/tmp/r", True)
