@@ -286,7 +286,7 @@ def plot(summary: Dict[str, object], path: str) -> None:
         plt.close(fig)
 
 
-def write_outputs(summary: Dict[str, object], out: str) -> None:
+def write_outputs(summary: Dict[str, object], out: str, with_plot: bool = True) -> None:
     def dump(tmp):
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)
@@ -298,7 +298,8 @@ def write_outputs(summary: Dict[str, object], out: str) -> None:
 
     scaling._replace_atomically(os.path.join(out, "first_runs.json"), dump)
     scaling._replace_atomically(os.path.join(out, "first_runs.md"), md)
-    plot(summary, os.path.join(out, "first_runs.png"))
+    if with_plot:
+        plot(summary, os.path.join(out, "first_runs.png"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +420,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             log(f"{name}: {row['status']}: {row['error']} ({wall:.0f} s)")
 
-    summary = {
+        # after each run: a step killed at its limit still leaves the runs before
+        write_outputs(make_summary(opts, rows, device, cuda, peak, peak_source, data), out,
+                      with_plot=False)
+    write_outputs(make_summary(opts, rows, device, cuda, peak, peak_source, data), out)
+    log(f"wrote {out}/first_runs.json, first_runs.md and first_runs.png")
+    print(markdown(make_summary(opts, rows, device, cuda, peak, peak_source, data)))
+    return 0 if all(r["status"] == "ok" for r in rows.values()) else 1
+
+
+def make_summary(opts, rows: Dict[str, Dict[str, object]], device: str, cuda: bool,
+                 peak: Optional[float], peak_source: str,
+                 data: Dict[str, object]) -> Dict[str, object]:
+    """The summary of the runs so far (a run not yet trained: ``not run``)."""
+    runs = [rows.get(n) or {"run": n, "status": "not run"} for n in opts.run_list]
+    return {
         "device": device, "cuda": cuda, "peak_tflops": peak, "peak_source": peak_source,
         "corpus": {k: data[k] for k in ("prefix", "vocab", "tokens")},
         "micro_batch_size": opts.micro_batch_size,
@@ -428,11 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "title": f"first runs on {device}, micro batch {opts.micro_batch_size}" + (
             f", {opts.iters} measured iterations" if opts.iters
             else f", {opts.run_seconds:g} s per run"),
-        "runs": [rows[n] for n in opts.run_list], "pairs": pair_rows(rows, device)}
-    write_outputs(summary, out)
-    log(f"wrote {out}/first_runs.json, first_runs.md and first_runs.png")
-    print(markdown(summary))
-    return 0 if all(r["status"] == "ok" for r in rows.values()) else 1
+        "runs": runs, "pairs": pair_rows(rows, device)}
 
 
 if __name__ == "__main__":

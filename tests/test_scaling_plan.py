@@ -7,6 +7,7 @@ peak)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -81,3 +82,35 @@ def test_mfu_of_dense_1b_by_hand(tmp_path):
     assert m["tflops_per_s_per_gpu"] == pytest.approx(tokens_per_s * 9_025_093_632 / 1e12)
     # 40,960 x 9.025e9 = 369.67 TFLOP/s of 989.4: 37.36 %
     assert m["mfu"] == pytest.approx(369.6678 / 989.4, rel=1e-6)
+
+
+fr = load_script("launch/first_runs.py", "first_runs_plan")
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    """The main job's corpus builder at its smallest (the dry run loads the tokenizer)."""
+    from megatron_ext.tools import data_prep
+
+    m = data_prep.prepare(data_prep.DataPrepConfig(
+        out=str(tmp_path_factory.mktemp("corpus")), vocab_size=300, max_mb=0.02))
+    return {"prefix": m["data_prefix"], "tokenizer": m["tokenizer_dir"],
+            "vocab": int(m["tokenizer_vocab_size"]), "tokens": int(m["num_tokens"]),
+            "manifest": os.path.join(os.path.dirname(m["data_prefix"]), data_prep.MANIFEST)}
+
+
+@pytest.mark.parametrize("name", fr.GPU_RUNS)
+def test_first_runs_gpu_command_parses(name, tiny_corpus, tmp_path, capsys):
+    """launch/first_runs.py's command for each run (the corpus's tokenizer padded to the
+    preset's vocabulary, the short schedule, the stop by signal) is accepted by our parser, and
+    the padding gives dense_1b the preset's FLOPs per token (the hand count above)."""
+    opts = fr.parse_args(["--out", str(tmp_path)])
+    data = tiny_corpus
+    cmd = fr.run_command(name, opts, data, str(tmp_path / name), str(tmp_path / "r.json"),
+                         cuda=True)
+    rc = _dry(cmd[cmd.index(sh.PRETRAIN) + 1:], tmp_path / "d.json")
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    dry = json.loads((tmp_path / "d.json").read_text())
+    assert dry["preset"] == fr.RUNS[name][0]
+    if name == "dense_1b":
+        assert dry["train_flops_per_token"] == 9_025_093_632
