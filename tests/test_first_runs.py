@@ -5,7 +5,6 @@ GPU runner's reader), the plot and the markdown written. The training itself run
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
