@@ -47,16 +47,17 @@ def fresh_aux_loss_scale():
 # a file not listed is short), the longest start at once and short ones fill in at the end
 # instead of one long file running alone last.
 FILE_SECONDS = {
-    "test_parallel_stem_tables.py": 365, "test_convert_to_hf.py": 145, "test_parallel_stem.py": 111,
-    "test_gpu_plan_smoke.py": 110, "test_parallel_sigma.py": 101, "test_parallel_structmoe.py": 96,
-    "test_cli_errors.py": 90,
-    "test_parallel_hybrid.py": 86, "test_estimate.py": 81, "test_parallel_hybrid_sigma.py": 80,
-    "test_parallel_stem_tp_padding.py": 75, "test_convert_to_hf_hybrid.py": 71,
-    "test_convert_from_hf.py": 60, "test_parallel_hybrid_structmoe.py": 45,
-    "test_parallel_sigma_lbl.py": 45, "test_scaling_harness.py": 45, "test_compat.py": 40,
-    "test_launch_scripts.py": 40, "test_gpu_evidence.py": 40, "test_stem_exchange.py": 30,
-    "test_family_plugin.py": 25, "test_parallel_stem_tables_fp16.py": 25,
-    "test_kernel_structmoe.py": 25, "test_convert_plan.py": 20, "test_suite_launch.py": 20,
+    "test_parallel_stem_tables.py": 440, "test_convert_to_hf.py": 320,
+    "test_parallel_sigma.py": 310, "test_parallel_stem_tp_padding.py": 290,
+    "test_parallel_stem.py": 260, "test_parallel_hybrid.py": 220, "test_parallel_structmoe.py": 190,
+    "test_cli_errors.py": 180, "test_gpu_plan_smoke.py": 160, "test_parallel_hybrid_sigma.py": 160,
+    "test_convert_to_hf_hybrid.py": 160, "test_estimate.py": 120, "test_convert_from_hf.py": 100,
+    "test_parallel_hybrid_structmoe.py": 90, "test_scaling_harness.py": 80, "test_compat.py": 70,
+    "test_checkpoint_safety.py": 60, "test_family_plugin.py": 60, "test_parallel_sigma_lbl.py": 60,
+    "test_start_refusals.py": 50, "test_cpu_presets_documented.py": 50,
+    "test_parallel_stem_tables_fp16.py": 50, "test_gpu_evidence.py": 40,
+    "test_launch_scripts.py": 40, "test_convert_plan.py": 40,
+    "test_row_kernel_refusal_training.py": 30, "test_stem_worker_gil.py": 20,
 }
 
 

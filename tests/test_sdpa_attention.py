@@ -10,18 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training import global_vars
 
 from megatron_ext.models import specs
 from megatron_ext.models.sdpa_attention import SDPAttention
@@ -213,10 +210,12 @@ def _family_specs():
                                             ("unfused", DotProductAttention),
                                             ("auto", DotProductAttention),  # the CPU
                                             (None, DotProductAttention)])  # no training's flags
-def test_every_family_gets_the_flags_core_attention(monkeypatch, flag, expected):
-    args = None if flag is None else SimpleNamespace(ext_core_attention=flag)
-    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
-    for name, spec in _family_specs().items():
+def test_every_family_gets_the_flags_core_attention(flag, expected):
+    with contextlib.ExitStack() as stack:
+        if flag is not None:  # None: a spec built outside a training
+            stack.enter_context(specs.core_attention_choice(flag))
+        family_specs = _family_specs()
+    for name, spec in family_specs.items():
         found = _core_attentions(spec)
         assert found and all(c is expected for c in found), (name, found)
 

@@ -10,6 +10,8 @@ sliced for this pipeline stage exactly as upstream's ``get_gpt_decoder_block_spe
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -34,7 +36,6 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron.training import global_vars
 
 from megatron_ext.models.layer import TokenContextTransformerLayer
 from megatron_ext.models.norm import SequenceParallelTorchNorm
@@ -77,20 +78,33 @@ def te_available() -> bool:
 
 
 CORE_ATTENTION_CHOICES = ("auto", "sdpa", "unfused")
+# The training's --ext-core-attention while its model is built (``core_attention_choice``, set
+# by the trainer's model provider around the spec builders); ``auto`` outside a training.
+_CORE_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("ext_core_attention",
+                                                                default="auto")
+
+
+@contextlib.contextmanager
+def core_attention_choice(choice: Optional[str]):
+    """Specs built inside take ``choice`` (``--ext-core-attention``) as their core attention."""
+    token = _CORE_ATTENTION.set(choice or "auto")
+    try:
+        yield
+    finally:
+        _CORE_ATTENTION.reset(token)
 
 
 def local_core_attention(choice: Optional[str] = None):
     """The local backend's core attention for ``--ext-core-attention`` (``choice``; None: the
-    flag of this training, ``auto`` outside one): ``sdpa`` PyTorch's fused attention
+    flag of the training building its model, ``core_attention_choice``; ``auto`` outside one): ``sdpa`` PyTorch's fused attention
     (``sdpa_attention.py``), ``unfused`` upstream's ``DotProductAttention``; ``auto`` the fused one
     on a GPU without Transformer Engine (which cannot fit upstream's [b, heads, s, s] scores at
     long sequences); upstream's beside TE (the local backend asked for by name) and on the CPU
     backend, whose saved tensors ``tools/estimate.py`` itemises for upstream's attention."""
     if choice is None:
-        # Megatron's parsed flags, read where the spec is built (every family's local layer
-        # comes through dense_layer_spec); not set when a spec is built outside a training.
-        args = getattr(global_vars, "_GLOBAL_ARGS", None)
-        choice = getattr(args, "ext_core_attention", None) or "auto"
+        # The training's flag, set around the spec builders (every family's local layer comes
+        # through dense_layer_spec); ``auto`` when a spec is built outside a training.
+        choice = _CORE_ATTENTION.get()
     if choice not in CORE_ATTENTION_CHOICES:
         raise ValueError(f"--ext-core-attention {choice}: choose one of "
                          f"{', '.join(CORE_ATTENTION_CHOICES)}")

@@ -14,7 +14,8 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron_ext.models.gpt import TokenIdsGPTModel
 from megatron_ext.models.hybrid import TokenIdsHybridModel, stack_has_token_layers
 from megatron_ext.models.registry import get_family
-from megatron_ext.models.specs import stage_has_token_layers, te_available
+from megatron_ext.models.specs import (core_attention_choice, stage_has_token_layers,
+                                       te_available)
 from megatron_ext.training.batch import make_host_tensor_parallel_group
 from megatron_ext.training.teardown import track_model_config
 
@@ -33,12 +34,14 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     if family.heterogeneous_layers:
         # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.
         config.hetereogenous_dist_checkpoint = True
-    if getattr(args, "hybrid_layer_pattern", None):
-        model = _hybrid_model(args, config, family, use_te, pre_process, post_process, vp_stage,
-                              pg_collection)
-    else:
-        model = _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage,
-                           pg_collection)
+    # The families' spec builders take --ext-core-attention from here (models/specs.py).
+    with core_attention_choice(getattr(args, "ext_core_attention", None)):
+        if getattr(args, "hybrid_layer_pattern", None):
+            model = _hybrid_model(args, config, family, use_te, pre_process, post_process,
+                                  vp_stage, pg_collection)
+        else:
+            model = _gpt_model(args, config, family, use_te, pre_process, post_process,
+                               vp_stage, pg_collection)
     family_config = family.config_from_args(args)
     if family.model_state is not None:  # what the family keeps beside the modules
         family.model_state(model, args, config, family_config)
