@@ -6,9 +6,11 @@ setup(
     name="megatron-ext",
     version="0.1.0",
     description="Megatron-Core plugin for STEM, StructMoE and Sigma MoE pre-training",
-    # The kernels are a top-level package of their own (a plain "kernels" would collide with
-    # the Hugging Face package of that name).
-    packages=find_packages(include=["megatron_ext", "megatron_ext.*", "megatron_ext_kernels"]),
+    # The kernels' source is the top-level folder kernels/ (the project's layout: megatron_ext/
+    # launch/ kernels/ tests/ ...), imported as megatron_ext_kernels: a top-level package named
+    # "kernels" would collide with the Hugging Face package of that name.
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]) + ["megatron_ext_kernels"],
+    package_dir={"megatron_ext_kernels": "kernels"},
     python_requires=">=3.12",
     install_requires=[
         "torch>=2.6",

@@ -51,10 +51,10 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 else
   echo "[gpu-evidence] no wheels in $WHEELS: using what the machine has"
 fi
-# The project itself (megatron_ext and megatron_ext_kernels), linked so that the results are
-# those of this checkout.
+# The project itself (megatron_ext, and kernels/ under its import name megatron_ext_kernels, as
+# setup.py's package_dir maps it), linked so that the results are those of this checkout.
 ln -sfn "$ROOT/megatron_ext" "$SITE/megatron_ext"
-ln -sfn "$ROOT/megatron_ext_kernels" "$SITE/megatron_ext_kernels"
+ln -sfn "$ROOT/kernels" "$SITE/megatron_ext_kernels"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Every package a step imports; a missing one is named with the pin to fetch.

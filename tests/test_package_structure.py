@@ -224,7 +224,7 @@ def test_function_local_imports_only_for_optional_dependencies():
     without what it imports (issue 20: 95 function-local imports of the package's own modules
     before the family contract)."""
     paths = dict(modules())
-    kernels = os.path.join(ROOT, "megatron_ext_kernels")
+    kernels = os.path.join(ROOT, "kernels")  # imported as megatron_ext_kernels (setup.py)
     paths.update({f"megatron_ext_kernels.{n[:-3]}": os.path.join(kernels, n)
                   for n in os.listdir(kernels) if n.endswith(".py")})
     local = {m: [e for e in function_local_imports(p) if not _optional(e)]
