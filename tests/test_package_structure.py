@@ -6,8 +6,10 @@ family folders no more than the count below, which only goes down."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
+import subprocess
 from typing import Dict, List, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,3 +242,38 @@ def test_the_local_import_check_can_fail(tmp_path):
     found = function_local_imports(str(path))
     assert found == ["json (line 4)", ".x (line 5)", "triton (line 6)"]
     assert [e for e in found if not _optional(e)] == ["json (line 4)", ".x (line 5)"]
+
+
+# The project's specified top-level layout (issue 52, goal 7), plus benchmarks/, scripts/ and the
+# packaging files beside setup.py. The kernels' source is kernels/, imported as
+# megatron_ext_kernels (setup.py's package_dir): a top-level "kernels" package would collide with
+# the Hugging Face distribution of that name.
+TOP_LEVEL = {"megatron_ext", "launch", "kernels", "tests", "setup.py", "docs", "README.md",
+             "benchmarks", "scripts", "pyproject.toml", "requirements.txt"}
+
+
+def top_level_entries() -> Set[str]:
+    """The checkout's tracked top-level names (hidden ones aside); the folder's listing, ignored
+    outputs aside, where it is not a git checkout."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=30)
+    except OSError:
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout:
+        names = {p.split("/", 1)[0] for p in out.stdout.split("\0") if p}
+    else:
+        ignored = {".venv", "runs", "outputs", "build", "wheelhouse", "__pycache__"}
+        names = {n for n in os.listdir(ROOT) if n not in ignored and not n.endswith(".egg-info")}
+    return {n for n in names if not n.startswith(".")}
+
+
+def test_top_level_layout_and_the_kernels_folder():
+    assert top_level_entries() == TOP_LEVEL
+    assert not os.path.exists(os.path.join(ROOT, "megatron_ext_kernels"))
+    # The installed import name resolves to this checkout's kernels/ (an editable install maps it
+    # there; a stale install of another checkout or of the old folder would not).
+    spec = importlib.util.find_spec("megatron_ext_kernels")
+    assert spec is not None and spec.origin is not None
+    assert os.path.realpath(spec.origin) == os.path.realpath(
+        os.path.join(ROOT, "kernels", "__init__.py"))
