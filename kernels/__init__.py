@@ -1,4 +1,6 @@
-"""megatron-ext kernels (``megatron_ext_kernels``).
+"""megatron-ext kernels: the top-level folder ``kernels/``, imported as ``megatron_ext_kernels``
+(``setup.py`` maps the name to the folder; a top-level ``kernels`` would collide with the Hugging
+Face package of that name).
 
 Each fast path sits beside the plain-PyTorch reference it is tested against:
 
