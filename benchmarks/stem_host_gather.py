@@ -2,7 +2,7 @@
 cast to the wire dtype (bf16 in bf16 training, fp16, fp32) straight into a reused buffer, as
 ``stem/store.py`` does into the pinned staging buffer before the copy to the GPU. In one run:
 
-- the compiled gather (``megatron_ext_kernels/row_adam_cpu.py``, ``gather_rows_``) for each wire
+- the compiled gather (``kernels/row_adam_cpu.py``, ``gather_rows_``) for each wire
   dtype, against its own fp32 gather (a plain row copy: what the cast may cost on top), and
 - torch's ``index_select`` + cast into the same buffer (the store's fallback without a compiler),
 - the compiled gather from a copy of the shard on ordinary 4 KiB pages (the store puts host

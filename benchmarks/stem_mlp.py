@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/stem_mlp.py --dtype bf16    # on a GPU
 
 On a GPU with Triton, STEM is measured twice: with the fused lookup-and-gate kernel
-(``--stem-kernel triton``, megatron_ext_kernels/stem_gate.py) and with the plain-PyTorch path (``torch``), and the
+(``--stem-kernel triton``, kernels/stem_gate.py) and with the plain-PyTorch path (``torch``), and the
 lookup-and-gate alone (forward + backward of the gather, SiLU and product, row gradients into
 ``main_grad``) is timed for both. Issue goal: STEM with the kernel at least 1.4x faster than dense
 (ideal 1.5x). On the CPU only the PyTorch path runs (Triton's interpreter is for tests).

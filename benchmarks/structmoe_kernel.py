@@ -6,7 +6,7 @@
 Dense side: Megatron-Core's ``MLP`` with SwiGLU, ``D_ff = 5632``. StructMoE side: ``StructMoEMLP``
 with ``L = 16`` experts of rank 16, top-1, ``D'_ff`` from the project's parameter matching
 (Eq. 8 with three base matrices: 5319 at this shape), once per backend of the routed path:
-``triton`` (router and codes fused, megatron_ext_kernels/structmoe_routed.py), ``dense-masked`` and ``grouped``.
+``triton`` (router and codes fused, kernels/structmoe_routed.py), ``dense-masked`` and ``grouped``.
 Both sides are built with the same linear layers and wrapped in Megatron's
 ``DistributedDataParallel`` as in training; the aux loss is attached as in training. Each step is
 forward + backward of one micro-batch of ``--tokens`` tokens, timed with CUDA events (the grad

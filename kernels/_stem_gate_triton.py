@@ -1,4 +1,4 @@
-"""Triton kernels of the fused STEM lookup-and-gate (``megatron_ext_kernels/stem_gate.py`` holds the API and the
+"""Triton kernels of the fused STEM lookup-and-gate (``kernels/stem_gate.py`` holds the API and the
 plain-PyTorch reference; read that module first).
 
 Imported lazily, on first use: ``@triton.jit`` decides at decoration time whether a kernel is

@@ -1,4 +1,4 @@
-"""Triton kernels of StructMoE's fused router + codes stage (``megatron_ext_kernels/structmoe_routed.py`` holds
+"""Triton kernels of StructMoE's fused router + codes stage (``kernels/structmoe_routed.py`` holds
 the API, the autograd function and the shapes; read that module first).
 
 Imported lazily, on first use: ``@triton.jit`` decides at decoration time whether a kernel is

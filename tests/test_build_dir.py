@@ -1,4 +1,4 @@
-"""The JIT-built CPU extensions' build folder (``megatron_ext_kernels/_build_dir.py``): one per
+"""The JIT-built CPU extensions' build folder (``kernels/_build_dir.py``): one per
 virtualenv, torch version and CPU unless the user chose one."""
 
 import os

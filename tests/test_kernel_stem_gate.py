@@ -1,4 +1,4 @@
-"""The fused STEM lookup-and-gate kernel (megatron_ext_kernels/stem_gate.py) against plain-PyTorch references.
+"""The fused STEM lookup-and-gate kernel (kernels/stem_gate.py) against plain-PyTorch references.
 
 On the CPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before anything imports Triton: ``@triton.jit`` reads it at decoration

@@ -1,4 +1,4 @@
-"""Every refusal of the compiled row kernels (``megatron_ext_kernels/row_adam_cpu.py``) reaches
+"""Every refusal of the compiled row kernels (``kernels/row_adam_cpu.py``) reaches
 Python as one ``RowKernelError`` naming the function, the row (or tensor) and why, with nothing
 written: for each exported function and each of its checks, with a team of 16 threads, while
 another Python thread holds the GIL, and on the tables' worker thread, whose error the training

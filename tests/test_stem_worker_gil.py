@@ -1,5 +1,5 @@
 """The tables' host worker beside a training thread that holds the GIL, and what shows where the
-CPU table step's time goes (``stem/worker.py``, ``megatron_ext_kernels/row_adam_cpu.py``,
+CPU table step's time goes (``stem/worker.py``, ``kernels/row_adam_cpu.py``,
 ``stem/table_optimizer.py``).
 
 * The worker lowers the process's GIL switch interval when it starts (``--stem-gil-switch-ms``),
