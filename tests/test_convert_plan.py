@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_ext.convert.checkpoint import CheckpointError
-from megatron_ext.convert.layout import merge_gated_fc1, merge_qkv, split_gated_fc1, split_qkv
+from megatron_ext.checkpoint_manifest import CheckpointError
 from megatron_ext.convert import to_hf
+from megatron_ext.models.fused_layout import merge_gated_fc1, merge_qkv, split_gated_fc1, split_qkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -223,7 +223,7 @@ def test_out_that_cannot_be_made_is_one_line_and_leaves_nothing(synthetic, tmp_p
 PEAK_SCRIPT = r"""
 import sys, threading, time, psutil, torch
 from megatron_ext.convert import to_hf
-from megatron_ext.convert.checkpoint import MegatronCheckpoint
+from megatron_ext.checkpoint_reader import MegatronCheckpoint
 MegatronCheckpoint(sys.argv[1])  # imports and argument unpickling before the baseline
 from megatron_ext.models.registry import families
 families()  # the family modules (and Megatron-Core they import) before the baseline too

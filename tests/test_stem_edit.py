@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_ext.stem import hf_edit as stem_edit
-from megatron_ext.stem.hf_edit import copy_rows, resolve_pairs, revert, swap_rows
+from megatron_ext.convert import stem_edit
+from megatron_ext.convert.stem_edit import copy_rows, resolve_pairs, revert, swap_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELING = os.path.join(ROOT, "megatron_ext", "convert", "hf_code", "modeling_megatron_ext.py")

@@ -9,7 +9,7 @@ COMMANDS = {
     "to-hf": ("megatron_ext.convert.to_hf", "Megatron torch_dist checkpoint -> Hugging Face"),
     "from-hf": ("megatron_ext.convert.from_hf",
                 "Hugging Face Llama-style checkpoint -> Megatron (optionally with STEM layers)"),
-    "stem-edit": ("megatron_ext.stem.hf_edit",
+    "stem-edit": ("megatron_ext.convert.stem_edit",
                   "swap or copy the STEM rows of tokens in a Hugging Face STEM model"),
 }
 

@@ -1,8 +1,9 @@
 """Downstream evaluation of Hugging Face models with EleutherAI's lm-evaluation-harness (lm-eval).
 
 ``evaluate_hf`` hands an in-memory model and tokenizer to lm-eval's ``HFLM`` (so an exported
-megatron-ext model, or one with STEM rows edited by ``stem-edit`` (``stem/hf_edit.py``), is evaluated without a save /
-reload round trip) and runs ``lm_eval.simple_evaluate`` on tasks found under ``include_path``.
+megatron-ext model, or one with STEM rows edited by ``stem-edit`` (``convert/stem_edit.py``), is
+evaluated without a save / reload round trip) and runs ``lm_eval.simple_evaluate`` on tasks
+found under ``include_path``.
 
 Offline use: lm-eval needs the ``hf`` extra's ``accelerate`` (imported by ``HFLM``); with an
 in-memory model and tasks whose data are local files (``dataset_path: json`` and

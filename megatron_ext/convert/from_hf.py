@@ -65,10 +65,10 @@ from transformers import AutoConfig, AutoTokenizer
 from megatron_ext.checkpoint_manifest import iteration_dir, write_manifest
 from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.compat.standalone import free_port
-from megatron_ext.convert.layout import merge_gated_fc1, merge_qkv
 from megatron_ext.convert.output import (DTYPES, check_output_path, check_separate,
                                          staged_directory)
 from megatron_ext.convert.output import progress as progress_bar
+from megatron_ext.models.fused_layout import merge_gated_fc1, merge_qkv
 from megatron_ext.stem.config import RATIOS, VARIANTS, StemConfig, parse_layers
 from megatron_ext.training.arguments import add_extension_args, validate_extension_args
 from megatron_ext.training.model_provider import model_provider

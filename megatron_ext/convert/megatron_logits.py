@@ -33,8 +33,9 @@ from megatron.training import checkpointing, get_args, initialize
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.training import get_model
 
+from megatron_ext.checkpoint_manifest import CheckpointError
+from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.compat import cpu, upstream_fixes
-from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
 from megatron_ext.models.registry import family_of
 from megatron_ext.training.arguments import add_extension_args, drop_unavailable_fusions
 from megatron_ext.training.entry import _default_transformer_impl

@@ -32,14 +32,15 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-from megatron_ext.checkpoint_manifest import resolve_checkpoint_dir, unverified_note
+from megatron_ext.checkpoint_manifest import (CheckpointError, resolve_checkpoint_dir,
+                                              unverified_note)
 from megatron_ext.checkpoint_manifest import verify as verify_manifest
-from megatron_ext.convert.checkpoint import CheckpointError, MegatronCheckpoint
+from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.convert.hf_code.configuration_megatron_ext import MegatronExtConfig
-from megatron_ext.convert.layout import split_gated_fc1, split_qkv
 from megatron_ext.convert.output import (DTYPES, check_output_path, check_separate,
                                          staged_directory, write_record)
 from megatron_ext.convert.output import progress as progress_bar
+from megatron_ext.models.fused_layout import split_gated_fc1, split_qkv
 from megatron_ext.models.hybrid_pattern import MLP_SYMBOLS, HybridLayers
 from megatron_ext.models.registry import families, get_family
 

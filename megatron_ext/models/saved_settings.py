@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_ext.checkpoint_manifest import CheckpointError
-from megatron_ext.convert.checkpoint import MegatronCheckpoint
+from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.models.hybrid_pattern import mlp_block_count
 
 # (how the message names it: the flags that set it, the value of a run's args)

@@ -20,9 +20,9 @@ from typing import Optional
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_ext.convert.layout import split_gated_fc1
 from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family
+from megatron_ext.models.fused_layout import split_gated_fc1
 from megatron_ext.models.hybrid_pattern import main_pattern, mlp_block_count
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.terms import MLPTerms

@@ -34,7 +34,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
-from megatron_ext.convert.checkpoint import MegatronCheckpoint
+from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.stem.store import gather_rows
 from megatron_ext.stem.tiers import full_tensor, write_back
 from megatron_ext.stem.worker import WORKER

@@ -8,6 +8,10 @@ saved chunk plus the region, not the model. No process group is needed.
 
 Extends ``torch.distributed.checkpoint.FileSystemReader`` with a small ``LoadPlanner`` that reads
 regions into caller-owned tensors (DCP's own planners read whole state-dict entries).
+
+A base module (beside ``checkpoint_manifest.py``): the converter (``convert/to_hf.py``,
+``convert/megatron_logits.py``) reads weights with it, the trainer's resume check the saved args
+(``models/saved_settings.py``) and STEM's checkpoint its saved tables (``stem/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-# The tracker, folder names and the checksum manifest (CheckpointError and resolve_checkpoint_dir
-# are re-exported for the converter's modules).
 from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
 
 

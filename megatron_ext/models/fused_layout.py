@@ -8,6 +8,10 @@
 * A gated ``linear_fc1.weight`` ``[2F, H]`` is ``[gate; up]`` in a checkpoint: upstream's
   ``apply_swiglu_sharded_factory`` saves each TP rank's gate half and up half at the offsets of a
   global ``[W_gate; W_up]``, so the global tensor does not depend on the TP size either.
+
+Knowledge of the model's own tensors, so it lives in ``models/``: the converters
+(``convert/to_hf.py``, ``convert/from_hf.py``) and a family's export terms (``sigma/family.py``)
+split and merge with it.
 """
 
 from __future__ import annotations
