@@ -45,5 +45,10 @@ if ! .venv/bin/python -c 'import deepspeed' >/dev/null 2>&1; then
   pip_install --no-build-isolation deepspeed==0.19.8
 fi
 pip_install --no-deps --no-build-isolation -e .
+# The kernels' folder is kernels/, imported as megatron_ext_kernels: only the install's mapping
+# (setup.py's package_dir) makes that name importable, the checkout's folder alone does not.
+.venv/bin/python -c 'import megatron_ext_kernels' >/dev/null 2>&1 || {
+  echo "[setup] failed: import megatron_ext_kernels after pip install -e . (setup.py's package_dir maps it to kernels/)" >&2
+  exit 1; }
 .venv/bin/python -c 'import megatron_ext, deepspeed, tokenizers, megatron.training' >/dev/null 2>&1
 echo "[setup] ok: $(.venv/bin/python -c 'import torch, megatron.core as m; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)')"

@@ -26,11 +26,13 @@ if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
   [ -n "$PIP_WARNS" ] && echo "WARNING: Location 'x' is ignored"
   exit 0
 fi
+case "$2" in *"$FAIL_IMPORT"*) echo "ModuleNotFoundError" >&2; exit 1;; esac
 echo "python 3.12.1 torch stub megatron-core stub"
 """
 
 
-def run_setup(tmp_path, fail_on="no install fails", pip_warns=False):
+def run_setup(tmp_path, fail_on="no install fails", pip_warns=False,
+              fail_import="no import fails"):
     (tmp_path / "scripts").mkdir(parents=True)
     shutil.copy(os.path.join(ROOT, "scripts", "setup.sh"), tmp_path / "scripts" / "setup.sh")
     python = tmp_path / ".venv" / "bin" / "python"
@@ -39,7 +41,8 @@ def run_setup(tmp_path, fail_on="no install fails", pip_warns=False):
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "pip.log"
     log.write_text("")
-    env = dict(os.environ, PIP_LOG=str(log), FAIL_ON=fail_on, PIP_WARNS="1" if pip_warns else "")
+    env = dict(os.environ, PIP_LOG=str(log), FAIL_ON=fail_on, FAIL_IMPORT=fail_import,
+               PIP_WARNS="1" if pip_warns else "")
     proc = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True,
                           text=True, timeout=60, env=env)
     return proc, log.read_text().splitlines()
@@ -63,3 +66,14 @@ def test_a_quiet_install_passes_and_warnings_are_filtered(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "[setup] ok" in proc.stdout and "WARNING: Location" not in proc.stdout
         assert [c.split()[-1] for c in calls] == ["requirements.txt", "."]
+
+
+def test_the_kernels_import_name_is_checked_after_the_install(tmp_path):
+    """The kernels' folder is kernels/, importable as megatron_ext_kernels only through the
+    install's package_dir mapping (the checkout has no folder of that name): a setup whose
+    install does not map it stops with one line instead of saying ok."""
+    proc, calls = run_setup(tmp_path, fail_import="import megatron_ext_kernels")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[setup] failed: import megatron_ext_kernels" in proc.stderr
+    assert "[setup] ok" not in proc.stdout
+    assert calls[-1].split()[-1] == "."  # after the editable install
