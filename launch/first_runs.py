@@ -44,7 +44,7 @@ for _p in (ROOT, os.path.join(ROOT, "launch")):
 import scaling  # noqa: E402  (launch/scaling.py: the command, the numbers, the peak)
 from main_job import STEM_TABLES  # noqa: E402  (the recommended STEM table mode)
 
-from megatron_ext.tools.layout import parse_layout  # noqa: E402
+from megatron_ext.planning.layout import parse_layout  # noqa: E402
 
 # name -> (preset, flags after the preset's). Sigma-MoE-Tiny with 6 of its 56 layers (the
 # per-layer shape unchanged; its progressive top-k schedule cut to those layers) in micro-batches

@@ -9,7 +9,7 @@
    with its own log file and tensorboard directory;
 3. reads Megatron's tensorboard scalars (``lm loss``, ``iteration-time``, ``lm loss validation``)
    and prints a summary table (losses, tokens/s and step time beside dense's) with the analytic
-   counts of ``megatron_ext.tools.model_shape``; writes
+   counts of ``megatron_ext.planning.model_shape``; writes
    ``summary.json`` and ``loss_curves.png`` into ``--out``.
 
 The preset (model shape and schedule) keeps the whole job under ten minutes on a 2-core CPU.
@@ -421,7 +421,8 @@ def main(argv=None) -> int:
     for noisy in ("tensorboard", "matplotlib", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from megatron_ext.stem.config import select_stem_layers
-    from megatron_ext.tools import data_prep, model_shape
+    from megatron_ext.planning import model_shape
+    from megatron_ext.tools import data_prep
     from megatron_ext.tools.metrics import read_tensorboard_scalars
 
     # 1. data
@@ -504,9 +505,9 @@ def main(argv=None) -> int:
         "data": {k: manifest[k] for k in ("data_prefix", "tokenizer_dir", "tokenizer_vocab_size",
                                           "eod_id", "num_documents", "num_tokens",
                                           "corpus_bytes")},
-        "flop_counting": "analytic, megatron_ext.tools.model_shape: 6 x matmul weights per token + "
-                         "12 x seq x heads x head_dim per layer (full score matrix); lookups "
-                         "and element-wise ops not counted",
+        "flop_counting": "analytic, megatron_ext.planning.model_shape: 6 x matmul weights per "
+                         "token + 12 x seq x heads x head_dim per layer (full score matrix); "
+                         "lookups and element-wise ops not counted",
         "proxy_roi_definition": "(exp(-valid loss) / total training FLOPs) / same for dense; a "
                                 "proxy, not the paper's accuracy-based ROI",
         "runs": results, "table": table, "data_prep_s": data_s, "job_wall_s": job_s,

@@ -37,10 +37,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # The package is imported from the repository: after the path is set.
-from megatron_ext.tools.layout import Layout, parse_layouts, validate_layout
-from megatron_ext.tools.layout import parse_layout  # noqa: F401  (tests read it from here)
-from megatron_ext.tools.model_shape import ModelShape
-from megatron_ext.training.presets import expand_argv, flag_value, preset_tokenizer
+from megatron_ext.flags import flag_value
+from megatron_ext.planning.layout import Layout, parse_layouts, validate_layout
+from megatron_ext.planning.layout import parse_layout  # noqa: F401  (tests read it from here)
+from megatron_ext.planning.model_shape import ModelShape
+from megatron_ext.training.presets import expand_argv, preset_tokenizer
 
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
 
@@ -81,7 +82,7 @@ def log(msg: str) -> None:
 # the model
 #
 # The layouts themselves (names like tp2ep1pp1dp4, Megatron's rules) are megatron_ext/tools/
-# layout.py's; the model's shape megatron_ext/tools/model_shape.py's.
+# layout.py's; the model's shape megatron_ext/planning/model_shape.py's.
 
 
 def preset_vocab(preset: str, vocab_size: Optional[int]) -> int:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_ext.data_manifest import verify_manifest
 from megatron_ext.tools import data_prep
 from megatron_ext.tools.data_prep import (
     EOD_TOKEN,
@@ -16,7 +17,6 @@ from megatron_ext.tools.data_prep import (
     collect_documents,
     prepare,
     sha256_file,
-    verify_manifest,
 )
 
 MAX_MB, VOCAB, SEED = 0.05, 400, 7

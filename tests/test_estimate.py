@@ -1,6 +1,6 @@
-"""The dry-run estimate (tools/estimate.py, tools/model_shape.py, tools/layout.py) against the
-papers' counts, against hand-written formulas, and against models Megatron really builds under
-TP=2 x PP=2 (and EP=2 for Sigma)."""
+"""The dry-run estimate (planning/estimate.py, planning/model_shape.py, planning/layout.py)
+against the papers' counts, against hand-written formulas, and against models Megatron really
+builds under TP=2 x PP=2 (and EP=2 for Sigma)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from megatron_ext.tools.estimate import estimate, layer_activation_bytes, rank_estimate
-from megatron_ext.tools.layout import Layout
-from megatron_ext.tools.model_shape import ModelShape
+from megatron_ext.planning.estimate import estimate, layer_activation_bytes, rank_estimate
+from megatron_ext.planning.layout import Layout
+from megatron_ext.planning.model_shape import ModelShape
 from megatron_ext.training.presets import load_preset_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

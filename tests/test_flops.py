@@ -1,4 +1,4 @@
-"""Analytic parameter/FLOP counts (tools/model_shape.py) against built Megatron models, the paper
+"""Analytic parameter/FLOP counts (planning/model_shape.py) against built Megatron models, the paper
 and Megatron's FLOPs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from megatron_ext.stem.config import select_stem_layers
 from megatron_ext.stem.mlp import StemMLP
-from megatron_ext.tools.model_shape import (
+from megatron_ext.planning.model_shape import (
     ModelShape,
     dense_baseline,
     flop_ratio,

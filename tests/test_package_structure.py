@@ -92,6 +92,50 @@ def test_the_cycle_check_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# The package's layers, top to bottom (docs/architecture.md): an import goes sideways within a
+# layer or down, never up. The base is compat/, the top-level modules and megatron_ext_kernels.
+LAYERS = (("offline tools", ("tools", "convert")), ("trainer seam", ("training",)),
+          ("planning", ("planning",)), ("families", FAMILY_DIRS), ("models", ("models",)),
+          ("base", ("compat",)))
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of a package module (a folder not in it is an error)."""
+    parts = module.split(".")
+    if parts[0] == "megatron_ext_kernels" or len(parts) == 1 or \
+            os.path.isfile(os.path.join(PACKAGE, parts[1] + ".py")):
+        return len(LAYERS) - 1
+    for i, (_, folders) in enumerate(LAYERS):
+        if parts[1] in folders:
+            return i
+    raise AssertionError(f"megatron_ext/{parts[1]}/ is in no layer of LAYERS")
+
+
+def upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
+    """``importer (layer) -> imported (layer)`` for every import of a module above its own."""
+    return sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {d} ({LAYERS[layer_of(d)][0]})"
+                  for m, deps in graph.items() for d in deps if layer_of(d) < layer_of(m))
+
+
+def test_no_import_runs_up_the_layers():
+    mods = modules()
+    kernels = os.path.join(ROOT, "kernels")  # imported as megatron_ext_kernels (setup.py)
+    mods.update({f"megatron_ext_kernels.{n[:-3]}": os.path.join(kernels, n)
+                 for n in os.listdir(kernels) if n.endswith(".py")})
+    graph = {m: imports_of(p, set(mods)) for m, p in mods.items()}
+    found = upward_imports(graph)
+    assert found == [], "\n".join(found)
+
+
+def test_the_layer_check_can_fail():
+    graph = {"megatron_ext.models.a": {"megatron_ext.training.b", "megatron_ext.compat.c"},
+             "megatron_ext.tools.d": {"megatron_ext.convert.e", "megatron_ext.stem.f"},
+             "megatron_ext.data_paths": {"megatron_ext.sigma.g"}}
+    assert upward_imports(graph) == [
+        "megatron_ext.data_paths (base) -> megatron_ext.sigma.g (families)",
+        "megatron_ext.models.a (models) -> megatron_ext.training.b (trainer seam)"]
+
+
 def test_every_family_is_one_object_in_its_folder():
     from megatron_ext.models.family import Family
     from megatron_ext.models.registry import get_family

@@ -1,7 +1,7 @@
 """Every preset under ``launch/presets`` runs its dry run as shipped (``launch/pretrain.py
 --dry-run --preset NAME``, only the world size given): the README promises the numbers "for any
 preset". In this process, through the dry run's function entry, as the entry point calls it
-(``training/entry.py``: the expanded flags, then ``tools/dry_run.main``); each call leaves the
+(``training/entry.py``: the expanded flags, then ``training/dry_run.main``); each call leaves the
 process as it found it, so they can follow one another."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from megatron_ext.tools import dry_run
+from megatron_ext.training import dry_run
 from megatron_ext.training.presets import PRESET_DIR, available_presets, expand_argv
 
 PRESETS = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))

@@ -1,6 +1,6 @@
 """The scaling harness (``launch/scaling.py``) and the run report (``training/run_report.py``).
 
-Unit tests (no torchrun): layout parsing and Megatron's layout rules (``tools/layout.py``, read
+Unit tests (no torchrun): layout parsing and Megatron's layout rules (``planning/layout.py``, read
 through the harness), the peak table, the throughput/FLOP/s/MFU arithmetic from a report, the
 CSV, the error line of a failed log, the report's memory summary and atomic write.
 
@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_ext.tools.model_shape import ModelShape, training_flops_per_token
+from megatron_ext.planning.model_shape import ModelShape, training_flops_per_token
 from tests_helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -299,7 +299,7 @@ WARMUP, ITERS = 1, 3
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    pytest.importorskip("megatron_ext.tools.estimate")
+    pytest.importorskip("megatron_ext.planning.estimate")
     out = str(tmp_path_factory.mktemp("scaling") / "out")
     cmd = [sys.executable, SCRIPT, "--preset", "stem_cpu", "--gpus", "2",
            "--layouts", ",".join(OK_LAYOUTS + [REFUSED]), "--iters", str(ITERS),

@@ -1,6 +1,6 @@
 """The one-GPU run plan of issue 51 through ``launch/scaling.py``: the command it launches for each
 preset on a GPU is accepted by our argument parser (Megatron's with the plugin's flags: the dry run
-of exactly those flags, in this process, ``tools/dry_run.py``), and the report's MFU for dense_1b
+of exactly those flags, in this process, ``training/dry_run.py``), and the report's MFU for dense_1b
 equals a hand count (training FLOPs per token of the Llama-3.2-1B shape, an H100 SXM's dense bf16
 peak)."""
 
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from megatron_ext.tools import dry_run
+from megatron_ext.training import dry_run
 from megatron_ext.training.presets import expand_argv
 from tests_helpers import load_script
 

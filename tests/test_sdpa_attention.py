@@ -225,7 +225,7 @@ def test_every_family_gets_the_flags_core_attention(flag, expected):
                                                 (False, False, DotProductAttention)])
 def test_auto(monkeypatch, cuda, te, expected):
     """auto: the fused attention on a GPU without Transformer Engine; upstream's beside TE and
-    on the CPU backend (whose saved tensors tools/estimate.py itemises)."""
+    on the CPU backend (whose saved tensors planning/estimate.py itemises)."""
     monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(specs, "te_available", lambda: te)
     assert specs.local_core_attention("auto") is expected

@@ -36,11 +36,12 @@ from megatron.training.training import get_model
 from megatron_ext.checkpoint_manifest import CheckpointError
 from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.compat import cpu, upstream_fixes
+from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.registry import family_of
 from megatron_ext.training.arguments import add_extension_args, drop_unavailable_fusions
 from megatron_ext.training.entry import _default_transformer_impl
 from megatron_ext.training.model_provider import model_provider
-from megatron_ext.training.presets import expand_argv, flag_value, has_flag
+from megatron_ext.training.presets import expand_argv
 
 
 def _split_argv(argv: Sequence[str]) -> Tuple[str, str, List[str]]:

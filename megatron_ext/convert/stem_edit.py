@@ -45,6 +45,7 @@ from torch import nn
 
 from megatron_ext.convert.output import progress as progress_bar
 from megatron_ext.convert.output import check_output_path, check_separate, staged_directory
+from megatron_ext.stem.config import HF_MLP_TYPE
 
 Token = Union[int, str]
 STEM_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.stem_table\.weight$")
@@ -328,7 +329,7 @@ def _dir_layers(model_dir: Path, layers) -> List[_Table]:
         config = json.loads((model_dir / "config.json").read_text())
     spec = config.get("mlp_layers") or []
     for i, m in enumerate(spec):
-        if isinstance(m, dict) and m.get("type") == "stem" and i not in tables:
+        if isinstance(m, dict) and m.get("type") == HF_MLP_TYPE and i not in tables:
             raise ValueError(f"config.json says layer {i} is STEM but no shard holds "
                              f"model.layers.{i}.mlp.stem_table.weight")
     n_layers = int(config.get("num_hidden_layers") or len(spec) or (max(tables, default=-1) + 1))

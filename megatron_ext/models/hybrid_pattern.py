@@ -1,5 +1,5 @@
 """What a ``--hybrid-layer-pattern`` says about the model's blocks, for the tools that count or
-convert it without building it (``tools/model_shape.py``, ``tools/estimate.py``, ``to-hf``,
+convert it without building it (``planning/model_shape.py``, ``planning/estimate.py``, ``to-hf``,
 STEM's checkpoint check).
 
 On the hybrid path Megatron sets ``--num-layers`` to the number of pattern symbols (``*-*-`` is

@@ -100,7 +100,7 @@ def local_core_attention(choice: Optional[str] = None):
     (``sdpa_attention.py``), ``unfused`` upstream's ``DotProductAttention``; ``auto`` the fused one
     on a GPU without Transformer Engine (which cannot fit upstream's [b, heads, s, s] scores at
     long sequences); upstream's beside TE (the local backend asked for by name) and on the CPU
-    backend, whose saved tensors ``tools/estimate.py`` itemises for upstream's attention."""
+    backend, whose saved tensors ``planning/estimate.py`` itemises for upstream's attention."""
     if choice is None:
         # The training's flag, set around the spec builders (every family's local layer comes
         # through dense_layer_spec); ``auto`` when a spec is built outside a training.

@@ -1,5 +1,5 @@
-"""A family's terms in the parameter and FLOPs counts (``tools/model_shape.py``), the layout rules
-(``tools/layout.py``) and the memory estimate (``tools/estimate.py``).
+"""A family's terms in the parameter and FLOPs counts (``planning/model_shape.py``), the layout
+rules (``planning/layout.py``) and the memory estimate (``planning/estimate.py``).
 
 ``MLPTerms`` is the dense SwiGLU (or plain) MLP of the baseline; a family whose MLP differs
 subclasses it in its folder and hands an instance to its ``Family`` (``estimate_terms``). The

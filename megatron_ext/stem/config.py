@@ -7,6 +7,9 @@ from typing import List, Optional, Sequence
 
 RATIOS = ("1/3", "1/2", "full")
 VARIANTS = ("up", "gate", "dagger")
+# A STEM layer's "type" in the mlp_layers of an exported config.json (docs/convert.md), which
+# the stem-edit tool (convert/stem_edit.py) reads.
+HF_MLP_TYPE = "stem"
 INITS = ("normal", "fan-in", "ones", "zeros")
 PLACEMENTS = ("gpu", "cpu", "tiered")  # tiered: stem/tiers.py
 # --stem-tier-count-tokens: 134M tokens, about 0.6 s of counting per rank on the development

@@ -1,3 +1,5 @@
-"""Offline tools, apart from the trainer glue (``megatron_ext/training/``): data preparation
-(``python -m megatron_ext.tools.data_prep``), the parameter/FLOPs/memory estimate and
-``--dry-run``, the analytic FLOPs accounting, and reading a run's tensorboard scalars."""
+"""Offline tools, the top layer with ``convert/`` (docs/architecture.md): data preparation
+(``python -m megatron_ext.tools.data_prep``), a profiler trace's summary
+(``python -m megatron_ext.tools.trace_summary``) and reading a run's tensorboard scalars. What the
+trainer shares with them lives below it: the estimate behind ``--dry-run`` in
+``megatron_ext/planning/``, the data manifest in ``megatron_ext/data_manifest.py``."""

@@ -7,7 +7,7 @@ writes::
     DIR/tokenizer/tokenizer.json         a Hugging Face tokenizer directory: --tokenizer-type
     DIR/tokenizer/tokenizer_config.json  HuggingFaceTokenizer --tokenizer-model DIR/tokenizer
     DIR/corpus_text_document.{bin,idx}   --data-path DIR/corpus_text_document
-    DIR/manifest.json                    what was built, checked by :func:`verify_manifest`
+    DIR/manifest.json                    what was built (megatron_ext/data_manifest.py)
 
 One document per pydoc topic and per source file; each document is its token ids followed by the
 EOD token ``<|endoftext|>``, as Megatron's ``tools/preprocess_data.py --append-eod`` writes them.
@@ -43,12 +43,14 @@ from megatron.core.datasets.indexed_dataset import (
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
+# The manifest's format, which the trainer reads too (--ext-data-manifest).
+from megatron_ext.data_manifest import MANIFEST, load_manifest, manifest_path
+
 logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
 DATA_NAME = "corpus_text_document"
 TOKENIZER_DIR = "tokenizer"
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 # Directories of the standard library that are not ordinary library source: test suites (large,
 # repetitive fixtures), installed third-party packages, caches, pydoc_data (its topics are taken
@@ -247,20 +249,6 @@ def write_indexed_dataset(tokenizer, docs: List[Document], prefix: str, vocab_si
 # manifest
 
 
-def manifest_path(out: str) -> str:
-    return os.path.join(out, MANIFEST)
-
-
-def load_manifest(path: str) -> dict:
-    """The manifest with ``data_prefix`` and ``tokenizer_dir`` resolved against its directory."""
-    with open(path) as f:
-        manifest = json.load(f)
-    base = os.path.dirname(os.path.abspath(path))
-    manifest["data_prefix"] = os.path.join(base, manifest["data_prefix_relative"])
-    manifest["tokenizer_dir"] = os.path.join(base, manifest["tokenizer_dir_relative"])
-    return manifest
-
-
 def is_complete(out: str, settings: Dict[str, object]) -> bool:
     """``out`` holds a finished build made with ``settings``."""
     path = manifest_path(out)
@@ -277,34 +265,6 @@ def is_complete(out: str, settings: Dict[str, object]) -> bool:
     if not all(os.path.isfile(p) for p in files):
         return False
     return sha256_file(tokenizer_json) == manifest.get("tokenizer_sha256")
-
-
-def verify_manifest(manifest_path: str, tokenizer_vocab_size: int) -> dict:
-    """Refuse to train when the tokenizer is not the one the data was tokenized with.
-
-    ``tokenizer_vocab_size`` is the unpadded vocabulary of the training tokenizer (Megatron's
-    ``tokenizer.vocab_size``). Returns the manifest; raises ``ValueError`` on a mismatch.
-    """
-    if not os.path.isfile(manifest_path):
-        raise ValueError(
-            f"--ext-data-manifest={manifest_path}: no such file; build the data with "
-            "`python -m megatron_ext.tools.data_prep --out DIR` and pass DIR/manifest.json")
-    try:
-        manifest = load_manifest(manifest_path)
-        recorded = int(manifest["tokenizer_vocab_size"])
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"--ext-data-manifest={manifest_path}: not a data_prep manifest "
-                         f"({exc.__class__.__name__}: {exc})") from None
-    if int(tokenizer_vocab_size) != recorded:
-        raise ValueError(
-            f"vocab size mismatch: the data {manifest['data_prefix']} was tokenized with a "
-            f"tokenizer of vocab size {recorded} (recorded in {manifest_path}), but the training "
-            f"tokenizer has vocab size {int(tokenizer_vocab_size)}. Pass --tokenizer-type "
-            f"HuggingFaceTokenizer --tokenizer-model {manifest['tokenizer_dir']} together with "
-            f"--data-path {manifest['data_prefix']}, or rebuild the data for your tokenizer "
-            f"(python -m megatron_ext.tools.data_prep --out DIR --vocab-size "
-            f"{int(tokenizer_vocab_size)}) and point --data-path/--ext-data-manifest at it.")
-    return manifest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.tensor_parallel import layers
 from megatron.training.arguments import add_megatron_arguments
 
+from megatron_ext.data_manifest import verify_manifest
 from megatron_ext.models.hybrid_pattern import check_family_symbols
 from megatron_ext.models.registry import families, family_of, registered_families
 from megatron_ext.models.specs import CORE_ATTENTION_CHOICES, te_available
-from megatron_ext.tools.data_prep import verify_manifest
 
 
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

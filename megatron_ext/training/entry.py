@@ -19,9 +19,9 @@ from megatron.training.arguments import parse_and_validate_args, parse_args
 
 from megatron_ext.checkpoint_manifest import CheckpointError
 from megatron_ext.compat import cpu, upstream_fixes
+from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.registry import family_of, load_plugins
 from megatron_ext.models.specs import te_available, te_problem
-from megatron_ext.tools.dry_run import main as dry_run_main
 from megatron_ext.training import checkpoint_hooks, family_hooks, profiler
 from megatron_ext.training.arguments import (
     add_extension_args,
@@ -31,6 +31,7 @@ from megatron_ext.training.arguments import (
     validate_extension_args,
 )
 from megatron_ext.training.datasets import train_valid_test_datasets_provider
+from megatron_ext.training.dry_run import main as dry_run_main
 from megatron_ext.training.forward_step import forward_step
 from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
@@ -43,7 +44,7 @@ from megatron_ext.training.preflight import (
     check_schedule_resume,
     check_table_memory,
 )
-from megatron_ext.training.presets import expand_argv, flag_value, has_flag
+from megatron_ext.training.presets import expand_argv
 from megatron_ext.training.refusal import launch_rank, refuse, say
 from megatron_ext.training.run_report import install as install_run_report
 from megatron_ext_kernels.row_adam_cpu import RowKernelError
@@ -149,7 +150,7 @@ def main(argv=None) -> None:
     except ValueError as exc:
         refuse(str(exc))
     if "--dry-run" in expanded:
-        # Numbers only: no process group, no model (megatron_ext/tools/dry_run.py). Megatron's
+        # Numbers only: no process group, no model (megatron_ext/training/dry_run.py). Megatron's
         # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
 
         raise SystemExit(dry_run_main(expanded, raw_argv))

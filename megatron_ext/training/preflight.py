@@ -29,12 +29,11 @@ from megatron.training.utils import has_nvrx_checkpointing_async_support
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.checkpoint_state import unloadable_reason
 from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
+from megatron_ext.planning.estimate import LABELS, table_memory
+from megatron_ext.planning.layout import Layout, validate_layout
+from megatron_ext.planning.model_shape import ModelShape
 from megatron_ext.stem.host_memory import available_bytes
 from megatron_ext.stem.initial_rows import BLOCK_BYTES
-from megatron_ext.tools.dry_run import LABELS
-from megatron_ext.tools.estimate import table_memory
-from megatron_ext.tools.layout import Layout, validate_layout
-from megatron_ext.tools.model_shape import ModelShape
 from megatron_ext.training.refusal import launch_rank, refuse
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
@@ -194,7 +193,7 @@ def check_async_save(args, cpu_backend: bool, nvrx_available=None) -> None:
 
 def check_layout(args) -> None:
     """The parallel sizes against the ranks torchrun started (``WORLD_SIZE``), by Megatron's rules
-    (``tools/layout.py``), in one line naming the flags. Megatron checks TP x PP x CP in its
+    (``planning/layout.py``), in one line naming the flags. Megatron checks TP x PP x CP in its
     validation, but EP only when it builds its process groups: ``--expert-model-parallel-size 3``
     on 2 ranks was a ``RuntimeError`` traceback ("world_size (2) is not divisible by
     expert_tensor_model_pipeline_parallel size (3)") on every rank."""
@@ -339,7 +338,7 @@ def _stage_of(rank: int, args, world_size: int) -> int:
 def table_memory_needs(args, world_size: Optional[int] = None, cuda: Optional[bool] = None
                        ) -> List[Tuple[Dict[str, float], Dict[str, float]]]:
     """Per pipeline stage, what one rank's managed tables need at start-up: (GPU bytes, host
-    bytes) by part, the estimate's arithmetic (``tools/estimate.py`` ``table_memory``, that of
+    bytes) by part, the estimate's arithmetic (``planning/estimate.py`` ``table_memory``, that of
     ``--dry-run``). Host memory also holds, while the model is built, every drawn row of the
     rank's tables (``stem/initial_rows.py`` draws on the CPU, a GPU placement included) and the
     drawing's two blocks; without CUDA every part is host memory."""

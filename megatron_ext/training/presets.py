@@ -19,28 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
+from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.registry import get_family
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET_DIR = os.path.join(ROOT, "launch", "presets")
 PRESET_FLAGS = ("--preset", "--sigma-preset")
-
-
-def flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
-    """The last value given for ``flag`` (``--x v`` or ``--x=v``), or None."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def has_flag(argv: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def available_presets() -> List[str]:

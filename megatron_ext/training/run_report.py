@@ -12,7 +12,7 @@ iteration and records
 * the tokens of the iteration: ``get_num_microbatches() x micro batch x data-parallel size x
   sequence length``, the global batch of *this* iteration (a ``--rampup-batch-size`` ramp changes
   the number of micro-batches);
-* training (forward + backward) FLOPs per token from ``tools/estimate.py``. Sigma's
+* training (forward + backward) FLOPs per token from ``planning/estimate.py``. Sigma's
   progressive sparsification changes the experts a token uses during training, so its value is
   taken per iteration with that iteration's top-k.
 
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
 from megatron_ext.models.registry import family_config
-from megatron_ext.tools.estimate import estimate_from_args
-from megatron_ext.tools.model_shape import ModelShape, family_terms, training_flops_per_token
+from megatron_ext.planning.estimate import estimate_from_args
+from megatron_ext.planning.model_shape import ModelShape, family_terms, training_flops_per_token
 from megatron_ext.training import log_hooks
 
 SCHEMA_VERSION = 1
@@ -230,7 +230,7 @@ class RunReport:
             "device": device_info(),
             "params_dtype": str(getattr(a, "params_dtype", "")).replace("torch.", ""),
             "train_flops_per_token": self.flops.at_start,
-            "flops_source": "megatron_ext.tools.estimate (forward + backward, per token)",
+            "flops_source": "megatron_ext.planning.estimate (forward + backward, per token)",
             "flops_error": self.flops.error,
             "iterations": self.iterations,
             "memory": memory_summary(per_rank_memory, complete=complete),

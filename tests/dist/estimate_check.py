@@ -1,7 +1,7 @@
 """Run under torchrun like ``launch/pretrain.py`` (same flags) plus ``--estimate-out DIR``, or as a
 ``"module"`` item of a ``tests/dist/multi_config.py`` plan (several in one launch): trains
 one step and writes, per rank, what the built model, Megatron's buffers and optimizer really hold,
-next to ``tools/estimate.py``'s numbers for this rank's pipeline stage.
+next to ``planning/estimate.py``'s numbers for this rank's pipeline stage.
 
 Measured on the real objects (captured by wrapping ``megatron.training.training``'s
 ``setup_model_and_optimizer`` and ``train_step``):
@@ -24,9 +24,9 @@ import sys
 
 import torch
 
-from megatron_ext.tools.estimate import rank_estimate
-from megatron_ext.tools.layout import Layout
-from megatron_ext.tools.model_shape import ModelShape
+from megatron_ext.planning.estimate import rank_estimate
+from megatron_ext.planning.layout import Layout
+from megatron_ext.planning.model_shape import ModelShape
 
 
 def main(argv=None) -> None:

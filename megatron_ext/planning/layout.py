@@ -1,5 +1,5 @@
 """A run's parallel layout and Megatron's rules for it, in one place: the estimate
-(``tools/estimate.py``, ``--dry-run``) refuses a layout by them, the scaling harness
+(``planning/estimate.py``, ``--dry-run``) refuses a layout by them, the scaling harness
 (``launch/scaling.py``) each of its layouts before it launches anything.
 
 Megatron-Core's grids: ``world size = TP x PP x CP x DP`` (EP is not a factor: expert-parallel
@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass
 from typing import List, Optional, Tuple
 
 from megatron_ext.models.registry import family_config
-from megatron_ext.tools.model_shape import ModelShape, family_terms
+from megatron_ext.planning.model_shape import ModelShape, family_terms
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Memory per rank of any family and parallel layout, from numbers alone, beside the model's
-parameters and FLOPs per token: the estimate ``--dry-run`` prints (``tools/dry_run.py``) and the
+parameters and FLOPs per token: the estimate ``--dry-run`` prints (``training/dry_run.py``) and the
 run report takes its FLOPs per token from.
 
-Nothing is allocated: the model is a :class:`~megatron_ext.tools.model_shape.ModelShape` (whose
-module counts its parameters and FLOPs, and says how), the layout a
-:class:`~megatron_ext.tools.layout.Layout` (checked by ``tools/layout.py``'s rules), both read from
-Megatron's parsed arguments by :func:`estimate_from_args`.
+Nothing is allocated: the model is a :class:`~megatron_ext.planning.model_shape.ModelShape`
+(whose module counts its parameters and FLOPs, and says how), the layout a
+:class:`~megatron_ext.planning.layout.Layout` (checked by ``planning/layout.py``'s rules), both
+read from Megatron's parsed arguments by :func:`estimate_from_args`.
 
 **Memory per rank** (the busiest pipeline stage, tensor-parallel rank 0):
 
@@ -43,8 +43,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_ext.tools.layout import Layout, validate_layout
-from megatron_ext.tools.model_shape import (
+from megatron_ext.planning.layout import Layout, validate_layout
+from megatron_ext.planning.model_shape import (
     ModelShape,
     Parts,
     active_params,
@@ -55,6 +55,17 @@ from megatron_ext.tools.model_shape import (
     stem_table_params,
     training_flops_per_token,
 )
+
+
+# How a report names each part of the memory per rank (the keys of ``Estimate.gpu_bytes`` and
+# ``host_bytes``): the dry run's and the start-up memory check's messages.
+LABELS = {
+    "weights": "weights", "gradients": "gradients (DDP buffer)",
+    "optimizer": "optimizer states", "activations": "activations",
+    "stem_tables": "STEM tables (fp32)", "stem_adam_moments": "STEM Adam moments",
+    "stem_table_gradients": "STEM row gradients (dense optimizer)",
+    "stem_fetched_rows": "STEM fetched-row buffers",
+}
 
 
 # ---------------------------------------------------------------------------------------------

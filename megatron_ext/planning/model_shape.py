@@ -6,7 +6,7 @@ dry run, the run report), from a command line of flags (:meth:`ModelShape.from_f
 scaling harness, before it launches anything) or written out by hand (tests, the main job). What
 differs between families goes through the family's terms (``models/terms.py``, the registry's
 ``estimate_terms``); nothing here asks which family it is. The memory per rank is
-``tools/estimate.py``'s, the layout rules ``tools/layout.py``'s.
+``planning/estimate.py``'s, the layout rules ``planning/layout.py``'s.
 
 **Parameters** are counted as the model provider builds them (``tests/test_estimate.py`` checks
 every family against built models under TP=2 x PP=2, and EP=2 for Sigma; ``tests/test_flops.py``
@@ -67,11 +67,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple
 
+from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.hybrid_pattern import HybridLayers
 from megatron_ext.models.registry import family_config, get_family, registered_families
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.stem.config import VARIANTS
-from megatron_ext.training.presets import flag_value, has_flag
 
 
 def family_terms(family: str) -> MLPTerms:

@@ -2,8 +2,8 @@
 
 Megatron's own parser and ``validate_args`` read the flags (so a layout Megatron refuses is
 refused here too, with its message), for ``--dry-run-world-size`` ranks; the numbers come from
-``tools/estimate.py`` (parameters and FLOPs: ``tools/model_shape.py``, the layout rules:
-``tools/layout.py``). Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
+``planning/estimate.py`` (parameters and FLOPs: ``planning/model_shape.py``, the layout rules:
+``planning/layout.py``). Without a tokenizer the vocabulary is the preset's (``"tokenizer"`` entry)
 or ``--vocab-size``, through Megatron's ``NullTokenizer`` so the padding is Megatron's.
 """
 
@@ -20,9 +20,10 @@ from typing import List, Optional, Sequence
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.global_vars import unset_global_variables
 
-from megatron_ext.tools.estimate import estimate_from_args
+from megatron_ext.flags import flag_value, has_flag
+from megatron_ext.planning.estimate import LABELS, estimate_from_args
 from megatron_ext.training.arguments import add_extension_args, validate_extension_args
-from megatron_ext.training.presets import flag_value, has_flag, preset_tokenizer
+from megatron_ext.training.presets import preset_tokenizer
 
 
 # What the dry run sets in the environment for Megatron's parser, and restores after it.
@@ -104,15 +105,6 @@ def _count(n: float) -> str:
     if n >= 1e9:
         return f"{n:,.0f} ({n / 1e9:.2f}B)"
     return f"{n:,.0f} ({n / 1e6:.2f}M)"
-
-
-LABELS = {
-    "weights": "weights", "gradients": "gradients (DDP buffer)",
-    "optimizer": "optimizer states", "activations": "activations",
-    "stem_tables": "STEM tables (fp32)", "stem_adam_moments": "STEM Adam moments",
-    "stem_table_gradients": "STEM row gradients (dense optimizer)",
-    "stem_fetched_rows": "STEM fetched-row buffers",
-}
 
 
 def report(est, preset: Optional[str]) -> str:
