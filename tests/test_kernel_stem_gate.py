@@ -223,8 +223,7 @@ def test_stem_mlp_with_the_kernel_equals_the_pytorch_path(mcore_single_rank, var
         mlp = mlp.to(DEVICE)
         x = torch.randn(5, 2, 16, device=DEVICE)
         ids = torch.tensor([[1, 2], [2, 2], [8, 1], [0, 2], [1, 1]], device=DEVICE)
-        with mlp.bind_token_ids(ids):
-            out, _ = mlp(x)
+        out, _ = mlp(x, context=ids)
         out.square().sum().backward()
         results.append((out.detach(), {n: p.grad.clone() for n, p in mlp.named_parameters()}))
     (out_t, grads_t), (out_k, grads_k) = results

@@ -78,7 +78,6 @@ def _tiny_stem_gpt(num_layers=3, ratio="1/3"):
                                  config, StemConfig(ratio=ratio), 128, False),
                              vocab_size=128, max_sequence_length=16,
                              position_embedding_type="rope")
-    model.needs_token_ids = True  # as the model provider marks it
     return model
 
 
@@ -114,8 +113,9 @@ def _count_range_reads(tokens, reads):
 
 
 def test_ids_checked_on_the_host_are_not_read_back(mcore_single_rank):
-    """``check_host_token_ids`` checks the host copy and the forward then does not read the
-    device ids; unchecked ids are read (and refused) by the forward as before."""
+    """``check_host_token_ids`` checks the host copy and the forward told so
+    (``token_ids_checked``) then does not read the device ids; unchecked ids are read (and
+    refused) by the forward as before."""
     model = _tiny_stem_gpt()
     pos = torch.arange(16).unsqueeze(0).expand(2, 16)
     reads = []
@@ -123,14 +123,14 @@ def test_ids_checked_on_the_host_are_not_read_back(mcore_single_rank):
     model(tokens, pos, None)
     assert sorted(reads) == ["max", "min"]
     reads.clear()
-    model.check_host_token_ids(tokens, tokens.clone())
-    model(tokens, pos, None)
+    model.check_host_token_ids(tokens.clone())
+    model(tokens, pos, None, token_ids_checked=True)
     assert reads == []
     for bad_id in (128, -1):
         bad = tokens.clone()
         bad[1, 3] = bad_id
         with pytest.raises(ValueError, match=f"token id {bad_id} is outside the STEM tables"):
-            model.check_host_token_ids(tokens.clone(), bad)
+            model.check_host_token_ids(bad)
 
 
 @pytest.mark.parametrize("host", [True, False])
@@ -158,7 +158,7 @@ def test_forward_step_checks_the_host_copy(mcore_single_rank, monkeypatch, host,
     batch = (tokens, labels, torch.ones(2, 16), None, torch.arange(16).unsqueeze(0).expand(2, 16),
              tokens.clone() if host else None)
     family = SimpleNamespace(before_forward=None, take_batch=(
-        (lambda model, read_batch, args, cfg: read_batch()[:5]) if take_batch else None))
+        (lambda model, read_batch, args, cfg: (read_batch(), {})) if take_batch else None))
     monkeypatch.setattr(fs, "get_args", lambda: SimpleNamespace())
     monkeypatch.setattr(fs, "get_timers", lambda: lambda *a, **k: Timer())
     monkeypatch.setattr(fs, "_family_and_config", lambda args: (family, None))
@@ -188,8 +188,8 @@ def test_block_context_of_host_checked_ids_does_not_wait_for_the_gpu():
     torch.cuda.set_sync_debug_mode("error")
     try:
         checked = host.pin_memory().to("cuda", non_blocking=True)
-        model.check_host_token_ids(checked, host)
-        context = model.block_context(checked)
+        model.check_host_token_ids(host)
+        context = model.block_context(checked, token_ids_checked=True)
         unchecked = host.pin_memory().to("cuda", non_blocking=True)
         with pytest.raises(RuntimeError, match="synchroniz"):
             model.block_context(unchecked)

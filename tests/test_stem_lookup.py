@@ -62,8 +62,7 @@ def test_inside_megatron_ddp(mcore_single_rank):
     ids[0, 0] = ids[3, 1]
     grad = torch.randn(5, 2, mlp.config.hidden_size, device=device)
     ddp.zero_grad_buffer()
-    with mlp.bind_token_ids(ids):
-        out, _ = ddp(x)
+    out, _ = ddp(x, context=ids)
     out.backward(grad)
     ddp.finish_grad_sync()
 

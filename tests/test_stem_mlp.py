@@ -40,8 +40,7 @@ def test_forward_and_gradients_match_reference(mcore_single_rank, variant):
     ids[0, 0] = ids[1, 2] = ids[4, 1]  # repeated tokens: their row gradients must add up
     grad_out = torch.randn(S, B, H)
 
-    with mlp.bind_token_ids(ids):
-        out, bias = mlp(x)
+    out, bias = mlp(x, context=ids)
     assert bias is None
     out.backward(grad_out)
 

@@ -18,19 +18,29 @@ VOCAB = 100
 
 
 class FakeLayer:
-    """The calls StemTables makes on a StemMLP."""
+    """A STEM layer as StemTables knows it (``LayerTable``), and the rows and index of the last
+    micro-batch fetched for it (``bound``: what the layer reads from its ``FetchedRows``)."""
 
-    def __init__(self, table):
-        self.table, self.bound = table, None
+    def __init__(self, table, layer_number=None):
+        from megatron_ext.stem.tables import LayerTable
 
-    def release_initial_table(self):
-        return self.table
-
-    def bind_rows(self, rows, inverse):
-        self.bound = (rows, inverse)
-
-    def release_rows(self):
+        self.layer_number = layer_number if layer_number is not None else id(self)
+        self.spec = LayerTable(self.layer_number, table, table.dtype, table.shape[0])
         self.bound = None
+
+
+def recording(tables, layers):
+    """``tables`` whose fetches also leave each layer's rows in ``layer.bound``."""
+    finish = tables.finish_fetch
+
+    def finish_fetch(fetch):
+        fetched = finish(fetch)
+        for layer in layers:
+            layer.bound = fetched.of_layer(layer.layer_number)
+        return fetched
+
+    tables.finish_fetch = finish_fetch  # fetch_now finishes through it too
+    return tables
 
 
 def host_tables(g: torch.Generator, placement: str = "cpu", hot_mask=None):
@@ -42,9 +52,11 @@ def host_tables(g: torch.Generator, placement: str = "cpu", hot_mask=None):
     from megatron_ext.stem.tables import StemTables
 
     full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
-    layers = [FakeLayer(t.clone()) for t in full]
-    tables = StemTables(layers, StemConfig(placement=placement, sharding="vocab"), VOCAB,
-                        parallel_state.get_data_parallel_group(), hot_mask=hot_mask)
+    layers = [FakeLayer(t.clone(), n) for n, t in enumerate(full, start=2)]
+    tables = recording(StemTables([layer.spec for layer in layers],
+                                  StemConfig(placement=placement, sharding="vocab"), VOCAB,
+                                  parallel_state.get_data_parallel_group(), hot_mask=hot_mask),
+                       layers)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return full, layers, tables, device
 
@@ -159,7 +171,7 @@ def test_tables_hand_the_huge_page_choice_to_the_store(mcore_single_rank, huge):
 
     from megatron_ext.stem.tables import StemTables
 
-    layers = [FakeLayer(torch.randn(VOCAB, 8))]
+    layers = [FakeLayer(torch.randn(VOCAB, 8)).spec]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab",
                                            host_huge_pages=huge), VOCAB,
                         parallel_state.get_data_parallel_group())
@@ -190,10 +202,10 @@ def run_microbatches(read_ahead, reader, layers, expected, weights, step):
     rows bound to each layer reproduce ``expected[ids]`` (the plain tables with every earlier
     step applied), and a loss of the rows weighted by ``weights`` is backpropagated."""
     for m in range(3):
-        batch = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
+        batch, fetched = read_ahead.take(lambda: next(reader), 3, next_step=step == 0)
         loss = 0.0
         for layer, want, w in zip(layers, expected, weights):
-            rows, inverse = layer.bound
+            rows, inverse = fetched.of_layer(layer.layer_number)
             looked_up = rows[inverse]  # [s, b, F]
             assert torch.equal(looked_up.detach().cpu(), want[batch[0].t().cpu()]), (step, m)
             loss = loss + (looked_up * w).sum()
@@ -533,19 +545,20 @@ class RecordingTables:
 
     def fetch_now(self, ids):
         self.ids.append(("now", ids))
+        return ("rows of", ids)
 
     def start_fetch(self, ids, ahead=False, after_step=False):
         self.ids.append(("ahead", ids))
-        return object()
+        return ids
 
     def finish_fetch(self, fetch):
-        pass
+        return ("rows of", fetch)
 
 
 def test_read_ahead_routes_the_host_copy_of_the_tokens():
     """The read-ahead hands the tables the batch's host tokens (the sixth item, what routing
     reads without waiting for the GPU) when the batch has them, the tokens otherwise, and gives
-    the forward step the five tensors."""
+    the forward step the batch with the rows fetched for it."""
     from megatron_ext.stem.read_ahead import TableReadAhead
 
     batches = []
@@ -560,15 +573,17 @@ def test_read_ahead_routes_the_host_copy_of_the_tokens():
     ahead = TableReadAhead(tables)
     with torch.enable_grad():
         for m in range(2):
-            got = ahead.take(read_batch, num_microbatches=2, next_step=True)
-            assert len(got) == 5 and got[0] is batches[m][0]
+            got, rows = ahead.take(read_batch, num_microbatches=2, next_step=True)
+            assert got is batches[m] and rows == ("rows of", batches[m][5])
     assert [kind for kind, _ in tables.ids] == ["now", "ahead", "ahead"]
     assert all(ids is batch[5] for (_, ids), batch in zip(tables.ids, batches))
     tables.ids.clear()
     ahead.next = None
     with torch.no_grad():  # evaluation, a batch without a host copy: the tokens themselves
-        got = ahead.take(lambda: read_batch(host=False), num_microbatches=2, next_step=True)
-    assert len(got) == 5 and tables.ids == [("now", batches[-1][0])]
+        got, rows = ahead.take(lambda: read_batch(host=False), num_microbatches=2,
+                               next_step=True)
+    assert got is batches[-1] and rows == ("rows of", batches[-1][0])
+    assert tables.ids == [("now", batches[-1][0])]
 
 
 def test_read_ahead_does_not_keep_its_tables_alive():

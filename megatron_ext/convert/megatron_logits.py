@@ -119,10 +119,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # What the chunk reads beside its inputs, as the training forward step readies it (STEM's
         # managed tables under the run's own placement flags: the tokens' rows fetched from their
         # owners, a collective over the data-parallel group).
+        extra = {}
         if family.bind_tokens is not None:
-            family.bind_tokens(model_chunk, tokens, args, family_config)
+            extra = family.bind_tokens(model_chunk, tokens, args, family_config)
         # attention_mask None: causal attention (as in training with the default data flags).
-        return model_chunk(tokens, position_ids, None), loss_func
+        return model_chunk(tokens, position_ids, None, **extra), loss_func
 
     with torch.no_grad():
         get_forward_backward_func()(

@@ -43,6 +43,11 @@ class Family:
     # after the model chunk is built: model_state(model, args, config, cfg) attaches what the
     # family keeps beside the modules (STEM's managed tables, Sigma's layer list)
     model_state: Optional[Callable[[Any, Any, Any, Any], None]] = None
+    # the runtime a model with token-indexed layers owns (``models/token_ids.py``; STEM's managed
+    # tables): token_tables(model, args, config, cfg) -> the object or None, built by the model
+    # once its layers exist and kept as ``model.token_tables``; it gives the forward step each
+    # micro-batch's rows (``take_batch``) and saves and loads them with the model
+    token_tables: Optional[Callable[[Any, Any, Any, Any], Any]] = None
     # before pretrain: install(args, cfg) (what the family sets up once per training)
     install: Optional[Callable[[Any, Any], None]] = None
     # before the trainer loads a checkpoint into the model (after its checksums are verified):
@@ -55,19 +60,21 @@ class Family:
     # every iteration, on every rank, before Megatron's training log (collectives allowed):
     # log_report(args, iteration, total_loss_dict, writer, wandb_writer)
     log_report: Optional[Callable[..., None]] = None
-    # every micro-batch: take_batch(model, read_batch, args, cfg) -> the batch the chunk runs
-    # now (tokens, labels, loss_mask, attention_mask, position_ids); ``read_batch()`` reads the
-    # next one: those five and the tokens' host copy, or None where this rank has them on the GPU
-    # only (STEM binds the rows of its managed tables and reads ahead)
+    # every micro-batch: take_batch(model, read_batch, args, cfg) -> (batch, model_kwargs): the
+    # batch the chunk runs now as ``read_batch()`` gave it (tokens, labels, loss_mask,
+    # attention_mask, position_ids, and the tokens' host copy or None where this rank has them
+    # on the GPU only) and the keyword arguments of the model's forward for it (STEM: the rows
+    # its managed tables fetched, ``token_rows``; it reads ahead)
     take_batch: Optional[Callable[[Any, Callable[[], tuple], Any, Any], tuple]] = None
     # whether take_batch routes the tokens' host copy (the same answer on every rank):
     # host_tokens(args, cfg); with TP > 1 the trainer then sends it to every TP rank over a gloo
     # copy of the TP group (``training/batch.py``)
     host_tokens: Optional[Callable[[Any, Any], bool]] = None
     # a forward outside the trainer (``convert/megatron_logits.py``) of the chunk ``model`` on
-    # ``tokens``: bind_tokens(model, tokens, args, cfg) readies what the chunk reads beside its
-    # inputs (STEM fetches the rows of its managed tables: a collective over data parallelism)
-    bind_tokens: Optional[Callable[[Any, Any, Any, Any], None]] = None
+    # ``tokens``: bind_tokens(model, tokens, args, cfg) -> the keyword arguments of the model's
+    # forward beside its inputs (STEM fetches the rows of its managed tables: a collective over
+    # data parallelism)
+    bind_tokens: Optional[Callable[[Any, Any, Any, Any], dict]] = None
     # every training micro-batch, before the model runs: before_forward(model, args, cfg)
     before_forward: Optional[Callable[[Any, Any, Any], None]] = None
     # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)

@@ -1,7 +1,8 @@
 """GPT model that threads the token ids of this rank to token-indexed layers.
 
 Extends ``megatron.core.models.gpt.GPTModel``: the ids (``models/token_ids.py``) are passed to
-the transformer block as ``extra_block_kwargs={"context": ids [s, b]}``.
+the transformer block as ``extra_block_kwargs={"context": ids [s, b]}`` (a ``TokenContext``,
+with the rows the forward step fetched for them: ``token_rows``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ class TokenIdsGPTModel(TokenIdsMixin, GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
-                runtime_gather_output=None, **kwargs):
+                runtime_gather_output=None, token_rows=None, token_ids_checked=False,
+                **kwargs):
         extra_block_kwargs = dict(extra_block_kwargs or {})
-        extra_block_kwargs["context"] = self.block_context(input_ids)
+        extra_block_kwargs["context"] = self.block_context(input_ids, token_rows,
+                                                           token_ids_checked)
         return super().forward(
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
             inference_context=inference_context, packed_seq_params=packed_seq_params,

@@ -142,9 +142,16 @@ class TokenIdsHybridModel(TokenIdsMixin, HybridModel):
         self.token_layers_here = any(isinstance(m, TokenContextTransformerLayer)
                                      for m in self.decoder.layers)
 
-    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+    @property
+    def needs_token_ids(self) -> bool:
+        """This chunk holds token-indexed layers (the forward step reads ids for them)."""
+        return self.token_layers_here
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, token_rows=None,
+                token_ids_checked=False, **kwargs):
         if self.token_layers_here:
-            self.decoder.take_token_ids(self.block_context(input_ids))
+            self.decoder.take_token_ids(self.block_context(input_ids, token_rows,
+                                                           token_ids_checked))
         try:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:

@@ -150,7 +150,7 @@ def _optimizer_sources(optimizer):
     out = []
     for t, adam in zip(optimizer.tables, optimizer.row_adams):
         sources = {"exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq}
-        if any(layer.config.params_dtype != torch.float32 for layer in t.layers):
+        if any(layer.dtype != torch.float32 for layer in t.layers):
             sources["fp32_param"] = t.store.shards  # the master copy of a 16-bit model
         if optimizer.mode == "sparse":
             sources[TOUCHED] = adam.lazy.touched
@@ -174,8 +174,8 @@ def optimizer_state(optimizer) -> dict:
     optimizer.materialize()
     tensors = {}
     for t, sources in _optimizer_sources(optimizer):
-        for layer in t.layers:
-            if getattr(layer, "checkpoint_blocks", None) is None:
+        for blocks in t.checkpoint_blocks:
+            if blocks is None:
                 raise RuntimeError("the model's sharded_state_dict must be built before the "
                                    "STEM table optimizer's")
         for name in sources:
@@ -185,8 +185,8 @@ def optimizer_state(optimizer) -> dict:
             whole = [full_tensor(x).to(dtype) for x in sources[name]]
             whole = [x.unsqueeze(1) if x.dim() == 1 else x for x in whole]
             for block, per_layer in gather_blocks(t, whole):
-                for layer, rows in zip(t.layers, per_layer):
-                    model_block = layer.checkpoint_blocks[block]
+                for layer, blocks, rows in zip(t.layers, t.checkpoint_blocks, per_layer):
+                    model_block = blocks[block]
                     key = f"optimizer.state.{name}.{model_block.key}"
                     data = rows[:, 0].clone() if name == TOUCHED else rows
                     tensors[f"{key}.block{block}"] = block_sharded_tensor(
@@ -211,8 +211,8 @@ def load_optimizer_state(optimizer, saved: dict) -> None:
     for t, sources in _optimizer_sources(optimizer):
         for name, targets in sources.items():
             per_block = {}
-            for k, layer in enumerate(t.layers):
-                for block, model_block in layer.checkpoint_blocks.items():
+            for k, blocks in enumerate(t.checkpoint_blocks):
+                for block, model_block in blocks.items():
                     key = f"optimizer.state.{name}.{model_block.key}.block{block}"
                     per_block.setdefault(block, [None] * len(t.layers))[k] = tensors[key]
             # Tiered shards load into a host copy, then back into their two halves.

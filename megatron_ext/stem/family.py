@@ -9,6 +9,8 @@ import argparse
 import math
 from typing import Callable, Optional
 
+import torch
+
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
 from megatron.core.utils import get_attr_wrapped_model
@@ -45,8 +47,9 @@ from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.read_ahead import take_batch
 from megatron_ext.stem.specs import decoder_block_spec
 from megatron_ext.stem.table_optimizer import dump_tables, report_stats
+from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
-from megatron_ext.stem.tables import StemTables, chunk_stem_layers
+from megatron_ext.stem.tables import LayerTable, StemTables
 from megatron_ext.stem.tiers import choose_hot_mask
 from megatron_ext.stem.worker import WORKER
 from megatron_ext_kernels import stem_gate
@@ -188,9 +191,21 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
                                  "--stem-table-placement gpu --stem-table-sharding replicated")
 
 
+def rows_owned_at_build(stem: StemConfig, vocab_size: int) -> Optional[torch.Tensor]:
+    """The global rows a managed table of this rank will hold (vocab sharding: the rows
+    ``RowOwnership`` gives this data-parallel rank, as ``StemTables`` will), the only ones whose
+    drawn values the STEM MLP keeps; None (every row) for replicated tables and for a model
+    built without Megatron's parallel state."""
+    if stem.sharding != "vocab" or not parallel_state.model_parallel_is_initialized():
+        return None
+    return RowOwnership(vocab_size, parallel_state.get_data_parallel_world_size(),
+                        stem.ownership).owned_ids(parallel_state.get_data_parallel_rank())
+
+
 def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
-    return decoder_block_spec(config, config_from_args(args), args.padded_vocab_size,
-                              use_te, vp_stage=vp_stage)
+    stem = config_from_args(args)
+    return decoder_block_spec(config, stem, args.padded_vocab_size, use_te, vp_stage=vp_stage,
+                              kept_rows=rows_owned_at_build(stem, args.padded_vocab_size))
 
 
 def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
@@ -198,46 +213,49 @@ def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None
     the i-th ``-`` of ``--hybrid-layer-pattern``, a ``TokenContextMLPLayer`` with a STEM MLP."""
     stem = config_from_args(args)
     stem_ids = set(stem.stem_layers(mlp_block_count(args)))
+    kept_rows = rows_owned_at_build(stem, args.padded_vocab_size)
 
     def mlp_fn(k, dense):
         if k not in stem_ids:
             return dense
         return with_mlp(dense, StemMLP.as_mlp_submodule, TokenContextMLPLayer, stem=stem,
-                        vocab_size=args.padded_vocab_size)
+                        vocab_size=args.padded_vocab_size, kept_rows=kept_rows)
 
     return hybrid_specs.hybrid_stack_spec(config, args.hybrid_layer_pattern, use_te, mlp_fn)
 
 
-def model_state(model, args, config, stem: StemConfig) -> None:
-    """Managed tables (``--stem-table-placement cpu|tiered`` or vocab sharding): the chunk's
-    ``StemTables``, a plain attribute (the rows are not parameters of the model); None for
-    ordinary tables and on a stage without STEM layers."""
-    model.stem_tables = None
+def token_tables(model, args, config, stem: StemConfig) -> Optional[StemTables]:
+    """The runtime of the chunk's managed tables (``--stem-table-placement cpu|tiered`` or vocab
+    sharding), which the model keeps as ``model.token_tables`` (``models/token_ids.py``): the
+    rows are not parameters of the model. None for ordinary tables and on a chunk without STEM
+    layers."""
     print_rank_0(f"> STEM layers (0-based MLP blocks): {stem.stem_layers(mlp_block_count(args))} "
                  f"variant={stem.variant} init={stem.init} tables: "
                  f"placement={stem.placement} sharding={stem.sharding}")
     if not stem.managed_tables:
-        return
-
-    layers = chunk_stem_layers(model)
+        return None
+    layers = [LayerTable(m.layer_number, m.release_initial_table(), m.config.params_dtype,
+                         m.vocab_size, m.tp_rank, m.tp_size)
+              for m in model.modules() if isinstance(m, StemMLP) and m.managed]
+    if not layers:
+        return None
     hot = None
-    if stem.placement == "tiered" and layers:
+    if stem.placement == "tiered":
         hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier,
                                    stem.tier_count_tokens)
         print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
                      f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
-    model.stem_tables = StemTables(
-        layers, stem, args.padded_vocab_size, parallel_state.get_data_parallel_group(),
-        hot_mask=hot, host_group=_host_data_parallel_group()) if layers else None
+    return StemTables(layers, stem, args.padded_vocab_size,
+                      parallel_state.get_data_parallel_group(), hot_mask=hot,
+                      host_group=_host_data_parallel_group())
 
 
-def bind_tokens(model, tokens, args, stem: StemConfig) -> None:
-    """A forward outside the trainer: the rows of ``tokens`` fetched from their owners and bound
-    to the chunk's layers, as the forward step's ``take_batch`` does (collective over the
+def bind_tokens(model, tokens, args, stem: StemConfig) -> dict:
+    """A forward outside the trainer: the rows of ``tokens`` fetched from their owners, as the
+    forward step's ``take_batch`` does, for the model's ``token_rows`` (collective over the
     data-parallel group; nothing for ordinary tables)."""
-    tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True)
-    if tables is not None:
-        tables.fetch_now(tokens)
+    tables = get_attr_wrapped_model(model, "token_tables", allow_none=True)
+    return {} if tables is None else {"token_rows": tables.fetch_now(tokens)}
 
 
 def _host_data_parallel_group():
@@ -461,7 +479,7 @@ class StemTerms(MLPTerms):
 FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 hybrid_stack_spec=hybrid_stack_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
-                validate_args=validate_args, model_state=model_state,
+                validate_args=validate_args, token_tables=token_tables,
                 wrap_optimizer=wrap_optimizer, log_report=log_report,
                 check_checkpoint=check_checkpoint, after_training=after_training, reset=reset,
                 take_batch=take_batch, bind_tokens=bind_tokens,

@@ -19,12 +19,10 @@ sequence under sequence parallelism, so its output covers the whole local sequen
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional, Tuple
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
@@ -36,10 +34,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.models.sharding import mlp_sharded_state_dict
-from megatron_ext.stem import checkpoint
+from megatron_ext.models.token_ids import TOKEN_TABLES, split_context
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.initial_rows import InitialRows, draw_rows
-from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext_kernels import stem_gate
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
@@ -59,23 +56,17 @@ def table_init_method(init: str, config: TransformerConfig):
     raise ValueError(f"--stem-init={init!r}: unknown initialisation")
 
 
-def rows_owned_at_build(stem: StemConfig, vocab_size: int) -> Optional[torch.Tensor]:
-    """The global rows a managed table of this rank will hold (vocab sharding: the rows
-    ``RowOwnership`` gives this data-parallel rank, as ``StemTables`` will), the only ones whose
-    drawn values are kept; None (every row) for replicated tables and for a model built without
-    Megatron's parallel state."""
-    if stem.sharding != "vocab" or not parallel_state.model_parallel_is_initialized():
-        return None
-    return RowOwnership(vocab_size, parallel_state.get_data_parallel_world_size(),
-                        stem.ownership).owned_ids(parallel_state.get_data_parallel_rank())
-
-
 class StemMLP(MegatronModule):
-    """STEM feed-forward block. ``forward(h)`` returns ``(out, bias)`` like Megatron's MLP.
+    """STEM feed-forward block. ``forward(h, context=...)`` returns ``(out, bias)`` like
+    Megatron's MLP; ``context`` is the block's (``models/token_ids.py`` ``TokenContext``: the ids
+    ``[s, b]`` and, for managed tables, the rows fetched for them), which
+    :class:`megatron_ext.models.layer.TokenContextTransformerLayer` passes on.
 
-    The token ids are bound for the duration of one layer call by the owning
-    :class:`megatron_ext.models.layer.TokenContextTransformerLayer` (``bind_token_ids``), which
-    reads them from the transformer block's ``context`` argument.
+    Managed tables (``StemConfig.managed_tables``) are not parameters of this module: it draws
+    their initial values (the rows ``kept_rows`` only: this rank's, given by the family's spec
+    builder) and hands them over once (``release_initial_table``); it never sees the runtime
+    that keeps them (``stem/tables.py``) but through its arguments: the rows in ``context``,
+    and the runtime in the ``metadata`` of ``sharded_state_dict``.
     """
 
     def __init__(
@@ -86,6 +77,7 @@ class StemMLP(MegatronModule):
         vocab_size: int,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         name: Optional[str] = None,
+        kept_rows: Optional[torch.Tensor] = None,
     ):
         super().__init__(config=config)
         if not config.gated_linear_unit:
@@ -145,12 +137,7 @@ class StemMLP(MegatronModule):
         if self.managed:
             self._initial_table: Optional[InitialRows] = draw_rows(
                 vocab_size, ffn, self.tp_rank, self.tp_size, init_method,
-                keep=rows_owned_at_build(stem, vocab_size),
-                initialize=config.perform_initialization)
-            self._rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-            # The rows of each micro-batch in flight, by the storage of its block context (the
-            # ids), so that a recomputed layer reads its own micro-batch's rows (claim_rows).
-            self._rows_by_context = {}
+                keep=kept_rows, initialize=config.perform_initialization)
         else:
             device = None if config.use_cpu_initialization else torch.cuda.current_device()
             table = torch.empty(vocab_size, self.ffn_per_partition, dtype=config.params_dtype,
@@ -165,7 +152,6 @@ class StemMLP(MegatronModule):
                 _initialize_affine_weight_gpu(table, init_method, partition_dim=1)
             self.table = torch.nn.Parameter(table)
             set_tensor_model_parallel_attributes(self.table, True, 1, 1)
-        self._token_ids: Optional[torch.Tensor] = None
         self.layer_number: Optional[int] = None
         # The fused lookup-and-gate (megatron_ext_kernels/stem_gate.py) or its PyTorch reference below.
         self.kernel = stem_gate.resolve(stem.kernel, self.activation_func)
@@ -173,22 +159,13 @@ class StemMLP(MegatronModule):
     @classmethod
     def as_mlp_submodule(cls, submodules: MLPSubmodules, stem: StemConfig, vocab_size: int,
                          config: TransformerConfig, pg_collection, is_mtp_layer: bool = False,
-                         name: Optional[str] = None) -> "StemMLP":
+                         name: Optional[str] = None,
+                         kept_rows: Optional[torch.Tensor] = None) -> "StemMLP":
         """Builder matching megatron-core 0.18+'s ``submodules.mlp(config=, pg_collection=, ...)``."""
         if is_mtp_layer:
             raise ValueError("STEM layers cannot be multi-token-prediction layers")
         return cls(config=config, submodules=submodules, stem=stem, vocab_size=vocab_size,
-                   tp_group=pg_collection.tp, name=name)
-
-    @contextlib.contextmanager
-    def bind_token_ids(self, token_ids: Optional[torch.Tensor]):
-        """Make ``token_ids`` ([s, b]) visible to the forward calls made inside the block."""
-        previous = self._token_ids
-        self._token_ids = token_ids
-        try:
-            yield
-        finally:
-            self._token_ids = previous
+                   tp_group=pg_collection.tp, name=name, kept_rows=kept_rows)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Called by ``TransformerLayer`` (1-based, global), as for upstream's MoE layer."""
@@ -202,65 +179,47 @@ class StemMLP(MegatronModule):
             raise RuntimeError("the STEM table of this layer was already handed over")
         return table
 
-    def bind_rows(self, rows: torch.Tensor, inverse: torch.Tensor) -> None:
-        """Managed tables: this micro-batch's unique rows and the index of each token into them."""
-        self._rows = (rows, inverse)
-
-    def claim_rows(self, context: torch.Tensor) -> None:
-        """Managed tables: tie the rows just bound to this micro-batch's block ``context`` (its ids
-        ``[s, b]``), called by the model once it has made the context. Megatron's full-recompute
-        checkpoint saves the context and hands a detached view of it (same storage) to the
-        recomputed layers, so under pipeline schedules, where other micro-batches' rows are bound
-        between a forward and its recompute, the recompute still finds its own rows. Contexts of
-        micro-batches in flight are alive, so their storages are distinct; an entry of a
-        finished micro-batch may be replaced by a later one reusing its memory, which is harmless.
-        Emptied each step by :meth:`release_rows`. Ordinary tables: nothing to claim."""
-        if self.managed and self._rows is not None:
-            if not torch.is_grad_enabled() and not self.training:
-                self._rows_by_context.clear()  # evaluation: no recompute, keep one entry
-            self._rows_by_context[context.untyped_storage().data_ptr()] = self._rows
-            self._rows = None
-
-    def release_rows(self) -> None:
-        """Forget every micro-batch's rows (the step's row gradients have been collected)."""
-        self._rows = None
-        self._rows_by_context.clear()
-
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``U[t]`` for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
-        if not self.managed:
-            return lookup_rows(self.table, token_ids)
-        rows, inverse = self._table_and_index(token_ids)
-        return torch.nn.functional.embedding(inverse, rows).to(self.config.params_dtype)
+        """``U[t]`` of an ordinary table for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
+        return lookup_rows(self.table, token_ids)
 
-    def _table_and_index(self, token_ids: torch.Tensor):
-        """What the fused kernel gathers from: the table parameter and the ids, or a managed
-        table's unique rows of this micro-batch and each token's index into them."""
-        if not self.managed:
-            return self.table, token_ids
-        bound = self._rows_by_context.get(token_ids.untyped_storage().data_ptr(), self._rows)
-        if bound is None or bound[1].shape != token_ids.shape:
-            raise RuntimeError("managed STEM table used without rows for this micro-batch: the "
-                               "forward step must fetch its rows first (StemTables.fetch_now)")
-        rows, inverse = bound
-        return rows, inverse
-
-    def forward(self, hidden_states: torch.Tensor, **kwargs):
-        token_ids = self._token_ids
-        if token_ids is None:
+    def _table_and_index(self, context) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What the lookup gathers from: the table parameter and the ids, or a managed table's
+        unique rows of this micro-batch (fetched by the runtime, in ``context``) and each
+        token's index into them."""
+        ids, fetched = split_context(context)
+        if ids is None:
             raise RuntimeError(
                 "StemMLP called without token ids: STEM layers must be built with "
                 "megatron_ext's layer specs and model (the ids travel in the block's `context`)")
+        if not self.managed:
+            return self.table, ids
+        if fetched is None:
+            raise RuntimeError("managed STEM table used without rows for this micro-batch: the "
+                               "forward step must fetch its rows first (the family's "
+                               "take_batch passes them to the model as token_rows)")
+        rows, inverse = fetched.of_layer(self.layer_number)
+        if inverse.shape != ids.shape:
+            raise RuntimeError(f"the fetched STEM rows index {tuple(inverse.shape)} tokens, the "
+                               f"micro-batch has {tuple(ids.shape)}")
+        return rows, inverse
+
+    def forward(self, hidden_states: torch.Tensor, context=None, **kwargs):
+        """``context``: the block's ``TokenContext`` (or, for a layer run on its own, the ids
+        ``[s, b]`` of an ordinary table)."""
+        table, index = self._table_and_index(context)
         fc1_out, _ = self.linear_fc1(hidden_states)
-        if fc1_out.shape[:2] != token_ids.shape:
+        if fc1_out.shape[:2] != index.shape:
             raise RuntimeError(
-                f"STEM token ids have shape {tuple(token_ids.shape)} but the MLP input covers "
+                f"STEM token ids have shape {tuple(index.shape)} but the MLP input covers "
                 f"{tuple(fc1_out.shape[:2])} [sequence, batch] positions")
         if self.kernel == "triton" and stem_gate.runs_on(fc1_out):
-            table, index = self._table_and_index(token_ids)
             intermediate = stem_gate.stem_gate(fc1_out, table, index, self.variant)
             return self.linear_fc2(intermediate)
-        rows = self.lookup(token_ids)
+        if self.managed:
+            rows = torch.nn.functional.embedding(index, table).to(self.config.params_dtype)
+        else:
+            rows = lookup_rows(table, index)
         if self.variant == "up":
             intermediate = self.activation_func(fc1_out) * rows
         elif self.variant == "gate":
@@ -283,37 +242,24 @@ class StemMLP(MegatronModule):
             # Megatron's word embeddings do (checkpoint.block_sharded_tensor, managed tables).
             sharded[f"{prefix}table"].allow_shape_mismatch = True
         if self.managed:
-            owner, index = self._owner()
-            self.checkpoint_blocks = {}
-            for block, rows in checkpoint.table_blocks(owner, index):
-                # The checkpoint's dtype is the model's, as for an ordinary table parameter.
-                tensor = checkpoint.block_sharded_tensor(
-                    f"{prefix}table", rows.to(self.config.params_dtype), block, self.vocab_size,
-                    sharded_offsets, self.tp_rank, self.tp_size)
-                self.checkpoint_blocks[block] = tensor
-                sharded[f"{prefix}table.block{block}"] = tensor
+            tables = (metadata or {}).get(TOKEN_TABLES)
+            if tables is None:
+                raise RuntimeError("a managed STEM table is saved by its model's runtime: call "
+                                   "the model's sharded_state_dict (models/token_ids.py), which "
+                                   "passes it in metadata")
+            # The checkpoint's dtype is the model's, as for an ordinary table parameter.
+            sharded.update(tables.sharded_blocks(self.layer_number, f"{prefix}table",
+                                                 sharded_offsets, self.config.params_dtype))
         return sharded
-
-    def _owner(self):
-        owner = getattr(self, "managed_by", None)
-        if owner is None:
-            raise RuntimeError("managed STEM table without its StemTables (model_provider sets "
-                               "model.stem_tables)")
-        return owner
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        """Managed tables: the loaded row blocks go to their owners (collective over the
-        data-parallel group; every rank loads its layers in the same order)."""
+        """Managed tables: the model's runtime took the loaded row blocks out before
+        (``TokenIdsMixin.load_state_dict``); a whole table cannot load into one."""
         if self.managed:
-            marker = f"{prefix}table.block"
-            keys = [k for k in list(state_dict) if k.startswith(marker)]
-            if keys:
-                owner, index = self._owner()
-                checkpoint.load_table(owner, index,
-                                      {int(k[len(marker):]): state_dict.pop(k) for k in keys})
-            elif f"{prefix}table" in state_dict:  # a whole table (a non-distributed dict)
-                raise RuntimeError(f"{prefix}table: managed STEM tables load from torch_dist "
-                                   "checkpoints only")
+            left = [k for k in state_dict if k.startswith(f"{prefix}table")]
+            if left:
+                raise RuntimeError(f"{left[0]}: managed STEM tables load from torch_dist "
+                                   "checkpoints only, through the model's load_state_dict")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -1,16 +1,19 @@
 """The data read-ahead of managed STEM tables: the family's ``take_batch`` hook
 (``models/family.py``), which the forward step (``training/forward_step.py``) calls for every
-micro-batch. Binds the micro-batch's rows to the chunk's STEM layers before the model runs and,
-with ``--stem-prefetch``, starts the next micro-batch's fetch while this one computes."""
+micro-batch. Gives the micro-batch's rows (``FetchedRows``) for the model's forward
+(``token_rows``) and, with ``--stem-prefetch``, starts the next micro-batch's fetch while this one
+computes."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_attr_wrapped_model
+
+from megatron_ext.models.token_ids import FetchedRows
 
 
 class TableReadAhead:
@@ -33,21 +36,20 @@ class TableReadAhead:
         self.microbatch = 0  # training micro-batches taken in this step
 
     def take(self, read_batch: Callable[[], tuple], num_microbatches: int,
-             next_step: bool) -> tuple:
-        """The micro-batch to run now (the five tensors of ``read_batch()``'s tuple, which may
-        add the tokens' host copy), its rows bound to the chunk's STEM layers. Collective over
-        the data-parallel group."""
+             next_step: bool) -> Tuple[tuple, FetchedRows]:
+        """The micro-batch to run now (``read_batch()``'s tuple: the five tensors and the tokens'
+        host copy) and its rows. Collective over the data-parallel group."""
         tables = self._tables()
         training = torch.is_grad_enabled()
         if training and self.next is not None:
             batch, fetch = self.next
             self.next = None
-            tables.finish_fetch(fetch)
+            fetched = tables.finish_fetch(fetch)
         else:
             batch = read_batch()
-            tables.fetch_now(_ids(batch))
+            fetched = tables.fetch_now(_ids(batch))
         if not training:
-            return batch[:5]
+            return batch, fetched
         self.microbatch += 1
         if self.microbatch < num_microbatches:
             if tables.prefetch:
@@ -59,7 +61,7 @@ class TableReadAhead:
                 upcoming = read_batch()
                 self.next = (upcoming, tables.start_fetch(_ids(upcoming), ahead=True,
                                                           after_step=True))
-        return batch[:5]
+        return batch, fetched
 
 
 def _ids(batch: tuple) -> torch.Tensor:
@@ -78,16 +80,18 @@ def read_ahead_of(tables) -> TableReadAhead:
     return state
 
 
-def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> tuple:
-    """The micro-batch the chunk ``model`` runs now. With managed tables on this stage, its rows
-    are bound (and, with prefetch, the next micro-batch read and its rows' fetch started). The
+def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> Tuple[tuple, dict]:
+    """The micro-batch the chunk ``model`` runs now and the model's keyword arguments for it.
+    With managed tables on this stage, its rows (``token_rows``; with prefetch, the next
+    micro-batch read and its rows' fetch started). The
     last micro-batch of a step may read the next step's first one (the overlapped table step)
     when a next step will run here: ``curr_iteration`` is the number of steps done before this
     one."""
-    tables = get_attr_wrapped_model(model, "stem_tables", allow_none=True)
+    tables = get_attr_wrapped_model(model, "token_tables", allow_none=True)
     if tables is None:  # ordinary tables, or no STEM layer on this stage
-        return read_batch()[:5]
+        return read_batch(), {}
     upcoming = args.curr_iteration + 1
     next_step = upcoming < args.train_iters and not (
         args.exit_interval and upcoming % args.exit_interval == 0)
-    return read_ahead_of(tables).take(read_batch, get_num_microbatches(), next_step)
+    batch, fetched = read_ahead_of(tables).take(read_batch, get_num_microbatches(), next_step)
+    return batch, {"token_rows": fetched}

@@ -616,7 +616,7 @@ def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str):
     """Megatron's optimizer with the table optimizer chained onto it (managed tables). Every
     rank wraps (also a pipeline stage without STEM layers): the norm and the skip flag are
     reduced over all ranks."""
-    tables = [get_attr_wrapped_model(m, "stem_tables") for m in model_chunks]
+    tables = [get_attr_wrapped_model(m, "token_tables", allow_none=True) for m in model_chunks]
     tables = [t for t in tables if t is not None]
     row_adam_cpu.set_threads(stem_cpu_threads)
     wrapped = StemTablesOptimizer(optimizer, tables, mode)

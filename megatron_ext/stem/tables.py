@@ -6,7 +6,8 @@ One direction through the modules:
 
 * rows: ``store`` (``stem/store.py``: the owned rows, read by host work) -> ``exchange``
   (``stem/exchange.py``: ids routed to their owners, rows sent back; collectives) -> the layers
-  (``stem/binding.py``: leaves bound to the STEM MLPs);
+  (``stem/binding.py``: leaves in a ``FetchedRows``, which the forward step passes to the model
+  and the model to its layers in the block context);
 * gradients: the layers (``binding.collect``) -> ``exchange.push`` (summed at the owners: the
   data-parallel reduction of the tables) -> the optimizer (``stem/table_optimizer.py``) -> the
   store (rows stepped in place).
@@ -15,7 +16,7 @@ A fetch has three parts: ``start_fetch`` (training thread: deduplicate the micro
 for all layers of the chunk, route them: a collective), the owners' read of the rows asked of
 them (host work on the worker thread, ``stem/worker.py``, queued after every table step submitted
 before it, so it sees them), and ``finish_fetch`` (training thread: wait for that read, send the
-rows back: a collective, and bind them). Every collective is issued by the training thread in
+rows back: a collective, and return them as leaves). Every collective is issued by the training thread in
 program order, the same on every rank; the worker never issues one.
 
 The data read-ahead (``stem/read_ahead.py``, the family's ``take_batch`` the forward step
@@ -36,21 +37,36 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from megatron_ext.models.token_ids import FetchedRows
+from megatron_ext.stem import checkpoint
 from megatron_ext.stem.binding import RowBinding
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.exchange import ReplicatedExchange, Route, VocabExchange
-from megatron_ext.stem.mlp import StemMLP
+from megatron_ext.stem.initial_rows import InitialRows
 from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.store import TableStore
 from megatron_ext.stem.transfer import to_device
 from megatron_ext.stem.tiers import TieredOwnership
 from megatron_ext.stem.worker import WORKER
+
+
+@dataclass
+class LayerTable:
+    """What the runtime knows of one STEM layer's table: the layer (its global 1-based number,
+    the key of its rows in ``FetchedRows``), the drawn values of this rank's rows, the model's
+    dtype, and the table's global rows and tensor-parallel split (its checkpoint blocks)."""
+    layer_number: int
+    initial: InitialRows
+    dtype: torch.dtype
+    vocab_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 @dataclass
@@ -64,13 +80,11 @@ class Fetch:
 
 
 class StemTables:
-    def __init__(self, layers: Sequence, stem: StemConfig, vocab_size: int, dp_group,
-                 device: Optional[torch.device] = None,
+    def __init__(self, layers: Sequence[LayerTable], stem: StemConfig, vocab_size: int,
+                 dp_group, device: Optional[torch.device] = None,
                  hot_mask: Optional[torch.Tensor] = None, host_group=None):
         self.layers = list(layers)
         self.vocab_size = vocab_size
-        for index, layer in enumerate(self.layers):  # checkpoints reach the rows through this
-            layer.managed_by = (self, index)
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
         cuda = torch.cuda.is_available()
@@ -92,14 +106,15 @@ class StemTables:
             self.ownership = None
             self.exchange = ReplicatedExchange(vocab_size, dp_group)
             self.owned_ids = torch.arange(vocab_size)
-        self.store = TableStore([layer.release_initial_table() for layer in self.layers],
+        self.store = TableStore([layer.initial for layer in self.layers],
                                 self.owned_ids, stem.placement, self.device, num_hot,
                                 huge_pages=stem.host_huge_pages)
-        self.binding = RowBinding(self.layers)
+        for layer in self.layers:
+            layer.initial = None  # the store holds the values now
+        self.binding = RowBinding([layer.layer_number for layer in self.layers])
         # Rows travel in the model's 16-bit dtype when it has one (the layers cast them to it,
         # so what they compute is the same).
-        config = getattr(self.layers[0], "config", None) if self.layers else None
-        dtype = getattr(config, "params_dtype", torch.float32)
+        dtype = self.layers[0].dtype if self.layers else torch.float32
         self.wire_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         # Host rows (the host tier of tiered ones) step on the CPU: with prefetch, that step
         # overlaps the next step (the forward step reads that step's first micro-batch ahead).
@@ -107,6 +122,11 @@ class StemTables:
         self.deferred: Optional[Fetch] = None  # started; its read waits for the table step
         self._open = 0  # fetches started and not finished
         self._step_routes: List[Route] = []  # of the fetches whose gradients the step pushes
+        # Checkpoints: each layer's row blocks as the model's sharded state dict last gave them
+        # (the optimizer state reuses their keys and offsets), and the state-dict key of each
+        # layer's blocks (``take_loaded``).
+        self.checkpoint_blocks: List[Optional[Dict[int, object]]] = [None] * len(self.layers)
+        self._block_keys: Dict[str, int] = {}
         self.stats = {}
         self.reset_stats()
 
@@ -185,9 +205,9 @@ class StemTables:
 
         fetch.served = WORKER.submit(read, after=after)
 
-    def finish_fetch(self, fetch: Fetch) -> None:
+    def finish_fetch(self, fetch: Fetch) -> FetchedRows:
         """Wait for the owners' read, send the rows to the ranks that asked (collective over the
-        data-parallel group) and bind them to the layers."""
+        data-parallel group); returns them for the layers."""
         start = time.perf_counter()
         if fetch.served is None:  # deferred, and the table step did not run (skipped): read now
             self.release(fetch)
@@ -200,7 +220,8 @@ class StemTables:
                 current.wait_event(event)
                 served.record_stream(current)
             rows = self.exchange.send_rows(fetch.route, served, self.widths, self.device)
-            if self.binding.bind(fetch.unique, rows, fetch.inverse):  # their gradients: a push
+            fetched, kept = self.binding.bind(fetch.unique, rows, fetch.inverse)
+            if kept:  # their gradients: a push
                 self._step_routes.append(fetch.route)
         self._open -= 1
         self.stats["unique_rows"] += fetch.unique.numel()
@@ -210,12 +231,51 @@ class StemTables:
         self.stats["fetch_seconds"] += time.perf_counter() - start
         if fetch.ahead:  # the part of the read the training thread did not wait for
             self.stats["fetch_seconds_hidden"] += max(took - waited, 0.0)
+        return fetched
 
-    def fetch_now(self, token_ids: torch.Tensor) -> None:
-        """Fetch and bind synchronously (evaluation, a step's first micro-batch without
-        read-ahead, ``--no-stem-prefetch``, conversions). Collective over the data-parallel
-        group."""
-        self.finish_fetch(self.start_fetch(token_ids))
+    def fetch_now(self, token_ids: torch.Tensor) -> FetchedRows:
+        """Fetch synchronously (evaluation, a step's first micro-batch without read-ahead,
+        ``--no-stem-prefetch``, conversions). Collective over the data-parallel group."""
+        return self.finish_fetch(self.start_fetch(token_ids))
+
+    # -- checkpoints (the model's sharded_state_dict / load_state_dict, stem/checkpoint.py) -----
+    def sharded_blocks(self, layer_number: int, key: str, sharded_offsets: tuple,
+                       dtype: torch.dtype) -> dict:
+        """The row blocks of layer ``layer_number``'s table this rank writes, as ShardedTensors
+        under the model's ``key`` (``<prefix>table``) and offsets, in ``dtype``: what the layer's
+        ``sharded_state_dict`` returns (``{key.block<b>: tensor}``). Collective over the
+        data-parallel group."""
+        index = self._index_of(layer_number)
+        layer = self.layers[index]
+        blocks = {}
+        for block, rows in checkpoint.table_blocks(self, index):
+            blocks[block] = checkpoint.block_sharded_tensor(
+                key, rows.to(dtype), block, layer.vocab_size, sharded_offsets, layer.tp_rank,
+                layer.tp_size)
+        self.checkpoint_blocks[index] = blocks
+        self._block_keys[f"{key}.block"] = index
+        return {f"{key}.block{block}": tensor for block, tensor in blocks.items()}
+
+    def take_loaded(self, state_dict: dict) -> dict:
+        """Write the loaded row blocks of every layer (keys given by ``sharded_blocks``) into the
+        owners' stores, in layer order (collective over the data-parallel group); returns the
+        rest of ``state_dict``."""
+        rest = dict(state_dict)
+        by_layer: Dict[int, Dict[int, torch.Tensor]] = {}
+        for marker, index in self._block_keys.items():
+            keys = [k for k in rest if k.startswith(marker) and k[len(marker):].isdigit()]
+            if keys:
+                by_layer[index] = {int(k[len(marker):]): rest.pop(k) for k in keys}
+        for index in sorted(by_layer):
+            checkpoint.load_table(self, index, by_layer[index])
+        return rest
+
+    def _index_of(self, layer_number: int) -> int:
+        for index, layer in enumerate(self.layers):
+            if layer.layer_number == layer_number:
+                return index
+        raise KeyError(f"layer {layer_number} has no managed STEM table here "
+                       f"(layers {[layer.layer_number for layer in self.layers]})")
 
     # -- gradients: layers -> exchange -> optimizer ---------------------------------------------
     def collect_grads(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -234,8 +294,3 @@ class StemTables:
         rows, grads = self.exchange.push(route, summed)
         self.stats["grad_rows_host"] += self.store.host_rows(rows)
         return rows, grads
-
-
-def chunk_stem_layers(model) -> List:
-    """The STEM MLPs of one model chunk with managed tables, in layer order."""
-    return [m for m in model.modules() if isinstance(m, StemMLP) and m.managed]

@@ -46,18 +46,20 @@ def forward_step(data_iterator, model):
         which would wait for every kernel queued before (the previous micro-batch's backward)."""
         batch = get_batch(data_iterator, args, vp_stage, token_layers_here, host_tokens=True)
         if token_layers_here and batch[0] is not None and batch[5] is not None:
-            get_attr_wrapped_model(model, "check_host_token_ids")(batch[0], batch[5])
+            get_attr_wrapped_model(model, "check_host_token_ids")(batch[5])
         return batch
 
-    if family.take_batch is not None:  # e.g. STEM's managed tables: rows bound, read-ahead
-        # read_batch gives the five tensors and the tokens' host copy (or None); take_batch
-        # returns the five.
-        batch = family.take_batch(model, read_batch, args, cfg)
+    model_kwargs = {}
+    if family.take_batch is not None:  # e.g. STEM's managed tables: rows fetched, read-ahead
+        batch, model_kwargs = family.take_batch(model, read_batch, args, cfg)
     else:
-        batch = read_batch()[:5]
-    tokens, labels, loss_mask, attention_mask, position_ids = batch
+        batch = read_batch()
+    if token_layers_here:  # the ids were checked on their host copy (read_batch)
+        model_kwargs["token_ids_checked"] = batch[0] is not None and batch[5] is not None
+    tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
     timers("batch-generator").stop()
     if family.before_forward is not None:  # e.g. Sigma's top-k of this step
         family.before_forward(model, args, cfg)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                          **model_kwargs)
     return output_tensor, partial(loss_func, loss_mask)

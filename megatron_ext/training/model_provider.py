@@ -34,15 +34,19 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     if family.heterogeneous_layers:
         # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.
         config.hetereogenous_dist_checkpoint = True
+    family_config = family.config_from_args(args)
+    token_tables = None
+    if family.token_tables is not None:  # the runtime a token-indexed model owns (STEM's tables)
+        def token_tables(model):
+            return family.token_tables(model, args, config, family_config)
     # The families' spec builders take --ext-core-attention from here (models/specs.py).
     with core_attention_choice(getattr(args, "ext_core_attention", None)):
         if getattr(args, "hybrid_layer_pattern", None):
             model = _hybrid_model(args, config, family, use_te, pre_process, post_process,
-                                  vp_stage, pg_collection)
+                                  vp_stage, pg_collection, token_tables)
         else:
             model = _gpt_model(args, config, family, use_te, pre_process, post_process,
-                               vp_stage, pg_collection)
-    family_config = family.config_from_args(args)
+                               vp_stage, pg_collection, token_tables)
     if family.model_state is not None:  # what the family keeps beside the modules
         family.model_state(model, args, config, family_config)
     if getattr(args, "use_gloo_process_groups", True) and family.host_tokens is not None \
@@ -52,7 +56,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
 
 
 def _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage,
-               pg_collection):
+               pg_collection, token_tables):
     block_spec = family.block_spec(args, config, use_te, vp_stage=vp_stage)
     needs_ids = stage_has_token_layers(block_spec)
     kwargs = dict(
@@ -73,13 +77,13 @@ def _gpt_model(args, config, family, use_te, pre_process, post_process, vp_stage
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    model = TokenIdsGPTModel(**kwargs) if needs_ids else GPTModel(**kwargs)
-    model.needs_token_ids = needs_ids
-    return model
+    if needs_ids:
+        return TokenIdsGPTModel(**kwargs, token_tables=token_tables)
+    return GPTModel(**kwargs)
 
 
 def _hybrid_model(args, config, family, use_te, pre_process, post_process, vp_stage,
-                  pg_collection):
+                  pg_collection, token_tables):
     if family.hybrid_stack_spec is None:
         raise ValueError(f"--hybrid-layer-pattern: --model-family {args.model_family} does not "
                          "build on the hybrid path yet; drop --hybrid-layer-pattern")
@@ -88,7 +92,9 @@ def _hybrid_model(args, config, family, use_te, pre_process, post_process, vp_st
                          "--hybrid-layer-pattern")
     stack_spec = family.hybrid_stack_spec(args, config, use_te, vp_stage=vp_stage)
     token_ids = stack_has_token_layers(stack_spec)
-    model = (TokenIdsHybridModel if token_ids else HybridModel)(
+    kwargs = dict(token_tables=token_tables) if token_ids else {}
+    return (TokenIdsHybridModel if token_ids else HybridModel)(
+        **kwargs,
         config=config,
         hybrid_stack_spec=stack_spec,
         vocab_size=args.padded_vocab_size,
@@ -105,6 +111,3 @@ def _hybrid_model(args, config, family, use_te, pre_process, post_process, vp_st
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    # The batch gives this chunk the token ids only where its layers read them.
-    model.needs_token_ids = bool(token_ids and model.token_layers_here)
-    return model
