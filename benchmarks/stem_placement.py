@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -74,6 +73,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The ABBA order and a failure's one-line reason are the step benchmarks' too.
+from common import failure_reason, run_order  # noqa: E402,F401
 
 SHAPES = {
     "1b": dict(layers=4, stem_layers="1,3", hidden=2048, ffn=8192, heads=32, groups=8,
@@ -447,31 +450,6 @@ def run_logged(argv, timeout: float):
         proc.kill()
         out = proc.communicate()[0]
     return None, out
-
-
-# The line that names a training's error: an exception's ("ValueError: ...") or argparse's
-# ("pretrain.py: error: ..."); torchrun's own report of the failure, after it, is cut first.
-_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b.*?:|: error:")
-_TORCHRUN_REPORT = ("ChildFailedError", "distributed/elastic/", "distributed.elastic.")
-
-
-def failure_reason(log: str, rc: int) -> str:
-    """One line saying why a training failed, and its exit status."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    cut = next((i for i, ln in enumerate(lines) if any(t in ln for t in _TORCHRUN_REPORT)),
-               len(lines))
-    lines = lines[:cut] or lines
-    errors = [ln for ln in lines if _ERROR_LINE.search(ln)]
-    said = (errors or lines or ["no output"])[-1]
-    return f"{said[:300]} (exit {rc})"
-
-
-def run_order(names, repeats: int):
-    """``(repeat, variant)`` in the order they train: every other repeat in the reverse order
-    (ABBA), so that a drift of the machine linear in time weighs on every variant alike
-    (``launch/main_job.py --repeats`` does the same)."""
-    return [(rep, name) for rep in range(repeats)
-            for name in (names if rep % 2 == 0 else names[::-1])]
 
 
 def report(name: str, r: dict, rep: int, repeats: int) -> None:

@@ -50,6 +50,23 @@ def test_every_command_parses(tmp_path):
     assert all(ln.startswith("ok ") for ln in lines), p.stdout
 
 
+def test_the_family_call_fits_one_device_call():
+    """The command docs/benchmarks.md gives the next GPU session for issue 50 (every family
+    ratio in alternating runs, and the profile) is expected to end within 7 of the runner's 9
+    minutes (the rest: wheels, the device probe, a margin); every step it names is the plan's,
+    and every estimate names a plan step."""
+    docs = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    (line,) = [ln for ln in docs.splitlines()
+               if ln.startswith("bash scripts/gpu_evidence.sh RESULTS --steps") and "profile" in ln]
+    names = line.split("--steps", 1)[1].split()[0].split(",")
+    by_name = {s.name: s for s in gpu_evidence.plan()}
+    assert set(names) <= set(by_name) and set(gpu_evidence.ESTIMATES) <= set(by_name)
+    assert {"stem_mlp", "structmoe_step", "sigma_step", "profile"} <= set(names)
+    expected = sum(by_name[n].expected_s for n in names)
+    assert expected <= 7 * 60, f"{names}: expected {expected} s"
+    assert f"~{expected / 60:.1f} min" in line  # the docs say the runner's own estimate
+
+
 def test_check_commands_catches_a_bad_flag(tmp_path, monkeypatch):
     """The parse check can fail: a flag the benchmark does not have is reported."""
     bad = gpu_evidence.Step("stem_mlp", "with a flag stem_mlp.py lacks",
@@ -61,8 +78,8 @@ def _fake_plan(tmp):
     w = os.path.join(tmp, "writer.py")
     with open(w, "w") as f:
         f.write("import json, sys\n"
-                "json.dump({'ratio_sigma_vs_upstream': 1.01, 'step_ms': {'sigma': 101.0,"
-                " 'upstream': 100.0}}, open(sys.argv[1], 'w'))\n")
+                "json.dump({'ratio_sigma_vs_upstream': 1.0075, 'ratio_runs': [1.005, 1.01],"
+                " 'step_ms': {'sigma': 101.0, 'upstream': 100.0}}, open(sys.argv[1], 'w'))\n")
     py, res = gpu_evidence.PY, gpu_evidence.RES
     return [
         gpu_evidence.Step("fails", "exits 3", [py, "-c", "import sys; print('boom'); sys.exit(3)"],
@@ -139,7 +156,8 @@ def test_budget_skips_steps(tmp_path, monkeypatch, no_device_info):
 def test_goals_read_from_benchmark_results(tmp_path):
     """Each reader compares with its goal: met and missed both show."""
     (tmp_path / "stem_mlp.json").write_text(json.dumps({
-        "dense_ms": 10.0, "stem_triton_speedup": 1.45, "stem_torch_speedup": 1.2,
+        "dense_ms": 10.0, "stem_triton_speedup": 1.45, "stem_triton_speedup_runs": [1.44, 1.46],
+        "stem_torch_speedup": 1.2, "stem_torch_speedup_runs": [1.2, 1.2],
         "gate_torch_ms": 2.0, "gate_triton_ms": 0.5}))
     rows = {r.metric: r for r in gpu_evidence._rows_stem_mlp(str(tmp_path / "stem_mlp.json"))}
     assert rows["STEM MLP (triton) speed-up vs dense"].met is True
@@ -147,7 +165,8 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert rows["lookup-and-gate alone, fused vs PyTorch"].value == pytest.approx(4.0)
     (tmp_path / "sm.json").write_text(json.dumps({
         "layer_ms": {"dense": 10.0, "triton": 10.5, "grouped": 12.0},
-        "overhead_pct": {"triton": 5.0, "grouped": 20.0}}))
+        "overhead_pct": {"triton": 5.0, "grouped": 20.0},
+        "overhead_pct_runs": {"triton": [5.0, 5.0], "grouped": [19.0, 21.0]}}))
     rows = gpu_evidence._rows_overhead("structmoe_kernel", "MLP", "triton")(
         str(tmp_path / "sm.json"))
     by = {r.metric: r for r in rows}
@@ -206,6 +225,89 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert pages.value == 1.18 and "500 MiB of the shard on huge pages" in pages.note
     read = by["read of rows owing a catch-up, as of now vs catch-up in place then gather (bf16)"]
     assert read.value == 0.81 and "2.50 vs 3.10 ms" in read.note
+
+
+def test_family_goals_are_judged_on_the_worse_of_alternating_runs(tmp_path):
+    """stem_mlp, structmoe_kernel/structmoe_step and sigma_step give each ratio per run (A B B
+    A): a goal met by the median and the better run but missed by the worse is not met; met in
+    both runs is met; a result with one run (or from before the runs, no list) is not met and
+    says so."""
+    def read(reader, name, result):
+        (tmp_path / name).write_text(json.dumps(result))
+        return {r.metric: r for r in reader(str(tmp_path / name))}
+
+    mlp = {"dense_ms": 3.3, "stem_torch_speedup": 1.23, "stem_triton_speedup": 1.41,
+           "stem_triton_speedup_runs": [1.45, 1.38]}  # median 1.415 would meet 1.4
+    row = read(gpu_evidence._rows_stem_mlp, "m.json", mlp)["STEM MLP (triton) speed-up vs dense"]
+    assert row.value == pytest.approx(1.38) and row.met is False
+    assert "worst of runs 1.450 / 1.380, median 1.415" in row.note
+    mlp["stem_triton_speedup_runs"] = [1.45, 1.41]
+    rows = read(gpu_evidence._rows_stem_mlp, "m.json", mlp)
+    assert rows["STEM MLP (triton) speed-up vs dense"].met is True
+    # The PyTorch path has no goal: one run of it is reported, not judged.
+    assert rows["STEM MLP (torch) speed-up vs dense"].met is None
+    del mlp["stem_triton_speedup_runs"]
+    row = read(gpu_evidence._rows_stem_mlp, "m.json", mlp)["STEM MLP (triton) speed-up vs dense"]
+    assert row.value == pytest.approx(1.41) and row.met is False and "one run" in row.note
+
+    step = {"step_ms": {"dense": 68.6, "triton": 70.0, "dense-masked": 70.5},
+            "overhead_pct": {"triton": 2.0, "dense-masked": 2.8},
+            # triton's better run and median meet 3%, its worse does not; dense-masked meets it
+            # in both: the fastest backend is the one whose worse run is the best
+            "overhead_pct_runs": {"triton": [1.0, 3.5], "dense-masked": [2.6, 2.9]}}
+    rows = read(gpu_evidence._rows_overhead("structmoe_step", "step", "triton"), "s.json", step)
+    assert rows["StructMoE (triton) over dense"].value == pytest.approx(3.5)
+    assert rows["StructMoE (triton) over dense"].met is False
+    fastest = rows["StructMoE, fastest backend (dense-masked) over dense"]
+    assert fastest.value == pytest.approx(2.9) and fastest.met is True
+    step["overhead_pct_runs"] = {"triton": [3.5], "dense-masked": [2.9]}
+    rows = read(gpu_evidence._rows_overhead("structmoe_step", "step", "triton"), "s.json", step)
+    assert all(r.met is False and "one run" in r.note for m, r in rows.items() if r.goal)
+
+    sigma = {"ratio_sigma_vs_upstream": 1.02, "ratio_runs": [1.015, 1.025],
+             "step_ms": {"sigma": 734.0, "upstream": 719.6}}
+    (row,) = read(gpu_evidence._rows_sigma, "g.json", sigma).values()
+    assert row.value == pytest.approx(2.5) and row.met is False  # median +2.0% meets <= 2%
+    sigma["ratio_runs"] = [1.015, 1.019]
+    (row,) = read(gpu_evidence._rows_sigma, "g.json", sigma).values()
+    assert row.value == pytest.approx(1.9) and row.met is True
+
+
+def test_profile_rows_name_the_kernels_that_differ_most(tmp_path):
+    """The profile step's reader: per family side its extra GPU time over the baseline with the
+    three kernels that differ most in the note, its extra idle time and host blocking (the note
+    names where); a benchmark that was not profiled is a row, not met, saying why."""
+    from megatron_ext.tools import trace_summary
+
+    def summary(kernels, idle, syncs):
+        return {"steps": [{"step": 1, "ms": 10.0}], "main_stream": {"idle_ms_per_step": idle},
+                "kernels": {"source": "gpu", "steps": 1, "ms_per_step": sum(kernels.values()),
+                            "by_name": {k: {"count": 1.0, "ms": v} for k, v in kernels.items()}},
+                "host_syncs": {"blocking_ms_per_step": sum(syncs.values()), "calls": {},
+                               "sync_ops": {}, "by_op": {k: {"count": 1.0, "ms": v}
+                                                         for k, v in syncs.items()}}}
+    dense = summary({"gemm": 5.0, "gelu": 1.0}, 0.5, {})
+    ours = summary({"gemm": 5.5, "gelu": 1.0, "topk": 0.8, "sort": 0.3, "cumsum": 0.1}, 1.7,
+                   {"aten::_local_scalar_dense": 0.9})
+    (tmp_path / "profile.json").write_text(json.dumps({
+        "structmoe_step": {"status": "ok", "base": "dense",
+                           "sides": {"dense": {"summary": dense, "trace": {"path": "/r/d.gz"}},
+                                     "triton": {"summary": ours,
+                                                "trace": {"path": "/r/trace_triton.json.gz"}}},
+                           "diffs": {"triton": trace_summary.diff(dense, ours, top=3)}},
+        "sigma_step": {"status": "timeout", "reason": "no profile within --timeout=150 s"}}))
+    by = {r.metric: r for r in gpu_evidence._rows_profile(str(tmp_path / "profile.json"))}
+    kernels = by["structmoe_step: triton over dense, GPU kernel time per step"]
+    assert kernels.value == pytest.approx(1.7) and kernels.goal is None
+    assert kernels.note.startswith("topk +0.800 ms; gemm +0.500 ms; sort +0.300 ms; step")
+    assert "trace_triton.json.gz" in kernels.note
+    idle = by["structmoe_step: triton over dense, GPU idle between kernels per step"]
+    assert idle.value == pytest.approx(1.2) and idle.note == "0.50 -> 1.70 ms"
+    sync = by["structmoe_step: triton over dense, host blocked in CUDA calls per step"]
+    assert sync.value == pytest.approx(0.9)
+    assert "in aten::_local_scalar_dense 0.90 ms (1x)" in sync.note
+    failed = by["sigma_step: profiled"]
+    assert failed.met is False and "timeout: no profile within --timeout=150 s" in failed.note
 
 
 def test_placement_goals_are_judged_on_every_run_and_need_each_variant(tmp_path):

@@ -9,6 +9,7 @@ tasks as pairs after they became triples, and failed at its first step from e159
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,8 @@ TINY = {
     "sigma_step": ["--layers", "2", "--hidden", "64", "--heads", "4", "--groups", "2",
                    "--experts", "8", "--expert-ffn", "32", "--seq", "32", "--micro-batch", "1",
                    "--vocab", "256", "--reps", "2", "--warmup", "1"],
+    # Each family benchmark's profile against its baseline, at the driver's own tiny shapes.
+    "profile": ["--shape", "tiny", "--steps", "2"],
     # The lease's main step: two of its variants, the tiered one traced as there; one repeat
     # of the plan's two (each is a training; the ABBA order and the failure records are
     # tested in tests/test_stem_placement_repeats.py).
@@ -82,6 +85,18 @@ def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     rows = step.rows(str(tmp_path / step.result))
     assert rows and all(r.step == step.name for r in rows), rows
     assert all(r.value is not None for r in rows), rows
+    if step.name == "profile":  # every family profiled; each side's differences add up
+        result = json.loads((tmp_path / step.result).read_text())
+        assert set(result) == {"structmoe_step", "stem_mlp", "sigma_step"}
+        for r in result.values():
+            assert r["status"] == "ok" and r["diffs"], r
+            for side, d in r["diffs"].items():
+                assert sum(x["diff_ms"] for x in d["rows"]) == pytest.approx(
+                    d["total"]["diff_ms"], abs=1e-9)
+                summary = r["sides"][side]["summary"]
+                assert {"steps", "kernels", "host_syncs"} <= set(summary)
+                assert len(summary["steps"]) == 2
+                assert os.path.exists(r["sides"][side]["trace"]["path"])
     if step.name == "stem_placement":  # a goal is judged on two runs: one is not met
         (tiered,) = [r for r in rows if r.metric == "tiered tables, step vs gpu tables"]
         assert tiered.met is False and "one run" in tiered.note
