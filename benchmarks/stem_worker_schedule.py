@@ -37,21 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import report_json  # noqa: E402
 
 
-class Layer:
-    """What ``StemTables`` calls on a STEM MLP."""
+def layer_table(number: int, table: torch.Tensor):
+    """A STEM layer's table as ``StemTables`` knows it."""
+    from megatron_ext.stem.tables import LayerTable
 
-    def __init__(self, table):
-        self.table, self.bound = table, None
-
-    def release_initial_table(self):
-        table, self.table = self.table, None
-        return table
-
-    def bind_rows(self, rows, inverse):
-        self.bound = (rows, inverse)
-
-    def release_rows(self):
-        self.bound = None
+    return LayerTable(number, table, table.dtype, table.shape[0])
 
 
 PYTHON_SWITCH_INTERVAL_S = 0.005  # Python's default
@@ -77,23 +67,23 @@ def run(mode_chunk: int, a, ids_steps, seed: int, switch_s: float) -> dict:
     from megatron_ext.stem import worker
 
     sys.setswitchinterval(PYTHON_SWITCH_INTERVAL_S)  # each run from Python's own
-    worker.set_switch_interval(switch_s)             # the worker's (applied when it runs)
+    host = worker.HostWorker(switch_s)               # the worker's (applied when it runs)
 
     from megatron_ext.stem.config import StemConfig
     from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
     from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
     from megatron_ext.stem.tables import StemTables
-    from megatron_ext.stem.worker import WORKER
     from megatron_ext.stem.read_ahead import TableReadAhead
 
     OwedStep.CHUNK_ELEMENTS = mode_chunk if mode_chunk > 0 else 1 << 62
     g = torch.Generator().manual_seed(seed)
-    layers = [Layer(torch.randn(a.rows, a.width, generator=g) * 0.02) for _ in range(a.tables)]
+    layers = [layer_table(n, torch.randn(a.rows, a.width, generator=g) * 0.02)
+              for n in range(1, a.tables + 1)]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab", prefetch=True),
-                        a.rows, parallel_state.get_data_parallel_group())
+                        a.rows, parallel_state.get_data_parallel_group(), host)
     adam = RowAdamW(tables.store.shards, mode="sparse", lazy=tables.store.lazy)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    steps = TableSteps("sparse")  # the table optimizer's row steps and their drain
+    steps = TableSteps("sparse", host)  # the table optimizer's row steps and their drain
     read_ahead = TableReadAhead(tables)
     most = len(torch.unique(torch.cat([mb.reshape(-1) for mb in ids_steps[0]]))) * 2
     noise = [torch.randn(most, a.width, generator=g) * 1e-3 for _ in layers]  # row gradients
@@ -105,7 +95,8 @@ def run(mode_chunk: int, a, ids_steps, seed: int, switch_s: float) -> dict:
         start = time.perf_counter()
         for m in range(mbs):
             t = time.perf_counter()
-            batch = read_ahead.take(lambda: next(batches), mbs, next_step=s + 1 < len(ids_steps))
+            batch, _ = read_ahead.take(lambda: next(batches), mbs,
+                                       next_step=s + 1 < len(ids_steps))
             waits.append(time.perf_counter() - t)
             compute(a)  # the micro-batch computes (on the GPU)
             step_ids.append(batch[0].reshape(-1))
@@ -127,7 +118,7 @@ def run(mode_chunk: int, a, ids_steps, seed: int, switch_s: float) -> dict:
         per_step.append({"waits_ms": [1e3 * w for w in waits], "drain_ms": 1e3 * drained,
                          "step_ms": 1e3 * (time.perf_counter() - start),
                          "submit_ms": 1e3 * submit})
-    WORKER.wait()
+    host.close()
     return {"rows": rows_per_step, "steps": per_step, "switch_ms": 1e3 * sys.getswitchinterval()}
 
 

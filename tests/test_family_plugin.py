@@ -1,6 +1,6 @@
 """A family defined inside tests/ (``tests/plugins/gelu_family.py``) trains through
 ``launch/pretrain.py`` with ``--ext-plugin``, nothing changed outside the test: its flag parses,
-its check runs, its MLP is built, its hooks are called (install once, ``model_state`` per model
+its check runs, its MLP is built, its hooks are called (``start_run`` once, ``model_state`` per model
 chunk, ``before_forward`` per micro-batch), and since its GELU MLP is Megatron's own non-gated MLP,
 its losses are those of ``--model-family gpt`` without ``--swiglu`` (same modules, same seed),
 bit for bit."""
@@ -41,7 +41,7 @@ def test_a_family_from_a_plugin_trains_with_its_hooks(runs):
     assert sorted(gelu.losses) == [1, 2, 3, 4] and gelu.losses[4] < gelu.losses[1]
     calls = json.load(open(report))
     # global batch 8 = 2 ranks x 2 micro-batches x 2 sequences: 2 micro-batches per step
-    assert calls == {"install": 1, "model_state": 1, "before_forward": 4 * 2}
+    assert calls == {"start_run": 1, "model_state": 1, "before_forward": 4 * 2}
 
 
 def test_its_losses_are_the_non_gated_gpt_ones(runs):

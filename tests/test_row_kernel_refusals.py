@@ -225,8 +225,9 @@ def test_a_refusal_on_the_tables_worker_reaches_the_waiting_thread(kernel):
     """A row step refused on the tables' worker thread (``stem/worker.py``) is raised, as the
     kernel's error, in the thread that waits for the worker (the training thread's ``drain``),
     and the worker goes on serving later tasks."""
-    from megatron_ext.stem.worker import WORKER
+    from megatron_ext.stem.worker import HostWorker
 
+    WORKER = HostWorker()  # a training's worker (stem/run.py makes one)
     args = _state(seed=3)
     _row("last", 0, U + 9)(args)
     WORKER.submit(lambda: _call(kernel, "sparse_adamw_", args))
@@ -234,7 +235,7 @@ def test_a_refusal_on_the_tables_worker_reaches_the_waiting_thread(kernel):
                                              rf"date at iteration {U + 9}"):
         WORKER.wait()
     assert WORKER.submit(lambda: 7).result(timeout=60) == 7
-    WORKER.wait()
+    WORKER.close()
 
 
 @pytest.mark.parametrize("flags,machine,want", [

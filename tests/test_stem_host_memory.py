@@ -233,6 +233,7 @@ def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, 
 
     from megatron_ext.stem.config import StemConfig
     from megatron_ext.stem.tables import LayerTable, StemTables
+    from megatron_ext.stem.worker import HostWorker
 
     def Layer(table):  # noqa: N802 (a STEM layer as the tables know it)
         return LayerTable(1, table, table.dtype, table.shape[0])
@@ -250,16 +251,16 @@ def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, 
     with pytest.raises(ValueError, match=r"moments need 0\.0 MiB of host memory, and 0\.0 MiB "
                                          r"is available.*--stem-table-sharding vocab"):
         StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), 100,
-                   parallel_state.get_data_parallel_group())
+                   parallel_state.get_data_parallel_group(), HostWorker())
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 9599)  # one byte short
     with pytest.raises(ValueError, match="moments need"):
         StemTables(layers, StemConfig(placement="cpu", sharding="vocab"), 100,
-                   parallel_state.get_data_parallel_group())
+                   parallel_state.get_data_parallel_group(), HostWorker())
     assert not allocated
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 9600)  # 9,600 + 4,800: fits
     tables = StemTables([Layer(torch.zeros(100, 8)), Layer(torch.zeros(100, 4))],
                         StemConfig(placement="cpu", sharding="vocab", host_huge_pages=False),
-                        100, parallel_state.get_data_parallel_group())
+                        100, parallel_state.get_data_parallel_group(), HostWorker())
     assert allocated == [1, 1] and [s.shape for s in tables.store.shards] == [(100, 8), (100, 4)]
 
 

@@ -157,14 +157,18 @@ def test_forward_step_checks_the_host_copy(mcore_single_rank, monkeypatch, host,
     labels = torch.randint(0, 128, (2, 16))
     batch = (tokens, labels, torch.ones(2, 16), None, torch.arange(16).unsqueeze(0).expand(2, 16),
              tokens.clone() if host else None)
-    family = SimpleNamespace(before_forward=None, take_batch=(
-        (lambda model, read_batch, args, cfg: (read_batch(), {})) if take_batch else None))
+    from megatron_ext.models.family import FamilyRun
+
+    class ReadingRun(FamilyRun):  # a run with its own take_batch (as STEM's managed tables)
+        def take_batch(self, model, read_batch):
+            return read_batch(), {}
+
+    run = ReadingRun() if take_batch else FamilyRun()
     monkeypatch.setattr(fs, "get_args", lambda: SimpleNamespace())
     monkeypatch.setattr(fs, "get_timers", lambda: lambda *a, **k: Timer())
-    monkeypatch.setattr(fs, "_family_and_config", lambda args: (family, None))
     monkeypatch.setattr(fs, "get_batch", lambda *a, host_tokens=False: batch if host_tokens
                         else batch[:5])
-    output, loss = fs.forward_step(iter(()), _tiny_stem_gpt())
+    output, loss = fs.forward_step(iter(()), _tiny_stem_gpt(), run=run)
     assert output.shape == (2, 16) and loss(output)[1] == 32
     assert reads == ([] if host else ["min", "max"])
 

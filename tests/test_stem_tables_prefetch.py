@@ -17,6 +17,17 @@ from megatron_ext.stem.config import StemConfig
 VOCAB = 100
 
 
+def _worker():
+    """The host worker of this file's tables (a training's ``StemRun`` makes one per
+    training)."""
+    from megatron_ext.stem.worker import HostWorker
+
+    return HostWorker()
+
+
+WORKER = _worker()
+
+
 class FakeLayer:
     """A STEM layer as StemTables knows it (``LayerTable``), and the rows and index of the last
     micro-batch fetched for it (``bound``: what the layer reads from its ``FetchedRows``)."""
@@ -55,7 +66,8 @@ def host_tables(g: torch.Generator, placement: str = "cpu", hot_mask=None):
     layers = [FakeLayer(t.clone(), n) for n, t in enumerate(full, start=2)]
     tables = recording(StemTables([layer.spec for layer in layers],
                                   StemConfig(placement=placement, sharding="vocab"), VOCAB,
-                                  parallel_state.get_data_parallel_group(), hot_mask=hot_mask),
+                                  parallel_state.get_data_parallel_group(), WORKER,
+                                  hot_mask=hot_mask),
                        layers)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return full, layers, tables, device
@@ -116,7 +128,6 @@ def test_prefetch_reads_on_the_worker_while_the_training_thread_goes_on(mcore_si
     import threading
 
     from megatron_ext.stem import tables as tables_module
-    from megatron_ext.stem.worker import WORKER
 
     g = torch.Generator().manual_seed(4)
     full, layers, tables, device = host_tables(g)
@@ -174,7 +185,7 @@ def test_tables_hand_the_huge_page_choice_to_the_store(mcore_single_rank, huge):
     layers = [FakeLayer(torch.randn(VOCAB, 8)).spec]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab",
                                            host_huge_pages=huge), VOCAB,
-                        parallel_state.get_data_parallel_group())
+                        parallel_state.get_data_parallel_group(), WORKER)
     assert tables.store.huge_pages is huge and tables.store.lazy.huge_pages is huge
 
 
@@ -226,7 +237,6 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
     import time
 
     from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
-    from megatron_ext.stem.worker import WORKER
     from megatron_ext.stem.read_ahead import TableReadAhead
 
     if slow:
@@ -277,7 +287,7 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
                 self.at = time.perf_counter() + 0.02
             time.sleep(max(self.at - time.perf_counter(), 0.0))
 
-    steps = TableSteps("sparse")  # the table optimizer's row steps, without Megatron's part
+    steps = TableSteps("sparse", WORKER)  # the table optimizer's row steps, without Megatron's part
     read_ahead = TableReadAhead(tables)
     touched = []  # the owned rows each step touched
     for step in range(2):
@@ -332,7 +342,6 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
     from megatron_ext.stem.read_ahead import TableReadAhead
     from megatron_ext.stem.table_optimizer import TableSteps
     from megatron_ext.stem.tiers import TierGrads, split_grads
-    from megatron_ext.stem.worker import WORKER
 
     g = torch.Generator().manual_seed(5)
     full, layers, tables, _ = host_tables(g, "tiered", torch.arange(VOCAB) < 30)
@@ -370,7 +379,7 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
                                  alpha=-lr)  # the GPU tier is on the model's device
             shard.cold.index_add_(0, cold - shard.num_hot, grad.cold, alpha=-lr)
 
-    steps = TableSteps("sparse")
+    steps = TableSteps("sparse", WORKER)
     read_ahead = TableReadAhead(tables)
     arrivals = []
     for step in range(2):
@@ -587,25 +596,27 @@ def test_read_ahead_routes_the_host_copy_of_the_tokens():
 
 
 def test_read_ahead_does_not_keep_its_tables_alive():
-    """The read-ahead of a chunk is kept per tables, in a weak-key map: once the model (and so its
-    tables) is gone, so are its read-ahead and the tables, with their host memory and process
-    groups (a process that builds several models, e.g. a launch of several trainings)."""
+    """The tables own their read-ahead (``StemTables.read_ahead``), which refers to them weakly:
+    once the model (and so its tables) is gone, so are its read-ahead and the tables, with their
+    host memory and process groups, by reference counting alone (no cycle left for the
+    collector; a process that builds several models, e.g. a launch of several trainings)."""
     import gc
     import weakref
 
-    from megatron_ext.stem import read_ahead
+    from megatron_ext.stem.read_ahead import TableReadAhead
 
     tables = RecordingTables()
-    ahead = read_ahead.read_ahead_of(tables)
-    assert read_ahead.read_ahead_of(tables) is ahead
+    tables.read_ahead = TableReadAhead(tables)  # as StemTables makes it
     with torch.enable_grad():
-        ahead.take(lambda: (torch.zeros(1, 4, dtype=torch.long),) * 5, num_microbatches=1,
-                   next_step=False)
-    gone, gone_ahead = weakref.ref(tables), weakref.ref(ahead)
-    del tables, ahead
-    gc.collect()
-    assert gone() is None and gone_ahead() is None
-    assert len(read_ahead._READ_AHEAD) == 0
+        tables.read_ahead.take(lambda: (torch.zeros(1, 4, dtype=torch.long),) * 5,
+                               num_microbatches=1, next_step=False)
+    gone, gone_ahead = weakref.ref(tables), weakref.ref(tables.read_ahead)
+    gc.disable()
+    try:
+        del tables
+        assert gone() is None and gone_ahead() is None
+    finally:
+        gc.enable()
 
 
 def test_get_batch_keeps_the_host_tokens(mcore_single_rank):
@@ -679,9 +690,8 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     from megatron_ext.stem.row_adam import KernelTimes
 
     kernel = SimpleNamespace(rowwise=None, kernel_times=KernelTimes())  # a host row optimizer
-    monkeypatch.setattr(table_optimizer, "_ACTIVE",
-                        [SimpleNamespace(tables=[table], grad_seconds=0.5, row_adams=[kernel],
-                                         team_reported=False)])
+    active = [SimpleNamespace(tables=[table], grad_seconds=0.5, row_adams=[kernel],
+                              team_reported=False)]  # the run's table optimizers
     reductions = []
     gather = dist.all_gather
     other = None  # what a second rank sends, when the test plays one
@@ -706,17 +716,17 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
 
     writer = Writer()
     count()
-    table_optimizer.report_stats(SimpleNamespace(tensorboard_dir=None, wandb_project=""), 3, {},
-                                 None, None)
+    table_optimizer.report_stats(active, SimpleNamespace(tensorboard_dir=None, wandb_project=""),
+                                 3, {}, None, None)
     assert reductions == [] and table.stats["unique_rows"] == 0
-    assert table_optimizer._ACTIVE[0].grad_seconds == 0.0
+    assert active[0].grad_seconds == 0.0
     with_tb = SimpleNamespace(tensorboard_dir="tb", wandb_project="")
     count()
-    table_optimizer.report_stats(with_tb, 4, {}, None, None)  # a rank without the writer
+    table_optimizer.report_stats(active, with_tb, 4, {}, None, None)  # a rank without a writer
     assert reductions == [17] and table.stats["unique_rows"] == 0  # one collective per report
     assert kernel.kernel_times.take() == (0, 0.0, 0.0)  # taken by the report
     count()
-    table_optimizer.report_stats(with_tb, 5, {}, writer, None)
+    table_optimizer.report_stats(active, with_tb, 5, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (5.0, 5)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48, 5)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.25, 5)
@@ -728,14 +738,14 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     other[0], other[1], other[8], other[10] = 2, 10, 0.5, 0.125  # unique rows, bytes, seconds
     other[7], other[15] = 100, 0.5  # the row kernel's parameters, loop seconds
     count()
-    table_optimizer.report_stats(with_tb, 6, {}, writer, None)
+    table_optimizer.report_stats(active, with_tb, 6, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (7.0, 6)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48 + 10, 6)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.5, 6)
     assert writer.scalars["stem/optimizer-seconds"] == (0.125, 6)
     assert writer.scalars["stem/optimizer-kernel-params"] == (740.0, 6)
     assert writer.scalars["stem/optimizer-kernel-loop-seconds"] == (0.5, 6)
-    assert table_optimizer._ACTIVE[0].team_reported  # looked at once (no row kernel: no line)
+    assert active[0].team_reported  # looked at once (no row kernel: no line)
 
 
 @pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
@@ -768,7 +778,7 @@ def test_one_reduction_decides_the_skip_and_gives_the_norm(mcore_single_rank, mo
         def get_loss_scale(self):
             return torch.tensor([4.0])
 
-    optimizer = StemTablesOptimizer(Inner(), [tables], "dense")
+    optimizer = StemTablesOptimizer(Inner(), [tables], "dense", WORKER)
     reductions = []
     reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce",
@@ -788,7 +798,6 @@ def test_gradient_exchange_time_leaves_out_the_wait_for_the_table_step(mcore_sin
     import time
 
     from megatron_ext.stem.table_optimizer import StemTablesOptimizer
-    from megatron_ext.stem.worker import WORKER
 
     g = torch.Generator().manual_seed(5)
     _, layers, tables, device = host_tables(g)
@@ -806,7 +815,7 @@ def test_gradient_exchange_time_leaves_out_the_wait_for_the_table_step(mcore_sin
         def get_loss_scale(self):
             return None
 
-    optimizer = StemTablesOptimizer(Inner(), [tables], "dense")
+    optimizer = StemTablesOptimizer(Inner(), [tables], "dense", WORKER)
     tables.reset_stats()
     WORKER.submit(lambda: time.sleep(0.5))  # a table step still running on the worker
     assert optimizer.prepare_grads() is False

@@ -69,8 +69,7 @@ def test_a_single_failure_is_raised_as_it_is(caplog):
 
 
 def test_the_exit_hook_logs_a_failure_nobody_waited_for(caplog, monkeypatch):
-    host = worker.HostWorker()
-    monkeypatch.setattr(worker, "WORKER", host)  # the process's worker, for the hook
+    host = worker.HostWorker()  # a training's worker that was not closed
     host.submit(fail_step)
     with caplog.at_level(logging.ERROR, logger=worker.__name__):
         worker._finish_at_exit()  # what atexit calls
@@ -79,3 +78,19 @@ def test_the_exit_hook_logs_a_failure_nobody_waited_for(caplog, monkeypatch):
         "STEM host worker: a task failed after the training's last wait: RuntimeError: step "
         "refused"]
     assert logged[0].exc_info[1].args == ("step refused",)
+
+
+def test_close_waits_ends_the_thread_and_takes_no_more_work():
+    """A training's worker (``StemRun.close``): ``close`` waits for the queued work, raising its
+    failure, and ends the thread; a closed worker refuses new work with a message."""
+    import time
+
+    host = worker.HostWorker()
+    done = []
+    host.submit(lambda: time.sleep(0.05) or done.append(1))
+    host.submit(fail_step)
+    with pytest.raises(RuntimeError, match="^step refused$"):
+        host.close()
+    assert done == [1] and not host.running and host not in worker._LIVE
+    with pytest.raises(RuntimeError, match="finished training got new work"):
+        host.submit(lambda: None)

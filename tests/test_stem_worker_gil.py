@@ -40,7 +40,7 @@ def test_worker_start_lowers_the_switch_interval_to_its_own():
         import sys
         from megatron_ext.stem import worker
         before = sys.getswitchinterval()
-        worker.WORKER.submit(lambda: None).result()
+        worker.HostWorker().submit(lambda: None).result()
         print(before, sys.getswitchinterval())
     """)
     before, after = map(float, out.split())
@@ -59,8 +59,7 @@ def test_switch_interval_setting(preset, setting, expected):
         from megatron_ext.stem import worker
         if {preset!r} is not None:
             sys.setswitchinterval({preset!r})
-        worker.set_switch_interval({setting!r})
-        worker.WORKER.submit(lambda: None).result()
+        worker.HostWorker({setting!r}).submit(lambda: None).result()
         print(sys.getswitchinterval())
     """)
     assert float(out) == pytest.approx(expected)
@@ -70,10 +69,10 @@ def test_switch_interval_set_after_the_worker_started_applies_at_once():
     out = _python("""
         import sys
         from megatron_ext.stem import worker
-        worker.set_switch_interval(0.0)
-        worker.WORKER.submit(lambda: None).result()
+        host = worker.HostWorker(0.0)
+        host.submit(lambda: None).result()
         first = sys.getswitchinterval()
-        worker.set_switch_interval(5e-5)
+        host.set_switch_interval(5e-5)
         print(first, sys.getswitchinterval())
     """)
     first, then = map(float, out.split())
@@ -83,10 +82,13 @@ def test_switch_interval_set_after_the_worker_started_applies_at_once():
 def test_negative_switch_interval_is_refused():
     from megatron_ext.stem import worker
 
-    before = worker.switch_interval()
+    host = worker.HostWorker()
+    before = host.switch_interval_s
     with pytest.raises(ValueError, match="switch interval"):
-        worker.set_switch_interval(-1e-3)
-    assert worker.switch_interval() == before  # the refused value was not kept
+        host.set_switch_interval(-1e-3)
+    assert host.switch_interval_s == before  # the refused value was not kept
+    with pytest.raises(ValueError, match="switch interval"):
+        worker.HostWorker(-1e-3)
 
 
 def _kernel():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +38,7 @@ from megatron_ext.checkpoint_manifest import CheckpointError
 from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.flags import flag_value, has_flag
+from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.registry import family_of
 from megatron_ext.training.arguments import add_extension_args, drop_unavailable_fusions
 from megatron_ext.training.entry import _default_transformer_impl
@@ -91,14 +93,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = get_args()
     if args.load is None:
         raise SystemExit("megatron_logits: --load CKPT_DIR required")
-    model = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+    # The family's run for this evaluation (STEM's managed tables under the run's own placement
+    # flags, Sigma's layers): built with the model, closed at the end.
+    family = family_of(args)
+    run = family.start_run(args, family.config_from_args(args)) \
+        if family.start_run is not None else FamilyRun()
+    try:
+        return _evaluate(args, run, tokens_path, out_path)
+    finally:
+        run.close()
+
+
+def _evaluate(args, run: FamilyRun, tokens_path: str, out_path: str):
+    model = get_model(partial(model_provider, run=run), ModelType.encoder_or_decoder,
+                      wrap_with_ddp=False)
     iteration, _ = checkpointing.load_checkpoint(model, None, None)
     for m in model:
         m.eval()
-    family = family_of(args)
-    family_config = family.config_from_args(args)
-    if family.at_iteration is not None:  # e.g. Sigma's top-k of the loaded step
-        family.at_iteration(model, args, family_config, iteration)
+    run.at_iteration(model, iteration)  # e.g. Sigma's top-k of the loaded step
 
     tokens = torch.load(tokens_path).to(torch.int64)
     b, s = tokens.shape
@@ -119,9 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # What the chunk reads beside its inputs, as the training forward step readies it (STEM's
         # managed tables under the run's own placement flags: the tokens' rows fetched from their
         # owners, a collective over the data-parallel group).
-        extra = {}
-        if family.bind_tokens is not None:
-            extra = family.bind_tokens(model_chunk, tokens, args, family_config)
+        extra = run.bind_tokens(model_chunk, tokens)
         # attention_mask None: causal attention (as in training with the default data flags).
         return model_chunk(tokens, position_ids, None, **extra), loss_func
 

@@ -12,6 +12,61 @@ def _no_config(args) -> None:
     return None
 
 
+class FamilyRun:
+    """What a family does during one training (or one evaluation of a checkpoint,
+    ``convert/megatron_logits.py``): ``Family.start_run(args, cfg)`` makes it, it owns what lives
+    as long as the run (STEM's host worker and tables, Sigma's layers), and ``close`` ends it.
+    Every method is optional: these defaults do nothing."""
+
+    # the forward step's batch routes the tokens' host copy (the same answer on every rank);
+    # with TP > 1 the trainer then sends it to every TP rank over a gloo copy of the TP group
+    # (``training/batch.py``)
+    host_tokens = False
+
+    def model_state(self, model, config) -> None:
+        """A model chunk was built (Sigma: its layers' schedule)."""
+
+    def token_tables(self, model, config):
+        """The runtime a model with token-indexed layers owns (``models/token_ids.py``; STEM's
+        managed tables), built by the model once its layers exist and kept as
+        ``model.token_tables``; None for none."""
+        return None
+
+    def take_batch(self, model, read_batch: Callable[[], tuple]) -> Tuple[tuple, dict]:
+        """Every training micro-batch: the batch the chunk runs now as ``read_batch()`` gives it
+        (tokens, labels, loss_mask, attention_mask, position_ids, and the tokens' host copy or
+        None) and the keyword arguments of the model's forward for it (STEM: the rows its
+        managed tables fetched, ``token_rows``; it reads ahead)."""
+        return read_batch(), {}
+
+    def bind_tokens(self, model, tokens) -> dict:
+        """A forward outside the trainer of the chunk ``model`` on ``tokens``: the keyword
+        arguments of the model's forward beside its inputs."""
+        return {}
+
+    def before_forward(self, model) -> None:
+        """Every training micro-batch, before the model runs (Sigma: the step's top-k)."""
+
+    def at_iteration(self, chunks: Sequence, iteration: Optional[int]) -> None:
+        """A checkpoint of ``iteration`` was loaded for evaluation."""
+
+    def wrap_optimizer(self, optimizer, chunks):
+        """The optimizer Megatron built for the model chunks -> the one pretrain uses (STEM
+        chains its table optimizer)."""
+        return optimizer
+
+    # every iteration, on every rank, before Megatron's training log (collectives allowed):
+    # log_report(args, iteration, total_loss_dict, writer, wandb_writer); None: no report
+    log_report: Optional[Callable[..., None]] = None
+
+    def after_training(self) -> None:
+        """``pretrain`` returned."""
+
+    def close(self) -> None:
+        """The run ended (every way out): its background work waited for, what it holds let
+        go, so that another run in the same process starts from nothing of this one."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. Every hook but ``block_spec`` is optional; ``cfg`` below is what
@@ -40,51 +95,14 @@ class Family:
     check_args: Optional[Callable[[Any], None]] = None
     # checks that need Megatron's validated flags: validate_args(args, tokenizer_vocab_size)
     validate_args: Optional[Callable[[Any, Optional[int]], None]] = None
-    # after the model chunk is built: model_state(model, args, config, cfg) attaches what the
-    # family keeps beside the modules (STEM's managed tables, Sigma's layer list)
-    model_state: Optional[Callable[[Any, Any, Any, Any], None]] = None
-    # the runtime a model with token-indexed layers owns (``models/token_ids.py``; STEM's managed
-    # tables): token_tables(model, args, config, cfg) -> the object or None, built by the model
-    # once its layers exist and kept as ``model.token_tables``; it gives the forward step each
-    # micro-batch's rows (``take_batch``) and saves and loads them with the model
-    token_tables: Optional[Callable[[Any, Any, Any, Any], Any]] = None
-    # before pretrain: install(args, cfg) (what the family sets up once per training)
-    install: Optional[Callable[[Any, Any], None]] = None
     # before the trainer loads a checkpoint into the model (after its checksums are verified):
     # check_checkpoint(chunks, args, cfg, load_dir, step, tokenizer_vocab_size) refuses one
     # that does not fit the model, naming the flags (ValueError)
     check_checkpoint: Optional[Callable[..., None]] = None
-    # the optimizer Megatron built for the model chunks: wrap_optimizer(optimizer, chunks, args,
-    # cfg) -> the optimizer pretrain uses (STEM chains its table optimizer)
-    wrap_optimizer: Optional[Callable[..., Any]] = None
-    # every iteration, on every rank, before Megatron's training log (collectives allowed):
-    # log_report(args, iteration, total_loss_dict, writer, wandb_writer)
-    log_report: Optional[Callable[..., None]] = None
-    # every micro-batch: take_batch(model, read_batch, args, cfg) -> (batch, model_kwargs): the
-    # batch the chunk runs now as ``read_batch()`` gave it (tokens, labels, loss_mask,
-    # attention_mask, position_ids, and the tokens' host copy or None where this rank has them
-    # on the GPU only) and the keyword arguments of the model's forward for it (STEM: the rows
-    # its managed tables fetched, ``token_rows``; it reads ahead)
-    take_batch: Optional[Callable[[Any, Callable[[], tuple], Any, Any], tuple]] = None
-    # whether take_batch routes the tokens' host copy (the same answer on every rank):
-    # host_tokens(args, cfg); with TP > 1 the trainer then sends it to every TP rank over a gloo
-    # copy of the TP group (``training/batch.py``)
-    host_tokens: Optional[Callable[[Any, Any], bool]] = None
-    # a forward outside the trainer (``convert/megatron_logits.py``) of the chunk ``model`` on
-    # ``tokens``: bind_tokens(model, tokens, args, cfg) -> the keyword arguments of the model's
-    # forward beside its inputs (STEM fetches the rows of its managed tables: a collective over
-    # data parallelism)
-    bind_tokens: Optional[Callable[[Any, Any, Any, Any], dict]] = None
-    # every training micro-batch, before the model runs: before_forward(model, args, cfg)
-    before_forward: Optional[Callable[[Any, Any, Any], None]] = None
-    # a checkpoint of ``iteration`` was loaded for evaluation: at_iteration(chunks, args, cfg, it)
-    at_iteration: Optional[Callable[[Sequence, Any, Any, Optional[int]], None]] = None
-    # after pretrain returned: after_training(args, cfg)
-    after_training: Optional[Callable[[Any, Any], None]] = None
-    # back to a fresh process's state after a training (``training/teardown.py``, another
-    # training follows in the same process): reset() waits for the family's background work and
-    # empties its per-process registries
-    reset: Optional[Callable[[], None]] = None
+    # what the family does during one training or evaluation: start_run(args, cfg) -> a
+    # ``FamilyRun``, made by the trainer's session before the model is built and closed by it
+    # after (None: the family does nothing then)
+    start_run: Optional[Callable[[Any, Any], "FamilyRun"]] = None
     # to-hf: hf_mlp_layers(args, iteration, gated, refuse) -> the exported config's description
     # of every layer's MLP (dicts with a "type"); refuse(cond, message) stops the conversion
     hf_mlp_layers: Optional[Callable[..., list]] = None

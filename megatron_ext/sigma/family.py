@@ -18,10 +18,10 @@ import sys
 from typing import Optional
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import unwrap_model
 
 from megatron_ext.models import hybrid_specs, saved_settings
-from megatron_ext.models.family import Family
+from megatron_ext.models.family import Family, FamilyRun
 from megatron_ext.models.fused_layout import split_gated_fc1
 from megatron_ext.models.hybrid_pattern import main_pattern, mlp_block_count
 from megatron_ext.models.log import print_rank_0
@@ -38,13 +38,6 @@ from megatron_ext.sigma.schedule import apply_schedule, sigma_layers
 from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
 NAME = "sigma"
-
-
-def reset() -> None:
-    """Back to a fresh process's state after a training: the finished model's routers out of the
-    registry, its layers' last autograd graphs dropped (``layer.release_layers``)."""
-    release_layers()
-    forget_routers()
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -172,40 +165,56 @@ def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None
         moe_fn=lambda k, moe: sigma_layer_spec(moe, sigma, k))
 
 
-def model_state(model, args, config, sigma: SigmaConfig) -> None:
-    """The chunk's Sigma layers (a plain list: the forward step applies the schedule to it),
-    and the routers' global-batch close at each step (the finalize function)."""
-    # Sigma's layer count, not config.num_layers (on the hybrid path every symbol counts).
-    budget = SigmaBudget.from_config(config, args.padded_vocab_size,
-                                     tied=not args.untie_embeddings_and_output_weights,
-                                     num_layers=sigma.num_layers)
-    print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
-    print_rank_0(f"> Sigma top-k per layer: {list(sigma.initial_topks())}, after step "
-                 f"{sigma.switch_iteration(args.train_iters)}: {list(sigma.target_topks())}"
-                 if sigma.topk_schedule else
-                 f"> Sigma top-k per layer: {list(sigma.target_topks())}")
-    model.sigma_layers = sigma_layers(model)
-    # Close each global batch in the routers once its gradients are final (megatron.training
-    # keeps a finalize function the model builder set).
-    config.finalize_model_grads_func = functools.partial(monitor.finalize_model_grads,
-                                                         ext_args=args)
+class SigmaRun(FamilyRun):
+    """What a Sigma training (or evaluation) does beside the model: each chunk's Sigma layers,
+    whose top-k the schedule sets every step, the routers' global-batch close at each step, the
+    load-balance report; ``close`` drops the finished model's routers and layers' graphs."""
 
+    def __init__(self, args, sigma: SigmaConfig):
+        self.args, self.sigma = args, sigma
+        self.layers = {}  # the chunk (unwrapped) -> its Sigma layers
 
-def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
-    """Per-layer load balance and LBL values each iteration."""
-    report(args, iteration, total_loss_dict, writer, wandb_writer)
+    def model_state(self, model, config) -> None:
+        """The chunk's Sigma layers, and the routers' global-batch close at each step (the
+        finalize function)."""
+        args, sigma = self.args, self.sigma
+        # Sigma's layer count, not config.num_layers (on the hybrid path every symbol counts).
+        budget = SigmaBudget.from_config(config, args.padded_vocab_size,
+                                         tied=not args.untie_embeddings_and_output_weights,
+                                         num_layers=sigma.num_layers)
+        print_rank_0(f"> {budget.describe(sigma.target_topks(), sigma.initial_topks())}")
+        print_rank_0(f"> Sigma top-k per layer: {list(sigma.initial_topks())}, after step "
+                     f"{sigma.switch_iteration(args.train_iters)}: {list(sigma.target_topks())}"
+                     if sigma.topk_schedule else
+                     f"> Sigma top-k per layer: {list(sigma.target_topks())}")
+        self.layers[model] = sigma_layers(model)
+        # Close each global batch in the routers once its gradients are final (megatron.training
+        # keeps a finalize function the model builder set).
+        config.finalize_model_grads_func = functools.partial(monitor.finalize_model_grads,
+                                                             ext_args=args)
 
+    def log_report(self, args, iteration, total_loss_dict, writer, wandb_writer) -> None:
+        """Per-layer load balance and LBL values each iteration."""
+        report(args, iteration, total_loss_dict, writer, wandb_writer)
 
-def before_forward(model, args, sigma: SigmaConfig) -> None:
-    """Progressive sparsification: every layer's top-k for this step (a function of the step)."""
-    apply_schedule(get_attr_wrapped_model(model, "sigma_layers"), sigma, args.curr_iteration,
-                   args.train_iters)
+    def before_forward(self, model) -> None:
+        """Progressive sparsification: every layer's top-k for this step (a function of the
+        step)."""
+        apply_schedule(self.layers[unwrap_model(model)], self.sigma, self.args.curr_iteration,
+                       self.args.train_iters)
 
+    def at_iteration(self, chunks, iteration: Optional[int]) -> None:
+        """A checkpoint of ``iteration`` loaded for evaluation: the top-k of that step."""
+        for m in chunks:
+            apply_schedule(self.layers[unwrap_model(m)], self.sigma, iteration,
+                           self.args.train_iters)
 
-def at_iteration(chunks, args, sigma: SigmaConfig, iteration: Optional[int]) -> None:
-    """A checkpoint of ``iteration`` loaded for evaluation: the top-k of that step."""
-    for m in chunks:
-        apply_schedule(m.sigma_layers, sigma, iteration, args.train_iters)
+    def close(self) -> None:
+        """Back to a fresh process's state: the finished model's routers out of the registry,
+        its layers' last autograd graphs dropped (``layer.release_layers``)."""
+        self.layers.clear()
+        release_layers()
+        forget_routers()
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
@@ -296,7 +305,6 @@ FAMILY = Family(NAME, "Sigma MoE: every layer MoE, top-1, global-batch LBL", blo
                 hybrid_stack_spec=hybrid_stack_spec, hybrid_symbols="*E", add_args=add_args,
                 config_from_args=config_from_args, default_flags=FAMILY_FLAGS,
                 check_args=check_args, validate_args=validate_args,
-                model_state=model_state, log_report=log_report, before_forward=before_forward,
-                at_iteration=at_iteration, reset=reset, check_checkpoint=check_checkpoint,
+                check_checkpoint=check_checkpoint, start_run=SigmaRun,
                 estimate_terms=SigmaTerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"moe": hf_moe_tensors})

@@ -37,7 +37,6 @@ from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint
 from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from megatron_ext.stem.store import gather_rows
 from megatron_ext.stem.tiers import full_tensor, write_back
-from megatron_ext.stem.worker import WORKER
 
 MAX_BLOCKS = 64
 
@@ -127,14 +126,14 @@ def scatter_blocks(tables, loaded: Dict[int, List[torch.Tensor]],
 def table_blocks(tables, index: int) -> List[Tuple[int, torch.Tensor]]:
     """``[(block, rows)]``: layer ``index``'s rows of this rank's checkpoint blocks, with every
     update applied and every row brought up to date. Collective over the data-parallel group."""
-    WORKER.wait()
+    tables.worker.wait()
     return [(block, rows) for block, (rows,) in gather_blocks(tables, [tables.store.read(index)])]
 
 
 def load_table(tables, index: int, loaded: Dict[int, torch.Tensor]) -> None:
     """Write this rank's loaded blocks (``{block: rows}``) of layer ``index``'s table into the
     owners' stores. Collective over the data-parallel group."""
-    WORKER.wait()
+    tables.worker.wait()
     target = tables.store.read(index)  # the shard itself unless tiered
     scatter_blocks(tables, {b: [rows] for b, rows in loaded.items()}, [target])
     tables.store.write(index, target)

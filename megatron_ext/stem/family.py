@@ -1,7 +1,8 @@
 """STEM as a model family (``--model-family stem``; the contract: ``models/family.py``): its
 flags, ``StemConfig`` from them, their checks, the decoder block spec with ``StemMLP`` on the STEM
-layers, the managed tables each model chunk keeps beside its modules, and the start-up and
-after-training hooks of managed tables."""
+layers, the checkpoint check, the Hugging Face mapping and the estimate's terms; what a training
+does with STEM (the managed tables, their worker and optimizer) is ``stem/run.py``'s
+``StemRun``."""
 
 from __future__ import annotations
 
@@ -13,16 +14,14 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
-from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family
 from megatron_ext.models.hybrid_pattern import mlp_block_count, mlp_layer_indices
 from megatron_ext.models.layer import TokenContextMLPLayer
-from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import with_mlp
 from megatron_ext.models.terms import MLPTerms
-from megatron_ext.stem import table_optimizer, worker
+from megatron_ext.stem import worker
 from megatron_ext.stem.checkpoint import (
     SavedTables,
     check_optimizer_state,
@@ -44,14 +43,9 @@ from megatron_ext.stem.config import (
 )
 from megatron_ext.stem.hot_rows import parse_tier_size
 from megatron_ext.stem.mlp import StemMLP
-from megatron_ext.stem.read_ahead import take_batch
 from megatron_ext.stem.specs import decoder_block_spec
-from megatron_ext.stem.table_optimizer import dump_tables, report_stats
 from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.table_optimizer import wrap_optimizer as wrap
-from megatron_ext.stem.tables import LayerTable, StemTables
-from megatron_ext.stem.tiers import choose_hot_mask
-from megatron_ext.stem.worker import WORKER
+from megatron_ext.stem.run import StemRun
 from megatron_ext_kernels import stem_gate
 
 NAME = "stem"
@@ -160,7 +154,7 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
                          "automatic)")
     switch_ms = getattr(args, "stem_gil_switch_ms", 1e3 * worker.DEFAULT_SWITCH_INTERVAL_S)
     try:
-        worker.set_switch_interval(switch_ms / 1e3)  # before the worker starts (model build)
+        worker.check_switch_interval(switch_ms / 1e3)  # the run's worker sets it (stem/run.py)
     except ValueError:
         raise ValueError(f"--stem-gil-switch-ms={switch_ms}: must be >= 0 (0 = Python's "
                          "own)") from None
@@ -222,50 +216,6 @@ def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None
                         vocab_size=args.padded_vocab_size, kept_rows=kept_rows)
 
     return hybrid_specs.hybrid_stack_spec(config, args.hybrid_layer_pattern, use_te, mlp_fn)
-
-
-def token_tables(model, args, config, stem: StemConfig) -> Optional[StemTables]:
-    """The runtime of the chunk's managed tables (``--stem-table-placement cpu|tiered`` or vocab
-    sharding), which the model keeps as ``model.token_tables`` (``models/token_ids.py``): the
-    rows are not parameters of the model. None for ordinary tables and on a chunk without STEM
-    layers."""
-    print_rank_0(f"> STEM layers (0-based MLP blocks): {stem.stem_layers(mlp_block_count(args))} "
-                 f"variant={stem.variant} init={stem.init} tables: "
-                 f"placement={stem.placement} sharding={stem.sharding}")
-    if not stem.managed_tables:
-        return None
-    layers = [LayerTable(m.layer_number, m.release_initial_table(), m.config.params_dtype,
-                         m.vocab_size, m.tp_rank, m.tp_size)
-              for m in model.modules() if isinstance(m, StemMLP) and m.managed]
-    if not layers:
-        return None
-    hot = None
-    if stem.placement == "tiered":
-        hot, how = choose_hot_mask(args, args.padded_vocab_size, stem.gpu_tier,
-                                   stem.tier_count_tokens)
-        print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
-                     f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
-    return StemTables(layers, stem, args.padded_vocab_size,
-                      parallel_state.get_data_parallel_group(), hot_mask=hot,
-                      host_group=_host_data_parallel_group())
-
-
-def bind_tokens(model, tokens, args, stem: StemConfig) -> dict:
-    """A forward outside the trainer: the rows of ``tokens`` fetched from their owners, as the
-    forward step's ``take_batch`` does, for the model's ``token_rows`` (collective over the
-    data-parallel group; nothing for ordinary tables)."""
-    tables = get_attr_wrapped_model(model, "token_tables", allow_none=True)
-    return {} if tables is None else {"token_rows": tables.fetch_now(tokens)}
-
-
-def _host_data_parallel_group():
-    """Megatron's gloo copy of the data-parallel group (``create_gloo_process_groups``, on unless
-    ``--disable-gloo-process-groups``), over which the tables route their host ids without
-    waiting for the GPU (``stem/exchange.py``); None without it."""
-    try:
-        return parallel_state.get_data_parallel_group_gloo()
-    except AssertionError:
-        return None
 
 
 def _saved_layer(args, saved: SavedTables) -> Optional[Callable[[int], int]]:
@@ -358,28 +308,6 @@ def check_checkpoint(chunks, args, stem: StemConfig, load_dir: str, step: Option
             f"{sorted(saved.shapes)}, but this model's STEM layers (MLP blocks {blocks} from "
             f"--stem-layers/--stem-ratio) read them from {where} {wanted}; load it with the "
             "STEM layers it was trained with")
-
-
-def wrap_optimizer(optimizer, chunks, args, stem: StemConfig):
-    """Managed tables step in the table optimizer chained onto Megatron's."""
-    if not stem.managed_tables:
-        return optimizer
-
-    return wrap(optimizer, chunks, args.stem_cpu_threads, args.stem_optimizer)
-
-
-def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
-    report_stats(args, iteration, total_loss_dict, writer, wandb_writer)
-
-
-def after_training(args, stem: StemConfig) -> None:
-    if stem.managed_tables and args.stem_dump_tables:
-        dump_tables(args.stem_dump_tables)
-
-
-def reset() -> None:
-    WORKER.wait()  # the host worker's queued table steps of the finished training
-    table_optimizer.reset()
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
@@ -479,10 +407,7 @@ class StemTerms(MLPTerms):
 FAMILY = Family(NAME, "STEM: token-indexed up-projection tables", block_spec,
                 hybrid_stack_spec=hybrid_stack_spec,
                 heterogeneous_layers=True, add_args=add_args, config_from_args=config_from_args,
-                validate_args=validate_args, token_tables=token_tables,
-                wrap_optimizer=wrap_optimizer, log_report=log_report,
-                check_checkpoint=check_checkpoint, after_training=after_training, reset=reset,
-                take_batch=take_batch, bind_tokens=bind_tokens,
-                host_tokens=lambda args, stem: stem.managed_tables,
+                validate_args=validate_args, check_checkpoint=check_checkpoint,
+                start_run=StemRun,
                 estimate_terms=StemTerms(), hf_mlp_layers=hf_mlp_layers,
                 hf_mlp_tensors={"stem": hf_stem_tensors})

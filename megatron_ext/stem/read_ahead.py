@@ -28,9 +28,9 @@ class TableReadAhead:
     read ahead for training."""
 
     def __init__(self, tables):
-        # Weakly: the read-ahead is the value of a WeakKeyDictionary keyed by the tables, and a
-        # strong reference from it would keep the tables (host memory, the model's STEM layers,
-        # their process groups) alive for the life of the process after their model is gone.
+        # Weakly: the tables own their read-ahead, and a reference cycle would keep the tables
+        # (host memory, their process groups) alive until the cyclic collector runs after their
+        # model is gone.
         self._tables = weakref.ref(tables)
         self.next: Optional[tuple] = None  # (batch, Fetch) read ahead
         self.microbatch = 0  # training micro-batches taken in this step
@@ -69,17 +69,6 @@ def _ids(batch: tuple) -> torch.Tensor:
     return batch[5] if len(batch) > 5 and batch[5] is not None else batch[0]
 
 
-_READ_AHEAD = weakref.WeakKeyDictionary()
-
-
-def read_ahead_of(tables) -> TableReadAhead:
-    """The read-ahead of the chunk whose tables are ``tables`` (made on first use)."""
-    state = _READ_AHEAD.get(tables)
-    if state is None:
-        state = _READ_AHEAD[tables] = TableReadAhead(tables)
-    return state
-
-
 def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> Tuple[tuple, dict]:
     """The micro-batch the chunk ``model`` runs now and the model's keyword arguments for it.
     With managed tables on this stage, its rows (``token_rows``; with prefetch, the next
@@ -93,5 +82,5 @@ def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> Tuple[tupl
     upcoming = args.curr_iteration + 1
     next_step = upcoming < args.train_iters and not (
         args.exit_interval and upcoming % args.exit_interval == 0)
-    batch, fetched = read_ahead_of(tables).take(read_batch, get_num_microbatches(), next_step)
+    batch, fetched = tables.read_ahead.take(read_batch, get_num_microbatches(), next_step)
     return batch, {"token_rows": fetched}

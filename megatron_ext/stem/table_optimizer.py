@@ -50,7 +50,7 @@ from megatron_ext.stem.tiers import (
     take_rows,
 )
 from megatron_ext.stem.transfer import Arrival, stage_to_host, to_device
-from megatron_ext.stem.worker import WORKER, mark
+from megatron_ext.stem.worker import mark
 from megatron_ext_kernels import row_adam_cpu
 
 
@@ -130,8 +130,9 @@ class TableSteps:
     ``step_with_ready_grads``), apart from Megatron's optimizer, so that it runs alone as well
     (``benchmarks/stem_worker_schedule.py``, tests). ``mode``: ``--stem-optimizer``."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, worker):
         self.mode = mode
+        self.worker = worker  # the training's host worker (stem/worker.py)
         # (table, future of (seconds, seconds before its read), the step's gradient waits), not
         # waited for yet
         self.tasks = []
@@ -140,7 +141,7 @@ class TableSteps:
         """Wait for the tables' host work (the last step's rows, reads queued behind it). The
         waited time counts as exposed optimizer time (once, on the first of ``tables``); the
         background steps' own times are counted now, with the iteration they overlapped."""
-        waited = WORKER.wait()
+        waited = self.worker.wait()
         if tables:  # one wait for every chunk: counted once
             tables[0].stats["optimizer_seconds_exposed"] += waited
         for t, done, grad_wait in self.tasks:
@@ -181,31 +182,31 @@ class TableSteps:
 
         fetch = t.deferred
         if fetch is None:
-            t.stats["optimizer_seconds_exposed"] += WORKER.wait()
+            t.stats["optimizer_seconds_exposed"] += self.worker.wait()
             took = step()
             t.stats["optimizer_seconds"] += took
             t.stats["optimizer_seconds_exposed"] += took
             t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
             return
         # Read on the worker's side stream.
-        WORKER.hand_over(x for _, g in grads for x in grad_tensors(g))
+        self.worker.hand_over(x for _, g in grads for x in grad_tensors(g))
         if self.mode != "sparse":
             def whole():
                 took = step()
                 return took, took
 
-            self.tasks.append((t, WORKER.submit(whole, after=made), grad_wait))
+            self.tasks.append((t, self.worker.submit(whole, after=made), grad_wait))
             t.release(fetch, after=made)
             return
         owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
         # The worker is idle for this store: the step drained it.
         owed.store, t.store.owed_step = t.store, owed
         t.release(fetch, after=made)
-        self.tasks.append((t, WORKER.submit_background(owed, after=made), grad_wait))
+        self.tasks.append((t, self.worker.submit_background(owed, after=made), grad_wait))
 
 
 class StemTablesOptimizer(ChainedOptimizer):
-    def __init__(self, inner, tables: List, mode: str):
+    def __init__(self, inner, tables: List, mode: str, worker):
         chained = list(inner.chained_optimizers) if isinstance(inner, ChainedOptimizer) \
             else [inner]
         super().__init__(chained)
@@ -230,7 +231,7 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.team_reported = False  # the CPU row kernel team line (report_stats, once)
         self._staging = PinnedStaging()
         self._copy_stream = None  # the host tier's gradients leave the GPU on it (made on use)
-        self.steps = TableSteps(mode)  # the row steps as they run on the host worker
+        self.steps = TableSteps(mode, worker)  # the row steps as they run on the host worker
         self._step_count = 0   # iterations stepped (every rank, with tables or not)
 
     @property
@@ -420,19 +421,11 @@ class StemTablesOptimizer(ChainedOptimizer):
         checkpoint.load_optimizer_state(self, state_dict["stem_tables"])
 
 
-_ACTIVE: List[StemTablesOptimizer] = []
-
-
-def reset() -> None:
-    """Forget the table optimizers of a finished training (``training/teardown.py``)."""
-    _ACTIVE.clear()
-
-
-def dump_tables(directory: str) -> None:
+def dump_tables(optimizers: Sequence[StemTablesOptimizer], directory: str) -> None:
     """Write this rank's table rows after training, for inspection and tests:
     ``directory/tables_tp{t}_pp{p}_dp{d}.pt`` = {"layers": [layer numbers], "ids": [owned global
     ids per chunk], "rows": [[rows per layer]]} (sparse: every row brought up to date)."""
-    for optimizer in _ACTIVE:
+    for optimizer in optimizers:
         optimizer.drain()
         payload = {"chunks": [{
             "layers": [layer.layer_number for layer in t.layers],
@@ -445,7 +438,8 @@ def dump_tables(directory: str) -> None:
         torch.save(payload, os.path.join(directory, name))
 
 
-def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
+def report_stats(optimizers: Sequence[StemTablesOptimizer], args, iteration: int,
+                 total_loss_dict: dict, writer, wandb_writer) -> None:
     """Per-iteration table traffic and optimizer time, summed (times: max) over all ranks, to
     Megatron's tensorboard/wandb writers: unique rows fetched, bytes each way for row fetches and
     gradient pushes, the part of the owners' reads and row gradients that is in host memory (what
@@ -473,9 +467,9 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
              "stem/optimizer-seconds-exposed", "stem/optimizer-seconds-before-fetch",
              "stem/optimizer-seconds-grad-wait", "stem/grad-exchange-seconds",
              "stem/optimizer-kernel-loop-seconds", "stem/optimizer-kernel-call-seconds"]
-    if not _ACTIVE:  # no managed tables in this run (the same on every rank)
+    if not optimizers:  # no managed tables in this run (the same on every rank)
         return
-    for optimizer in _ACTIVE:  # once, after the first iteration (communicators made, worker up)
+    for optimizer in optimizers:  # once, after the first iteration (communicators made, worker up)
         if not optimizer.team_reported:
             optimizer.team_reported = True
             team = worker_team_report(optimizer)
@@ -483,7 +477,7 @@ def report_stats(args, iteration: int, total_loss_dict: dict, writer, wandb_writ
                 print(f"[rank {dist.get_rank()}] > {team}", flush=True)
     sums = dict.fromkeys(summed, 0.0)
     maxes = dict.fromkeys(maxed, 0.0)
-    for optimizer in _ACTIVE:
+    for optimizer in optimizers:
         local = dict.fromkeys(maxed, 0.0)  # summed over this rank's chunks
         for t in optimizer.tables:
             st, rb, gb = t.stats, t.row_bytes, t.grad_row_bytes
@@ -590,7 +584,7 @@ def worker_team_report(optimizer: StemTablesOptimizer) -> Optional[str]:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         return (len(cpus) if cpus else os.cpu_count()), team
 
-    worker_cpus, team = WORKER.submit(probe).result()
+    worker_cpus, team = optimizer.steps.worker.submit(probe).result()
     return describe_team(team, worker_cpus, os.environ)
 
 
@@ -612,14 +606,13 @@ def describe_team(team, worker_cpus: int, environ) -> str:
     return report
 
 
-def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str):
-    """Megatron's optimizer with the table optimizer chained onto it (managed tables). Every
-    rank wraps (also a pipeline stage without STEM layers): the norm and the skip flag are
-    reduced over all ranks."""
+def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str, worker):
+    """Megatron's optimizer with the table optimizer chained onto it (managed tables; their
+    host work on ``worker``). Every rank wraps (also a pipeline stage without STEM layers): the
+    norm and the skip flag are reduced over all ranks."""
     tables = [get_attr_wrapped_model(m, "token_tables", allow_none=True) for m in model_chunks]
     tables = [t for t in tables if t is not None]
     row_adam_cpu.set_threads(stem_cpu_threads)
-    wrapped = StemTablesOptimizer(optimizer, tables, mode)
-    _ACTIVE.append(wrapped)
+    wrapped = StemTablesOptimizer(optimizer, tables, mode, worker)
     print(f"[rank {dist.get_rank()}] > {host_memory_report(wrapped)}", flush=True)
     return wrapped

@@ -53,7 +53,8 @@ from megatron_ext.stem.ownership import RowOwnership
 from megatron_ext.stem.store import TableStore
 from megatron_ext.stem.transfer import to_device
 from megatron_ext.stem.tiers import TieredOwnership
-from megatron_ext.stem.worker import WORKER
+from megatron_ext.stem.read_ahead import TableReadAhead
+from megatron_ext.stem.worker import HostWorker
 
 
 @dataclass
@@ -81,10 +82,11 @@ class Fetch:
 
 class StemTables:
     def __init__(self, layers: Sequence[LayerTable], stem: StemConfig, vocab_size: int,
-                 dp_group, device: Optional[torch.device] = None,
+                 dp_group, worker: HostWorker, device: Optional[torch.device] = None,
                  hot_mask: Optional[torch.Tensor] = None, host_group=None):
         self.layers = list(layers)
         self.vocab_size = vocab_size
+        self.worker = worker  # the training's host worker (``StemRun``), shared by its chunks
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
         cuda = torch.cuda.is_available()
@@ -127,6 +129,8 @@ class StemTables:
         # layer's blocks (``take_loaded``).
         self.checkpoint_blocks: List[Optional[Dict[int, object]]] = [None] * len(self.layers)
         self._block_keys: Dict[str, int] = {}
+        # The forward step's read-ahead of this chunk's micro-batches (the family's take_batch).
+        self.read_ahead = TableReadAhead(self)
         self.stats = {}
         self.reset_stats()
 
@@ -203,7 +207,7 @@ class StemTables:
                     event.record(torch.cuda.current_stream())
             return served, event, time.perf_counter() - start
 
-        fetch.served = WORKER.submit(read, after=after)
+        fetch.served = self.worker.submit(read, after=after)
 
     def finish_fetch(self, fetch: Fetch) -> FetchedRows:
         """Wait for the owners' read, send the rows to the ranks that asked (collective over the

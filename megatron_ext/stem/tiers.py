@@ -333,14 +333,15 @@ def full_tensor(x):
 # ---------------------------------------------------------------------------------------------
 # choosing the GPU tier
 
-# (blend, vocab, budget) -> (hot_rows.Frequencies, seconds): counted once per process
-_FREQUENCIES = {}
-
-
 def choose_hot_mask(args, vocab: int, tier_spec: str,
-                    count_tokens: int = DEFAULT_TIER_COUNT_TOKENS) -> tuple:
+                    count_tokens: int = DEFAULT_TIER_COUNT_TOKENS,
+                    counted: Optional[dict] = None) -> tuple:
     """``(boolean [vocab] mask of the GPU tier, how it was chosen)``: the most frequent ids of
-    the training blend, from a count of at most ``count_tokens`` of its tokens (0: all)."""
+    the training blend, from a count of at most ``count_tokens`` of its tokens (0: all).
+    ``counted``: the counts made so far in this training ((blend, vocab, budget) ->
+    (``hot_rows.Frequencies``, seconds); ``StemRun`` keeps it), so that the model chunks of a
+    rank count the blend once."""
+    counted = {} if counted is None else counted
     rows = hot_rows.parse_tier_size(tier_spec, vocab)
 
     def lowest_ids(why: str) -> tuple:
@@ -357,11 +358,11 @@ def choose_hot_mask(args, vocab: int, tier_spec: str,
         return lowest_ids(f"{remote[0]} is in object storage; the tier is chosen from local "
                           "indexed datasets only")
     key = (tuple(prefixes), None if weights is None else tuple(weights), vocab, count_tokens)
-    if key not in _FREQUENCIES:
+    if key not in counted:
         start = time.perf_counter()
         freq = hot_rows.training_frequencies(prefixes, weights, vocab, count_tokens)
-        _FREQUENCIES[key] = freq, time.perf_counter() - start
-    freq, seconds = _FREQUENCIES[key]
+        counted[key] = freq, time.perf_counter() - start
+    freq, seconds = counted[key]
     mask = hot_rows.hot_mask(freq.share, rows, vocab)
     share = float(freq.share[mask].sum())
     sample = ("every token" if freq.counted == freq.total else

@@ -1,4 +1,4 @@
-"""The process's one worker thread for managed STEM tables: host work only.
+"""The worker thread of a training's managed STEM tables: host work only.
 
 What runs here reads or writes the tables' rows and optimizer state in host memory (and, on a GPU,
 queues copies and the GPU tier's row updates on a side stream): gathering the rows a micro-batch
@@ -13,7 +13,8 @@ training thread's program order: a row read submitted after a table step sees th
 chunks whenever no submitted task waits, so a row read submitted later runs before the rest of
 the job instead of behind all of it; the store it reads settles the rows that read needs first
 (``stem/store.py``, ``owed_step``), so it still sees the step. One worker serves every model
-chunk of the process (an interleaved pipeline gives a rank several chunks with tables).
+chunk of a training (an interleaved pipeline gives a rank several chunks with tables): the
+training's ``StemRun`` (``stem/run.py``) owns it and closes it when the training ends.
 
 The GIL. The worker's host work is mostly compiled code that releases the GIL (the row kernels,
 PyTorch's ops), but each return into Python must take the GIL back, and a thread that holds it
@@ -24,7 +25,7 @@ window of about 20 small ops became 99 ms (probes on the development machine); t
 schedule with a training thread running Python took 1.29x its compute against 1.11x with the
 worker's interval (``benchmarks/stem_worker_schedule.py --training-thread python``). So when the
 worker starts it lowers the process's switch interval
-to ``switch_interval()`` (``--stem-gil-switch-ms``; 0 leaves Python's own): the training thread
+to its own (``--stem-gil-switch-ms``; 0 leaves Python's own): the training thread
 then yields within that time when the worker waits, and nothing changes while it does not.
 """
 
@@ -37,6 +38,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Callable, List, Optional
 
@@ -47,36 +49,23 @@ logger = logging.getLogger(__name__)
 # The switch interval the worker sets when it starts (seconds; 0: Python's own). 0.2 ms: see the
 # module's docstring and docs/benchmarks.md (stem_worker_schedule, --training-thread python).
 DEFAULT_SWITCH_INTERVAL_S = 2e-4
-_switch_interval_s = DEFAULT_SWITCH_INTERVAL_S
 
 
-def set_switch_interval(seconds: float) -> None:
-    """The GIL switch interval the worker sets when it starts (``--stem-gil-switch-ms``); 0
-    leaves Python's own. Applied at once if the worker already runs."""
-    global _switch_interval_s
+def check_switch_interval(seconds: float) -> float:
+    """``seconds`` as a GIL switch interval for the worker (``--stem-gil-switch-ms`` / 1e3);
+    0 leaves Python's own."""
     if not seconds >= 0.0:
         raise ValueError(f"the GIL switch interval must be >= 0 seconds (0: Python's own), got "
                          f"{seconds}")
-    _switch_interval_s = float(seconds)
-    if WORKER._thread is not None and WORKER._thread.is_alive():
-        _apply_switch_interval()
-
-
-def switch_interval() -> float:
-    return _switch_interval_s
-
-
-def _apply_switch_interval() -> None:
-    """Lower the process's GIL switch interval to the worker's (never raise it: whoever set a
-    shorter one keeps it)."""
-    if _switch_interval_s > 0.0 and sys.getswitchinterval() > _switch_interval_s:
-        logger.info("STEM host worker: GIL switch interval %.3g ms -> %.3g ms",
-                    1e3 * sys.getswitchinterval(), 1e3 * _switch_interval_s)
-        sys.setswitchinterval(_switch_interval_s)
+    return float(seconds)
 
 
 class HostWorker:
-    def __init__(self):
+    """One training's host worker (``StemRun`` makes it; ``close`` ends its thread)."""
+
+    def __init__(self, switch_interval_s: float = DEFAULT_SWITCH_INTERVAL_S):
+        self.switch_interval_s = check_switch_interval(switch_interval_s)
+        self._closing = False
         self._thread: Optional[threading.Thread] = None
         self.stream = None
         self._cond = threading.Condition()
@@ -90,12 +79,48 @@ class HostWorker:
             self.stream = torch.cuda.Stream()
         return self.stream
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def set_switch_interval(self, seconds: float) -> None:
+        """The GIL switch interval this worker sets when it starts; applied at once if it
+        runs."""
+        self.switch_interval_s = check_switch_interval(seconds)
+        if self.running:
+            self._apply_switch_interval()
+
+    def _apply_switch_interval(self) -> None:
+        """Lower the process's GIL switch interval to the worker's (never raise it: whoever set a
+        shorter one keeps it)."""
+        target = self.switch_interval_s
+        if target > 0.0 and sys.getswitchinterval() > target:
+            logger.info("STEM host worker: GIL switch interval %.3g ms -> %.3g ms",
+                        1e3 * sys.getswitchinterval(), 1e3 * target)
+            sys.setswitchinterval(target)
+
     def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        if self._closing:
+            raise RuntimeError("the STEM host worker of a finished training got new work")
+        if not self.running:
             self._side_stream()
-            _apply_switch_interval()
+            self._apply_switch_interval()
             self._thread = threading.Thread(target=self._run, name="stem-worker", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
+
+    def close(self) -> None:
+        """Wait for the queued work (raising the first failure, as ``wait``), then end the
+        thread. A closed worker takes no more work."""
+        try:
+            self.wait()
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify()
+            if self._thread is not None:
+                self._thread.join()
+            _LIVE.discard(self)
 
     def _keep(self, future: Future, name: str) -> Future:
         # Kept until waited for: finished tasks only if they failed (their error is re-raised).
@@ -136,6 +161,8 @@ class HostWorker:
         while True:
             with self._cond:
                 while not self._tasks and not self._background:
+                    if self._closing:
+                        return
                     self._cond.wait()
                 if self._tasks:
                     future, task = self._tasks.popleft()
@@ -242,18 +269,21 @@ def _on_stream(fn: Callable, stream, after=None) -> Callable:
     return task
 
 
-WORKER = HostWorker()
+# The workers whose thread runs: the one module-level state of the worker, because the exit hook
+# below must reach a training's worker that was not closed (its thread is a daemon).
+_LIVE: "weakref.WeakSet[HostWorker]" = weakref.WeakSet()
 
 
 def _finish_at_exit() -> None:
     """Let queued host work end before the interpreter does (the thread is a daemon). A task
     that failed after the last wait has nobody left to raise its error to: it is logged here
     (every failure, ``HostWorker.wait``), not dropped."""
-    try:
-        WORKER.wait()
-    except BaseException as exc:
-        logger.error("STEM host worker: a task failed after the training's last wait: %s: %s",
-                     type(exc).__name__, exc, exc_info=exc)
+    for worker in list(_LIVE):
+        try:
+            worker.wait()
+        except BaseException as exc:
+            logger.error("STEM host worker: a task failed after the training's last wait: "
+                         "%s: %s", type(exc).__name__, exc, exc_info=exc)
 
 
 atexit.register(_finish_at_exit)

@@ -12,7 +12,7 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_model_config
 
 from megatron_ext.models import hybrid_specs, saved_settings
-from megatron_ext.models.family import Family
+from megatron_ext.models.family import Family, FamilyRun
 from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import block_spec as build
@@ -119,21 +119,27 @@ def hybrid_stack_spec(args, config, use_te: bool, vp_stage: Optional[int] = None
     return hybrid_specs.hybrid_stack_spec(config, args.hybrid_layer_pattern, use_te, mlp_fn)
 
 
-def model_state(model, args, config, smoe: StructMoEConfig) -> None:
-    budget = layer_budget(smoe, config.hidden_size, config.ffn_hidden_size,
-                          bool(config.gated_linear_unit))
-    print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
+class StructMoERun(FamilyRun):
+    """What a StructMoE training does beside the model: the per-layer budget line, the router
+    metrics in the log, the aux-loss scale of each micro-batch."""
 
+    def __init__(self, args, smoe: StructMoEConfig):
+        self.args, self.smoe = args, smoe
 
-def log_report(args, iteration, total_loss_dict, writer, wandb_writer) -> None:
-    """StructMoE's router metrics each iteration (upstream reports the tracker only for models
-    with ``--num-experts``)."""
-    report(args, iteration, total_loss_dict, writer, wandb_writer, mlp_block_count(args))
+    def model_state(self, model, config) -> None:
+        budget = layer_budget(self.smoe, config.hidden_size, config.ffn_hidden_size,
+                              bool(config.gated_linear_unit))
+        print_rank_0(f"> per layer (Eqs. 7-9): {budget.describe()}")
 
+    def log_report(self, args, iteration, total_loss_dict, writer, wandb_writer) -> None:
+        """StructMoE's router metrics each iteration (upstream reports the tracker only for
+        models with ``--num-experts``)."""
+        report(args, iteration, total_loss_dict, writer, wandb_writer, mlp_block_count(args))
 
-def before_forward(model, args, smoe: StructMoEConfig) -> None:
-    """Upstream sets the aux-loss gradient scale only for models with --num-experts."""
-    set_aux_loss_scale(get_model_config(model), get_num_microbatches(), args.context_parallel_size)
+    def before_forward(self, model) -> None:
+        """Upstream sets the aux-loss gradient scale only for models with --num-experts."""
+        set_aux_loss_scale(get_model_config(model), get_num_microbatches(),
+                           self.args.context_parallel_size)
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
@@ -192,7 +198,7 @@ class StructMoETerms(MLPTerms):
 FAMILY = Family(NAME, "StructMoE: routed low-rank experts inside the dense MLP", block_spec,
                 hybrid_stack_spec=hybrid_stack_spec,
                 add_args=add_args, config_from_args=config_from_args,
-                validate_args=validate_args, model_state=model_state, log_report=log_report,
-                before_forward=before_forward, check_checkpoint=check_checkpoint,
+                validate_args=validate_args, check_checkpoint=check_checkpoint,
+                start_run=StructMoERun,
                 estimate_terms=StructMoETerms(),
                 hf_mlp_layers=hf_mlp_layers, hf_mlp_tensors={"structmoe": hf_structmoe_tensors})

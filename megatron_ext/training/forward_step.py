@@ -8,7 +8,7 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers
 
-from megatron_ext.models.registry import family_of
+from megatron_ext.models.family import FamilyRun
 from megatron_ext.training.batch import get_batch
 
 
@@ -22,23 +22,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
-_CONFIG: list = [None, None, None]  # (args, family, its config): built once per training
-
-
-def _family_and_config(args):
-    if _CONFIG[0] is not args:
-        family = family_of(args)
-        _CONFIG[:] = [args, family, family.config_from_args(args)]
-    return _CONFIG[1], _CONFIG[2]
-
-
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, *, run: FamilyRun):
+    """One micro-batch of ``model`` (a chunk) for ``pretrain``; ``run``: the family's run of
+    this training (the trainer binds it, ``functools.partial(forward_step, run=...)``)."""
     args = get_args()
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
-    family, cfg = _family_and_config(args)
 
     def read_batch():
         """The five tensors and the tokens' host copy (or None), the ids checked on the host
@@ -49,17 +40,13 @@ def forward_step(data_iterator, model):
             get_attr_wrapped_model(model, "check_host_token_ids")(batch[5])
         return batch
 
-    model_kwargs = {}
-    if family.take_batch is not None:  # e.g. STEM's managed tables: rows fetched, read-ahead
-        batch, model_kwargs = family.take_batch(model, read_batch, args, cfg)
-    else:
-        batch = read_batch()
+    # The family's run: STEM's managed tables fetch the rows (and read ahead), others read.
+    batch, model_kwargs = run.take_batch(model, read_batch)
     if token_layers_here:  # the ids were checked on their host copy (read_batch)
         model_kwargs["token_ids_checked"] = batch[0] is not None and batch[5] is not None
     tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
     timers("batch-generator").stop()
-    if family.before_forward is not None:  # e.g. Sigma's top-k of this step
-        family.before_forward(model, args, cfg)
+    run.before_forward(model)  # e.g. Sigma's top-k of this step
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
                           **model_kwargs)
     return output_tensor, partial(loss_func, loss_mask)

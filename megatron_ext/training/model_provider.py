@@ -11,6 +11,7 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.training import get_args
 from megatron.training.argument_utils import core_transformer_config_from_args
 
+from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.gpt import TokenIdsGPTModel
 from megatron_ext.models.hybrid import TokenIdsHybridModel, stack_has_token_layers
 from megatron_ext.models.registry import get_family
@@ -21,7 +22,12 @@ from megatron_ext.training.teardown import track_model_config
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
-                   vp_stage: Optional[int] = None, config=None, pg_collection=None):
+                   vp_stage: Optional[int] = None, config=None, pg_collection=None, *,
+                   run: Optional[FamilyRun] = None):
+    """One model chunk. ``run``: the family's run of this training (``FamilyRun``; the trainer
+    binds it, ``functools.partial(model_provider, run=...)``), whose ``token_tables`` the model
+    builds and keeps and whose ``model_state`` sees the chunk; without one, a run that does
+    nothing (a model built outside a training)."""
     args = get_args()
     use_te = args.transformer_impl == "transformer_engine"
     if use_te and not te_available():
@@ -34,11 +40,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     if family.heterogeneous_layers:
         # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.
         config.hetereogenous_dist_checkpoint = True
-    family_config = family.config_from_args(args)
-    token_tables = None
-    if family.token_tables is not None:  # the runtime a token-indexed model owns (STEM's tables)
-        def token_tables(model):
-            return family.token_tables(model, args, config, family_config)
+    run = run if run is not None else FamilyRun()
+
+    def token_tables(model):  # the runtime a token-indexed model owns (STEM's managed tables)
+        return run.token_tables(model, config)
     # The families' spec builders take --ext-core-attention from here (models/specs.py).
     with core_attention_choice(getattr(args, "ext_core_attention", None)):
         if getattr(args, "hybrid_layer_pattern", None):
@@ -47,10 +52,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
         else:
             model = _gpt_model(args, config, family, use_te, pre_process, post_process,
                                vp_stage, pg_collection, token_tables)
-    if family.model_state is not None:  # what the family keeps beside the modules
-        family.model_state(model, args, config, family_config)
-    if getattr(args, "use_gloo_process_groups", True) and family.host_tokens is not None \
-            and family.host_tokens(args, family_config):
+    run.model_state(model, config)
+    if getattr(args, "use_gloo_process_groups", True) and run.host_tokens:
         make_host_tensor_parallel_group()  # every rank, the first chunk: a collective
     return model
 

@@ -12,11 +12,11 @@ from typing import Optional
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from megatron_ext.models.family import Family
+from megatron_ext.models.family import Family, FamilyRun
 from megatron_ext.models.registry import register_family
 from megatron_ext.models.specs import block_spec as build_block, with_mlp
 
-CALLS = {"install": 0, "before_forward": 0, "model_state": 0}
+CALLS = {"start_run": 0, "before_forward": 0, "model_state": 0}
 
 
 class GeluMLP(MLP):
@@ -48,28 +48,28 @@ def block_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
                        vp_stage=vp_stage)
 
 
-def model_state(model, args, config, cfg) -> None:
-    CALLS["model_state"] += 1
-    model.gelu_mlps = [m for m in model.modules() if isinstance(m, GeluMLP)]
+class GeluRun(FamilyRun):
+    """The plugin's run: counts the hooks the trainer calls (one run per training, the model
+    state per chunk, before_forward per micro-batch) and writes the counts after training."""
 
+    def __init__(self, args, cfg):
+        CALLS["start_run"] += 1
+        self.cfg = cfg
 
-def install(args, cfg) -> None:
-    CALLS["install"] += 1
+    def model_state(self, model, config) -> None:
+        CALLS["model_state"] += 1
 
+    def before_forward(self, model) -> None:
+        CALLS["before_forward"] += 1
 
-def before_forward(model, args, cfg) -> None:
-    CALLS["before_forward"] += 1
+    def after_training(self) -> None:
+        import torch.distributed as dist
 
-
-def after_training(args, cfg) -> None:
-    import torch.distributed as dist
-
-    if cfg["report"] and dist.get_rank() == 0:
-        with open(cfg["report"], "w") as f:
-            json.dump(CALLS, f)
+        if self.cfg["report"] and dist.get_rank() == 0:
+            with open(self.cfg["report"], "w") as f:
+                json.dump(CALLS, f)
 
 
 FAMILY = register_family(Family(
     "gelu", "test: dense GPT with a GELU MLP", block_spec, add_args=add_args,
-    config_from_args=config_from_args, validate_args=validate_args, model_state=model_state,
-    install=install, before_forward=before_forward, after_training=after_training))
+    config_from_args=config_from_args, validate_args=validate_args, start_run=GeluRun))
