@@ -46,7 +46,7 @@ def test_an_unset_eval_interval_counts_only_the_final_evaluation(monkeypatch, in
 
     for name in ("get_train_valid_test_num_samples", "build_train_valid_test_data_loaders"):
         monkeypatch.setattr(training, name, getattr(training, name))  # restored after the test
-    upstream_fixes._fix_unset_eval_interval()
+    upstream_fixes.install(["unset_eval_interval"])
     args = argparse.Namespace(train_samples=None, train_iters=10, global_batch_size=8,
                               full_validation=False, skip_train=False, eval_interval=interval,
                               start_eval_at_iter=None, eval_iters=3,

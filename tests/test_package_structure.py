@@ -190,27 +190,6 @@ def _imports_megatron_training(path: str) -> List[str]:
     return found
 
 
-def _patches_megatron_training(path: str) -> List[str]:
-    """Attribute assignments on names bound to a ``megatron.training`` module."""
-    tree = ast.parse(open(path).read(), path)
-    bound = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                "megatron.training"):
-            bound |= {a.asname or a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            bound |= {(a.asname or a.name) for a in node.names
-                      if a.name.startswith("megatron.training")}
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for t in node.targets:
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and \
-                        t.value.id in bound:
-                    out.append(f"{t.value.id}.{t.attr} (line {node.lineno})")
-    return out
-
-
 def test_family_folders_do_not_reach_into_the_trainer():
     """The families (and the models they build) use Megatron-Core only; the trainer seam
     (``training/``) calls their hooks."""
@@ -220,14 +199,8 @@ def test_family_folders_do_not_reach_into_the_trainer():
             assert _imports_megatron_training(path) == [], module
 
 
-def test_megatron_training_is_patched_from_training_and_compat_only():
-    patched = {}
-    for module, path in modules().items():
-        found = _patches_megatron_training(path)
-        if found:
-            patched[module] = found
-    assert patched, "the check finds the trainer's own patches"
-    assert all(m.split(".")[1] in ("training", "compat") for m in patched), patched
+# Where the package replaces attributes of upstream modules: tests/test_upstream_seams.py (one
+# table, training/upstream_seams.py; every other assignment onto a megatron.* name is refused).
 
 
 # Imports a function may make: dependencies the plugin imports and works without (the GPU-only

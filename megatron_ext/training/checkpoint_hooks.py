@@ -1,8 +1,12 @@
 """Checksum manifests for the trainer's checkpoints (``megatron_ext/checkpoint_manifest.py``).
 
+The replacements below are made from upstream's functions by the ``wrap_*`` makers;
+``training/upstream_seams.py`` puts them in place (its table lists each with its reason).
+
 Wraps ``megatron.training.training.save_checkpoint`` (the name ``pretrain`` and
 ``save_checkpoint_and_time`` call): after upstream's save of a persistent checkpoint, rank 0
-hands the folder to ``WRITER``, whose thread hashes it once complete (at once for a synchronous
+hands the folder to the training run's manifest writer (``TrainingSession.manifests``), whose
+thread hashes it once complete (at once for a synchronous
 save, whose tracker upstream has written before returning; for ``--async-save`` when the
 tracker names the iteration). Non-persistent checkpoints (``--non-persistent-save-interval``)
 are replaced by the next one and get no manifest.
@@ -34,15 +38,13 @@ checkpoint was saved with (``models/saved_settings.py``), then the family's own
 
 from __future__ import annotations
 
-import atexit
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
-from megatron.core.dist_checkpointing import gpt_checkpoint_interop
+from megatron.training import get_args, get_tokenizer
 from torch.distributed.checkpoint.api import CheckpointException
-from megatron.training import get_args, get_tokenizer, training
 
 from megatron_ext import checkpoint_manifest as cm
 from megatron_ext import checkpoint_state
@@ -52,12 +54,8 @@ from megatron_ext.models.registry import family_of
 from megatron_ext.training.save_lock import LOCKS, SaveLockError
 
 
-def _log(line: str) -> None:
+def log(line: str) -> None:
     print(f"megatron-ext: {line}", flush=True)
-
-
-WRITER = cm.ManifestWriter(log=_log)
-atexit.register(WRITER.close)  # a manifest being hashed at exit is finished
 
 
 def share(sizes: Sequence[int], rank: int, world: int) -> List[int]:
@@ -118,7 +116,7 @@ def lock_save_dir(save: Optional[str]) -> None:
     problem: List[Optional[str]] = [None]
     if rank == 0:
         try:
-            LOCKS.acquire(save, log=_log)
+            LOCKS.acquire(save, log=log)
         except SaveLockError as exc:
             problem = [str(exc)]
         except OSError as exc:
@@ -160,74 +158,67 @@ def check_checkpoint(model, margs, load_dir: str,
         raise cm.CheckpointError(str(exc)) from None
 
 
-def install() -> None:
-    init_upstream = training.initialize_megatron
-    if not getattr(init_upstream, "_ext_save_lock", False):
+def wrap_initialize_megatron(upstream: Callable) -> Callable:
+    def initialize_megatron(*args, **kwargs):
+        result = upstream(*args, **kwargs)
+        # Before pretrain writes into --save (its progress log, the first checkpoint).
+        lock_save_dir(get_args().save)
+        return result
 
-        def initialize_megatron(*args, **kwargs):
-            result = init_upstream(*args, **kwargs)
-            # Before pretrain writes into --save (its progress log, the first checkpoint).
-            lock_save_dir(get_args().save)
-            return result
+    return initialize_megatron
 
-        initialize_megatron._ext_save_lock = True
-        training.initialize_megatron = initialize_megatron
 
-    retarget_upstream = gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint
-    if not getattr(retarget_upstream, "_ext_layered", False):
+def wrap_retarget(upstream: Callable) -> Callable:
+    def retarget(sharded_state_dict, layer_maps):
+        # The current run's family saved its GPT-path checkpoints (model_provider).
+        if family_of(get_args()).heterogeneous_layers:
+            return retarget_to_layered_gpt_checkpoint(sharded_state_dict, layer_maps)
+        return upstream(sharded_state_dict, layer_maps)
 
-        def retarget(sharded_state_dict, layer_maps):
-            # The current run's family saved its GPT-path checkpoints (model_provider).
-            if family_of(get_args()).heterogeneous_layers:
-                return retarget_to_layered_gpt_checkpoint(sharded_state_dict, layer_maps)
-            return retarget_upstream(sharded_state_dict, layer_maps)
+    return retarget
 
-        retarget._ext_layered = True
-        gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint = retarget
 
-    save_upstream = training.save_checkpoint
-    if not getattr(save_upstream, "_ext_manifest", False):
+def wrap_save_checkpoint(upstream: Callable, manifests: cm.ManifestWriter) -> Callable:
+    """``save_checkpoint`` that hands each persistent checkpoint to ``manifests`` (the training
+    run's writer, ``TrainingSession.manifests``)."""
 
-        def save_checkpoint(iteration, *args, **kwargs):
-            margs = get_args()
-            persistent = margs.save and not kwargs.get("non_persistent_ckpt", False)
-            step = None if kwargs.get("release", False) else iteration
-            try:
-                result = save_upstream(iteration, *args, **kwargs)
-            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-                if not persistent:
-                    raise
-                raise cm.CheckpointError(failed_save(margs.save, step, exc)) from None
+    def save_checkpoint(iteration, *args, **kwargs):
+        margs = get_args()
+        persistent = margs.save and not kwargs.get("non_persistent_ckpt", False)
+        step = None if kwargs.get("release", False) else iteration
+        try:
+            result = upstream(iteration, *args, **kwargs)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            if not persistent:
+                raise
+            raise cm.CheckpointError(failed_save(margs.save, step, exc)) from None
 
-            if _rank_world()[0] == 0 and persistent:
-                WRITER.submit(cm.iteration_dir(margs.save, step), step,
-                              save_dir=margs.save if margs.async_save else None)
-            return result
+        if _rank_world()[0] == 0 and persistent:
+            manifests.submit(cm.iteration_dir(margs.save, step), step,
+                             save_dir=margs.save if margs.async_save else None)
+        return result
 
-        save_checkpoint._ext_manifest = True
-        training.save_checkpoint = save_checkpoint
+    return save_checkpoint
 
-    load_upstream = training.load_checkpoint
-    if not getattr(load_upstream, "_ext_manifest", False):
 
-        def load_checkpoint(model, *args, **kwargs):
-            margs = get_args()
-            load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
-            folder = _load_folder(load_dir, margs.ckpt_step) if load_dir else None
-            if folder is not None and not margs.no_verify_checkpoint:
-                start = time.perf_counter()
-                manifest = verify_distributed(folder)
-                if int(os.environ.get("RANK", "0")) == 0:
-                    if manifest is None:
-                        _log(cm.unverified_note(folder))
-                    else:
-                        _log(f"checkpoint {folder}: {len(manifest['files'])} files match their "
-                             f"checksums ({manifest['bytes'] / 2**20:.1f} MiB, "
-                             f"{time.perf_counter() - start:.2f} s)")
-            if load_dir:
-                check_checkpoint(model, margs, load_dir,
-                                 getattr(get_tokenizer(), "vocab_size", None))
-            return load_upstream(model, *args, **kwargs)
+def wrap_load_checkpoint(upstream: Callable) -> Callable:
+    def load_checkpoint(model, *args, **kwargs):
+        margs = get_args()
+        load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
+        folder = _load_folder(load_dir, margs.ckpt_step) if load_dir else None
+        if folder is not None and not margs.no_verify_checkpoint:
+            start = time.perf_counter()
+            manifest = verify_distributed(folder)
+            if int(os.environ.get("RANK", "0")) == 0:
+                if manifest is None:
+                    log(cm.unverified_note(folder))
+                else:
+                    log(f"checkpoint {folder}: {len(manifest['files'])} files match their "
+                        f"checksums ({manifest['bytes'] / 2**20:.1f} MiB, "
+                        f"{time.perf_counter() - start:.2f} s)")
+        if load_dir:
+            check_checkpoint(model, margs, load_dir,
+                             getattr(get_tokenizer(), "vocab_size", None))
+        return upstream(model, *args, **kwargs)
 
-        load_checkpoint._ext_manifest = True
-        training.load_checkpoint = load_checkpoint
+    return load_checkpoint

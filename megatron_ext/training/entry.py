@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import traceback
+from functools import partial
 
 import megatron.training
 from megatron.core.enums import ModelType
@@ -20,9 +21,10 @@ from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron_ext.checkpoint_manifest import CheckpointError
 from megatron_ext.compat import cpu, upstream_fixes
 from megatron_ext.flags import flag_value, has_flag
+from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.registry import family_of, load_plugins
 from megatron_ext.models.specs import te_available, te_problem
-from megatron_ext.training import checkpoint_hooks, family_hooks, profiler
+from megatron_ext.training import profiler
 from megatron_ext.training.arguments import (
     add_extension_args,
     check_family_args,
@@ -46,7 +48,7 @@ from megatron_ext.training.preflight import (
 )
 from megatron_ext.training.presets import expand_argv
 from megatron_ext.training.refusal import launch_rank, refuse, say
-from megatron_ext.training.run_report import install as install_run_report
+from megatron_ext.training.session import TrainingSession
 from megatron_ext_kernels.row_adam_cpu import RowKernelError
 
 
@@ -194,40 +196,43 @@ def main(argv=None) -> None:
                "launch/single_node.sh")
     family = family_of(args)
     family_cfg = family.config_from_args(args)
-    if family.install is not None:
-        family.install(args, family_cfg)
 
-    family_hooks.install(family)  # its optimizer wrapper and per-iteration report
     try:
         profiler.install(args)
     except (ValueError, RuntimeError) as exc:
         refuse(str(exc))
-    if args.ext_run_report:
-        install_run_report(args.ext_run_report)
-    # Last: its load check runs before the others' (they read the checkpoint it verifies).
-
-    checkpoint_hooks.install()
-    cfg = pretrain_cfg_container_from_args(args)
-    # The start-up checks passed: Megatron's argument table, held back, goes out now.
-    sys.stdout.write(megatron_printed)
-    sys.stdout.flush()
+    # This run's log hooks (the family's report, --ext-run-report's), its manifest writer and
+    # the upstream functions replaced for them (training/upstream_seams.py), closed on every
+    # way out of here.
+    # The family's run (models/family.py FamilyRun: STEM's host worker and tables, Sigma's
+    # layers) is the session's, closed with it.
+    run = family.start_run(args, family_cfg) if family.start_run is not None else FamilyRun()
+    session = TrainingSession(run, report_path=args.ext_run_report).open()
     try:
-        pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-                 forward_step, model_provider=model_provider)
-    except CheckpointError as exc:
-        refuse(str(exc))
-    except RowKernelError as exc:
-        # Raised on the rank whose table rows the kernel refused (on the tables' worker thread,
-        # re-raised where the training thread waits for it); torchrun ends the other ranks.
-        refuse("the CPU row kernel refused a STEM table step or read (nothing was written): "
-               + " ".join([str(exc), *getattr(exc, "__notes__", [])]), scope="per_rank")
-    except RuntimeError as exc:
-        if "Connection closed by peer" not in str(exc):
-            raise
-        # gloo's error in a collective whose peer process ended (a rank that stopped with its
-        # own line, or was killed): one line from rank 0 instead of a traceback per rank.
-        refuse("another rank ended during training (its own message, or torchrun's summary, "
-               "says why); this rank stopped in a collective with it")
-    checkpoint_hooks.WRITER.wait()  # the last save's manifest
-    if family.after_training is not None:
-        family.after_training(args, family_cfg)
+        cfg = pretrain_cfg_container_from_args(args)
+        # The start-up checks passed: Megatron's argument table, held back, goes out now.
+        sys.stdout.write(megatron_printed)
+        sys.stdout.flush()
+        try:
+            pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                     partial(forward_step, run=run),
+                     model_provider=partial(model_provider, run=run))
+        except CheckpointError as exc:
+            refuse(str(exc))
+        except RowKernelError as exc:
+            # Raised on the rank whose table rows the kernel refused (on the tables' worker
+            # thread, re-raised where the training thread waits for it); torchrun ends the other
+            # ranks.
+            refuse("the CPU row kernel refused a STEM table step or read (nothing was written): "
+                   + " ".join([str(exc), *getattr(exc, "__notes__", [])]), scope="per_rank")
+        except RuntimeError as exc:
+            if "Connection closed by peer" not in str(exc):
+                raise
+            # gloo's error in a collective whose peer process ended (a rank that stopped with
+            # its own line, or was killed): one line from rank 0 instead of a traceback per rank.
+            refuse("another rank ended during training (its own message, or torchrun's "
+                   "summary, says why); this rank stopped in a collective with it")
+        session.manifests.wait()  # the last save's manifest
+        run.after_training()
+    finally:
+        session.close()

@@ -1,37 +1,24 @@
-"""The family's hooks into ``megatron.training``: the one place the trainer's optimizer and
-training log are extended for a family (``models/family.py``: ``wrap_optimizer``,
-``log_report``).
+"""The family's optimizer hook into ``megatron.training`` (``models/family.py``:
+``wrap_optimizer``; its per-iteration ``log_report`` is one of the run's log hooks,
+``training/session.py``).
 
-Wraps ``megatron.training.training.get_megatron_optimizer`` (the name ``pretrain``'s
-``setup_model_and_optimizer`` calls) once: the optimizer upstream builds is handed to the family
-of the running training (``--model-family``), which may chain its own onto it. The family's
-``log_report`` runs every iteration through ``training/log_hooks.py``.
+Extends ``megatron.training.training.get_megatron_optimizer`` (the name ``pretrain``'s
+``setup_model_and_optimizer`` calls; the row of ``training/upstream_seams.py``): the optimizer
+upstream builds is handed to the family of the running training (``--model-family``), which may
+chain its own onto it.
 """
 
 from __future__ import annotations
 
-from megatron.training import get_args, training
-
-from megatron_ext.models.registry import family_of
-from megatron_ext.training import log_hooks
+from typing import Callable
 
 
-def install(family) -> None:
-    """Before ``pretrain``: the running family's optimizer wrapper and per-iteration report."""
-    if family.log_report is not None:
-        log_hooks.register(family.log_report)  # again after a teardown (training/teardown.py)
-    upstream = training.get_megatron_optimizer
-    if getattr(upstream, "_ext_family", False):
-        return
+
+def wrap_get_megatron_optimizer(upstream: Callable, family_run) -> Callable:
+    """``family_run``: the training's ``FamilyRun`` (``training/session.py``)."""
 
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         optimizer = upstream(config, model_chunks, *args, **kwargs)
-        margs = get_args()
-        running = family_of(margs)
-        if running.wrap_optimizer is None:
-            return optimizer
-        return running.wrap_optimizer(optimizer, model_chunks, margs,
-                                      running.config_from_args(margs))
+        return family_run.wrap_optimizer(optimizer, model_chunks)
 
-    get_megatron_optimizer._ext_family = True
-    training.get_megatron_optimizer = get_megatron_optimizer
+    return get_megatron_optimizer

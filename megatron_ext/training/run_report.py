@@ -1,14 +1,14 @@
 """A JSON report of one training run: layout, per-iteration wall time and tokens, FLOPs, memory.
 
-``launch/pretrain.py --ext-run-report PATH`` calls :func:`install`, which registers a hook in
-Megatron's training log (``training/log_hooks.py``). The hook runs on every rank at every
-iteration and records
+With ``launch/pretrain.py --ext-run-report PATH`` the training run (``training/session.py``)
+makes a :class:`RunReport` and adds its hook to Megatron's training log (``training/log_hooks.py``).
+The hook runs on every rank at every iteration and records
 
 * the wall time since the previous iteration (``time.perf_counter``; on a GPU after a
   ``torch.cuda.synchronize`` so queued kernels are counted in the iteration that issued them). The
-  first recorded iteration's time runs from :func:`install` and so includes start-up (model
-  build, data loaders, the first step's allocations): it is flagged ``startup`` and throughput
-  must leave it out;
+  first recorded iteration's time runs from the report's making, before ``pretrain``, and so
+  includes start-up (model build, data loaders, the first step's allocations): it is flagged
+  ``startup`` and throughput must leave it out;
 * the tokens of the iteration: ``get_num_microbatches() x micro batch x data-parallel size x
   sequence length``, the global batch of *this* iteration (a ``--rampup-batch-size`` ramp changes
   the number of micro-batches);
@@ -25,7 +25,6 @@ tokens/s/GPU, TFLOP/s/GPU and MFU; ``docs/scaling.md`` describes the fields.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import platform
@@ -42,7 +41,6 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron_ext.models.registry import family_config
 from megatron_ext.planning.estimate import estimate_from_args
 from megatron_ext.planning.model_shape import ModelShape, family_terms, training_flops_per_token
-from megatron_ext.training import log_hooks
 
 SCHEMA_VERSION = 1
 
@@ -195,10 +193,11 @@ class RunReport:
         })
         # The end of training is the hook call of the last iteration: every rank reaches it in
         # step (the iteration count is the same everywhere) while the process groups still exist,
-        # so the memory of all ranks can be gathered there. atexit cannot do that: by then
-        # Megatron may have torn the groups down or other ranks may already have exited (a
-        # collective would hang), so it is only the fallback for runs that stop early
-        # (--exit-duration-in-mins, a signal, a crash), with rank 0's own numbers.
+        # so the memory of all ranks can be gathered there. The end of the run (at_exit, from
+        # TrainingSession.close) cannot do that: by then Megatron may have torn the groups down
+        # or other ranks may already have exited (a collective would hang), so it is only the
+        # fallback for runs that stop early (--exit-duration-in-mins, a signal, a crash), with
+        # rank 0's own numbers.
         exit_interval = getattr(args, "exit_interval", None)
         if not self.written and (iteration >= args.train_iters
                                  or (exit_interval and iteration % exit_interval == 0)):
@@ -258,17 +257,3 @@ def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
-
-
-_REPORT: Optional[RunReport] = None
-
-
-def install(path: str) -> RunReport:
-    """Record this run and write its report to ``path`` when training ends (rank 0)."""
-    global _REPORT
-
-    if _REPORT is None:
-        _REPORT = RunReport(path)
-        log_hooks.register(_REPORT.hook)
-        atexit.register(_REPORT.at_exit)
-    return _REPORT

@@ -8,12 +8,13 @@ their last Megatron reference but stay registered with ``torch.distributed``, an
 keeps its context and its ``pt_gloo_runloop``/``gloo_tcp_loop`` threads for the life of the process:
 hundreds of threads per rank after a launch of a few dozen trainings), the tensorboard writer
 (flushed and closed), Megatron's aux-loss gradient scale and MoE metrics tracker (whose entries keep
-the layer count of the training that first recorded them), the plugin's log hooks and run report,
-the trainer's callbacks on the models' configs (which kept a model with the distributed optimizer
-alive: ``release_model_configs``), and each registered family's own (its ``reset`` hook: STEM waits
-for the host worker and forgets its table optimizers, Sigma drops its dispatchers' last autograd
-graphs and empties its router registry). The default process group stays up: ``initialize_megatron``
-finds it and builds the next training's groups. Every training seeds its generators itself.
+the layer count of the training that first recorded them), the trainer's callbacks on the models'
+configs (which kept a model with the distributed optimizer alive: ``release_model_configs``). The
+default process group stays up: ``initialize_megatron`` finds it and builds the next training's
+groups. Every training seeds its generators itself. The run's own state (its log hooks, run
+report, manifest writer, the upstream functions it replaced, and the family's run: STEM's host
+worker and table optimizers, Sigma's layers and routers) is not here: the entry point closes its
+``TrainingSession`` on every way out (``training/session.py``).
 
 Used by ``tests/dist/multi_config.py`` (several test trainings per launch of the ranks).
 """
@@ -24,18 +25,14 @@ import gc
 import weakref
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training import training
 from megatron.training.global_vars import get_tensorboard_writer
 
-from megatron_ext.models.registry import families
-from megatron_ext.training import log_hooks, run_report
+from megatron_ext.training import upstream_seams
 from megatron_ext.training.batch import reset_host_tensor_parallel_group
-from megatron_ext.training.checkpoint_hooks import WRITER
 
 
 # The config of every model ``model_provider`` built in this process, by id (weak: a freed model's
@@ -71,11 +68,7 @@ def release_model_configs() -> None:
 
 
 def destroy_training_state() -> None:
-    for family in families():
-        if family.reset is not None:
-            family.reset()
     release_model_configs()
-    WRITER.wait()
     try:
         writer = get_tensorboard_writer()
     except Exception:  # global state already gone
@@ -83,29 +76,19 @@ def destroy_training_state() -> None:
     if writer is not None:
         writer.flush()
         writer.close()
-    if run_report._REPORT is not None:
-        run_report._REPORT.at_exit()
-        run_report._REPORT = None
-    log_hooks._HOOKS.clear()  # each install registers its hook again
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     destroy_moe_metrics_tracker()
     reset_host_tensor_parallel_group()
     training.destroy_global_state()
-    forget_upstream_groups()
+    upstream_seams.forget_upstream_state()  # what destroy_global_state leaves (its RESETS)
+    clear_rotary_caches()
     destroy_subgroups()
     gc.collect()
 
 
-def forget_upstream_groups() -> None:
-    """Drop the references to process groups that upstream keeps past ``destroy_global_state``
-    (megatron-core 0.19), so that destroyed groups are freed with their threads: module globals of
-    ``parallel_state`` that ``destroy_model_parallel`` does not reset
-    (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin), and the ``lru_cache`` of the
-    rotary embeddings' ``forward``, whose keys hold the embedding modules (and their ``cp_group``)
-    of every training that ran."""
-    for name, value in list(vars(parallel_state).items()):
-        if isinstance(value, dist.ProcessGroup):
-            setattr(parallel_state, name, None)
+def clear_rotary_caches() -> None:
+    """Empty the ``lru_cache`` of the rotary embeddings' ``forward`` (megatron-core 0.19), whose
+    keys hold the embedding modules (and their ``cp_group``) of every training that ran, so that
+    destroyed groups are freed with their threads."""
     for cls in (RotaryEmbedding, YarnRotaryEmbedding):
         cls.forward.cache_clear()
 
