@@ -13,7 +13,7 @@ path. This counts, CPU only, per training step:
   host rows) and their bytes in bf16; ``host_rows_stepped`` / ``host_bytes_to_host``: distinct
   host rows with gradients per step and their fp32 gradient bytes.
 
-The tier is chosen from the token counts of the data (``megatron_ext.stem.hot_rows``): the main
+The tier is chosen from the token counts of the data (``megatron_ext.stem.runtime.hot_rows``): the main
 job's corpus counts its own indexed dataset; the Zipf(``--zipf``) stream counts a separate draw
 of the same distribution (the tier is chosen from data the steps do not see). Batches are
 consecutive windows of ``--micro-batches`` x ``--tokens`` ids; the corpus is first cut into
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from megatron_ext.stem import hot_rows
+    from megatron_ext.stem.runtime import hot_rows
 
     tiers = [float(t) for t in args.tiers.split(",")]
     results = {}

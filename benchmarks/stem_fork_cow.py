@@ -1,5 +1,5 @@
 """The sparse table step of host rows first written after this process forked, with the rows and
-moments where the store allocates them (``stem/host_memory.py``: mappings kept from child
+moments where the store allocates them (``stem/runtime/host_memory.py``: mappings kept from child
 processes, ``MADV_DONTFORK``) against plain torch tensors (shared with the child copy-on-write),
 in one run; also the store's mappings as they were before 2026-11-27 (huge pages, shared with the
 child).
@@ -36,8 +36,8 @@ from common import report_json  # noqa: E402
 
 
 def run(variant: str, a) -> dict:
-    from megatron_ext.stem import host_memory
-    from megatron_ext.stem.row_adam import AdamHyper, LazyRows, RowAdamW
+    from megatron_ext.stem.runtime import host_memory
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, LazyRows, RowAdamW
 
     g = torch.Generator().manual_seed(0)
     keep = host_memory._CAN_KEEP_FROM_CHILDREN

@@ -1,12 +1,12 @@
 """The host side of a fetch of host-resident STEM rows: rows of an fp32 host shard gathered and
 cast to the wire dtype (bf16 in bf16 training, fp16, fp32) straight into a reused buffer, as
-``stem/store.py`` does into the pinned staging buffer before the copy to the GPU. In one run:
+``stem/runtime/store.py`` does into the pinned staging buffer before the copy to the GPU. In one run:
 
 - the compiled gather (``kernels/row_adam_cpu.py``, ``gather_rows_``) for each wire
   dtype, against its own fp32 gather (a plain row copy: what the cast may cost on top), and
 - torch's ``index_select`` + cast into the same buffer (the store's fallback without a compiler),
 - the compiled gather from a copy of the shard on ordinary 4 KiB pages (the store puts host
-  shards on transparent huge pages, ``megatron_ext/stem/host_memory.py``; this is what that saves),
+  shards on transparent huge pages, ``megatron_ext/stem/runtime/host_memory.py``; this is what that saves),
 - a fetch's read of rows that owe the sparse optimizer's catch-up (rows untouched for 1 to 60
   iterations, as most host rows are): read as of now into bf16 without writing them
   (``gather_current_rows_``, the store's read since 2026-11-27) against the in-place catch-up
@@ -46,8 +46,8 @@ def main() -> None:
     if not 0 < args.rows <= args.shard_rows:
         raise SystemExit(f"--rows must be in 1..--shard-rows ({args.shard_rows}), got {args.rows}")
 
-    from megatron_ext.stem import host_memory
-    from megatron_ext.stem.row_adam import AdamHyper, RowClock
+    from megatron_ext.stem.runtime import host_memory
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, RowClock
     from megatron_ext_kernels import row_adam_cpu
 
     kernel = row_adam_cpu.load()

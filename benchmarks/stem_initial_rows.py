@@ -42,7 +42,7 @@ def child(args) -> dict:
     from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 
     from megatron_ext.stem.initial_rows import InitialRows, draw_rows
-    from megatron_ext.stem.ownership import RowOwnership
+    from megatron_ext.stem.runtime.ownership import RowOwnership
 
     torch.set_num_threads(1)
     keep = RowOwnership(args.vocab, args.dp, "interleaved").owned_ids(args.rank)

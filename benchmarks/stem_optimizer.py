@@ -17,7 +17,7 @@ shard that no cache holds (its rate there is printed beside, from the step over 
 The repetitions reuse their tensors, as both optimizers do in training (``--fresh-buffers``: new
 ones at each repetition, as this benchmark did before 2026-11-26). The table, the moments and
 DeepSpeed's tensors are allocated as the tables' store allocates host rows: on transparent huge
-pages (``megatron_ext/stem/host_memory.py``; ``--no-huge-pages``: ordinary pages, as before
+pages (``megatron_ext/stem/runtime/host_memory.py``; ``--no-huge-pages``: ordinary pages, as before
 2026-11-26, eleventh session).
 """
 
@@ -54,8 +54,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from megatron_ext.stem import host_memory
-    from megatron_ext.stem.row_adam import (
+    from megatron_ext.stem.runtime import host_memory
+    from megatron_ext.stem.runtime.row_adam import (
         DEEPSPEED_OPTIMIZER_ID,
         AdamHyper,
         RowAdamW,

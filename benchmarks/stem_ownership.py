@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from megatron_ext.stem.ownership import SCHEMES, RowOwnership, load_per_rank
+    from megatron_ext.stem.runtime.ownership import SCHEMES, RowOwnership, load_per_rank
 
     tokens, vocab = corpus(args.data_prefix, args.vocab)
     print(f"corpus {args.data_prefix}: {tokens.numel():,} tokens, vocab {vocab}")

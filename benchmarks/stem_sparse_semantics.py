@@ -6,7 +6,7 @@ table's realistic gradients, and what an exact catch-up would cost.
 (35 minutes on the 2-core development machine while other work ran; docs/stem.md has its numbers.)
 
 The sparse optimizer brings a row untouched since iteration ``s`` to ``u`` in O(1); the one
-difference from AdamW (``megatron_ext/stem/row_adam.py``): an untouched step ``j`` uses
+difference from AdamW (``megatron_ext/stem/runtime/row_adam.py``): an untouched step ``j`` uses
 ``eps b2^((j-s0)/2) / sqrt(1-b2^j)`` in place of ``eps`` (``s0``: the row's last gradient). It
 matters only where a row's ``sqrt(v)`` comes near ``eps``, so the gradients' scale is swept.
 
@@ -65,7 +65,7 @@ def token_stream(steps: int, rows: int, tokens: int, seed: int):
 
 def run(steps: int, rows: int, width: int, tokens: int, scale: float, kernel: str,
         seed: int = 0) -> dict:
-    from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW
 
     g = torch.Generator().manual_seed(seed + 1)
     init = torch.randn(rows, width, generator=g, dtype=torch.float64) * 0.02
@@ -139,7 +139,7 @@ def main() -> None:
     global EPS
     EPS = args.eps
 
-    from megatron_ext.stem.row_adam import AdamHyper, RowClock
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, RowClock
 
     clock = RowClock()
     clock.advance(1, AdamHyper(LR, *BETAS, EPS, WD))

@@ -6,7 +6,7 @@ row optimizer), over several seeds, paired by seed.
     .venv/bin/python benchmarks/stem_table_loss.py --seeds 1234 --modes ordinary,main
 
 The sparse optimizer computes only the rows a batch touched and brings the others up to date when
-they are read (``stem/row_adam.py``): AdamW up to ``eps``, so its loss should be the ordinary
+they are read (``stem/runtime/row_adam.py``): AdamW up to ``eps``, so its loss should be the ordinary
 table's up to that and to the order of floating-point operations; ``tiered-dense`` (every row
 steps every iteration) reproduces the ordinary table exactly. Each run is
 the main job's STEM training (its model, data, 200-iteration schedule and evaluations) with only

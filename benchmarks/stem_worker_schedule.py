@@ -1,7 +1,7 @@
 """How long a step's micro-batches wait for their host rows while the sparse table step of the
 previous step runs on the host worker: the whole step as one task (``--chunk-elements 0``: the
 schedule before the background lane, where a read queued behind all of it) against the step left
-with the store and run in chunks (``stem/table_optimizer.py``, ``OwedStep``), in one run.
+with the store and run in chunks (``stem/runtime/optimizer.py``, ``OwedStep``), in one run.
 
 The real components run: ``StemTables`` with host shards, ``RowAdamW`` (CPU kernel), the host
 worker and the forward step's read-ahead; ids are a Zipf(``--zipf``) stream over the rank's
@@ -13,7 +13,7 @@ next step's start (exposed optimizer), and the step time against the compute alo
 ``--training-thread python``: the compute is Python running on the training thread for
 ``--compute-ms`` instead (it holds the GIL, as a training thread launching a model's kernels
 does), and the chunked schedule runs twice, with the GIL switch interval the worker sets
-(``--stem-gil-switch-ms``, ``stem/worker.py``) and with Python's own 5 ms, each time a Python
+(``--stem-gil-switch-ms``, ``stem/runtime/worker.py``) and with Python's own 5 ms, each time a Python
 thread keeps the GIL the worker waits for.
 
     .venv/bin/python benchmarks/stem_worker_schedule.py                 # 2 tables x 32768 x 2048
@@ -39,7 +39,7 @@ from common import report_json  # noqa: E402
 
 def layer_table(number: int, table: torch.Tensor):
     """A STEM layer's table as ``StemTables`` knows it."""
-    from megatron_ext.stem.tables import LayerTable
+    from megatron_ext.stem.runtime.tables import LayerTable
 
     return LayerTable(number, table, table.dtype, table.shape[0])
 
@@ -64,16 +64,16 @@ def compute(a) -> None:
 def run(mode_chunk: int, a, ids_steps, seed: int, switch_s: float) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_ext.stem import worker
+    from megatron_ext.stem.runtime import worker
 
     sys.setswitchinterval(PYTHON_SWITCH_INTERVAL_S)  # each run from Python's own
     host = worker.HostWorker(switch_s)               # the worker's (applied when it runs)
 
     from megatron_ext.stem.config import StemConfig
-    from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-    from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
-    from megatron_ext.stem.tables import StemTables
-    from megatron_ext.stem.read_ahead import TableReadAhead
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW
+    from megatron_ext.stem.runtime.schedule import OwedStep, TableSteps
+    from megatron_ext.stem.runtime.tables import StemTables
+    from megatron_ext.stem.runtime.read_ahead import TableReadAhead
 
     OwedStep.CHUNK_ELEMENTS = mode_chunk if mode_chunk > 0 else 1 << 62
     g = torch.Generator().manual_seed(seed)
@@ -151,7 +151,7 @@ def main() -> None:
     perm = torch.randperm(a.rows, generator=g)  # hot ids spread over the rows
     ids_steps = [[perm[torch.multinomial(weights, a.tokens, replacement=True, generator=g)]
                   .view(1, -1) for _ in range(a.micro_batches)] for _ in range(a.steps)]
-    from megatron_ext.stem import worker
+    from megatron_ext.stem.runtime import worker
 
     switch_s = worker.DEFAULT_SWITCH_INTERVAL_S if a.gil_switch_ms is None else \
         a.gil_switch_ms / 1e3

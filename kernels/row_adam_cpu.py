@@ -5,7 +5,7 @@ over the shard, so using it means gathering rows into buffers and scattering the
 of the touched rows). This kernel instead walks the touched rows in place (an OpenMP loop over
 rows, a vectorisable loop over columns) and, in the same pass over each row's columns, first
 brings the row from the iteration it was last current at to the previous one (the sparse
-optimizer's catch-up, ``megatron_ext/stem/row_adam.py``). The per-row catch-up factors are
+optimizer's catch-up, ``megatron_ext/stem/runtime/row_adam.py``). The per-row catch-up factors are
 computed here, from the iteration clock's float64 series (``RowClock.kernel_state``) and each
 row's last iterations (``last``, ``touched``, updated in place), with the formulas of
 ``RowClock.coefficients``, which the torch path uses.

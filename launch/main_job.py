@@ -465,7 +465,7 @@ def main(argv=None) -> int:
         metrics = run_metrics(name, read_tensorboard_scalars(tb_dir), args.iters, tokens_per_iter)
         analytic = model_shape.summary(shapes[name])
         megatron_params = parameters_from_log(log_path)
-        # Managed STEM tables are not Megatron parameters (stem/tables.py): its count omits them.
+        # Managed STEM tables are not Megatron parameters (stem/runtime/tables.py): its count omits them.
         expected = analytic["total_params"] - (analytic["stem_table_params"]
                                                if "--stem-table-placement" in family_args else 0)
         if megatron_params is not None and megatron_params != expected:

@@ -11,7 +11,7 @@ regions into caller-owned tensors (DCP's own planners read whole state-dict entr
 
 A base module (beside ``checkpoint_manifest.py``): the converter (``convert/to_hf.py``,
 ``convert/megatron_logits.py``) reads weights with it, the trainer's resume check the saved args
-(``models/saved_settings.py``) and STEM's checkpoint its saved tables (``stem/checkpoint.py``).
+(``models/saved_settings.py``) and STEM's checkpoint its saved tables (``stem/runtime/checkpoint.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The dataset prefixes Megatron's data flags name (``--data-path`` with or without blend
 weights, ``--train-data-path`` ...): used by the start-up checks (``training/preflight.py``), and
-the training blend, used by the GPU tier's token counts (``stem/tiers.py``)."""
+the training blend, used by the GPU tier's token counts (``stem/runtime/tiers.py``)."""
 
 from __future__ import annotations
 

@@ -294,3 +294,37 @@ def test_top_level_layout_and_the_kernels_folder():
     assert spec is not None and spec.origin is not None
     assert os.path.realpath(spec.origin) == os.path.realpath(
         os.path.join(ROOT, "kernels", "__init__.py"))
+
+
+def stem_runtime_arrows(graph: Dict[str, Set[str]]) -> List[str]:
+    """Imports that break STEM's split (issue 52): the table runtime (``stem/runtime/``) importing
+    the model side (``stem/*.py``), or the MLP (``stem/mlp.py``) importing the runtime."""
+    out = []
+    for m, deps in graph.items():
+        for d in deps:
+            runtime_up = (m.startswith("megatron_ext.stem.runtime.")
+                          and d.startswith("megatron_ext.stem.")
+                          and not d.startswith("megatron_ext.stem.runtime"))
+            mlp_down = m == "megatron_ext.stem.mlp" and d.startswith("megatron_ext.stem.runtime")
+            if runtime_up or mlp_down:
+                out.append(f"{m} -> {d}")
+    return sorted(out)
+
+
+def test_stem_runtime_is_beneath_its_model():
+    mods = modules()
+    graph = {m: imports_of(p, set(mods)) for m, p in mods.items()}
+    assert any(m.startswith("megatron_ext.stem.runtime.") for m in graph)
+    found = stem_runtime_arrows(graph)
+    assert found == [], "\n".join(found)
+
+
+def test_the_stem_runtime_check_can_fail():
+    graph = {"megatron_ext.stem.runtime.store": {"megatron_ext.stem.config",
+                                                 "megatron_ext.stem.runtime.tiers"},
+             "megatron_ext.stem.mlp": {"megatron_ext.stem.runtime.worker",
+                                       "megatron_ext.models.token_ids"},
+             "megatron_ext.stem.run": {"megatron_ext.stem.runtime.tables"}}
+    assert stem_runtime_arrows(graph) == [
+        "megatron_ext.stem.mlp -> megatron_ext.stem.runtime.worker",
+        "megatron_ext.stem.runtime.store -> megatron_ext.stem.config"]

@@ -23,7 +23,7 @@ PP2_RECOMPUTE = ["--hybrid-layer-pattern", "*-*-|*-*-", "--pipeline-model-parall
                  "--recompute-num-layers", "1"]
 # Four segments on two stages: interleaved 1F1B, chunks {0, 2} and {1, 3}; STEM in chunks 1, 3.
 PP2_VPP = ["--hybrid-layer-pattern", "*-|*-|*-|*-", "--pipeline-model-parallel-size", "2"]
-# Managed tables: host-resident, rows sharded over DP, bound per micro-batch (stem/tables.py).
+# Managed tables: host-resident, rows sharded over DP, bound per micro-batch (stem/runtime/tables.py).
 CPU_VOCAB = ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"]
 # The tiered placement: the hottest 25% of rows in a tier on the model's device, the rest host rows.
 TIERED = ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",

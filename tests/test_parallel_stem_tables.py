@@ -447,11 +447,11 @@ def test_resume_continues_the_loss_curve(runs, resumed, original):
                                                   ("ck_tiered_sparse", {"stem_row_touched"}),
                                                   ("ck_vocab", set())])
 def test_checkpoints_name_their_row_state(runs, checkpoint, row_state):
-    """What the start-up check of a resume reads (``stem/checkpoint.py``, ``saved_tables``): a
+    """What the start-up check of a resume reads (``stem/runtime/checkpoint.py``, ``saved_tables``): a
     sparse table optimizer's checkpoint holds each row's last iteration with a gradient, a dense
     one no per-row state (a lazy-Adam state, ``stem_row_steps``, is refused for a sparse resume:
     tests/test_stem_checkpoint_check.py)."""
-    from megatron_ext.stem.checkpoint import saved_tables
+    from megatron_ext.stem.runtime.checkpoint import saved_tables
 
     saved = saved_tables(str(runs["tmp"] / checkpoint), 5)
     assert saved is not None and sorted(saved.shapes) == [1, 3]

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from megatron_ext.stem.row_adam import AdamHyper, RowClock
+from megatron_ext.stem.runtime.row_adam import AdamHyper, RowClock
 from megatron_ext_kernels import row_adam_cpu
 from megatron_ext_kernels.row_adam_cpu import RowKernelError
 
@@ -222,10 +222,10 @@ def test_refusals_with_a_team_of_16_threads_while_another_thread_holds_the_gil(k
 
 
 def test_a_refusal_on_the_tables_worker_reaches_the_waiting_thread(kernel):
-    """A row step refused on the tables' worker thread (``stem/worker.py``) is raised, as the
+    """A row step refused on the tables' worker thread (``stem/runtime/worker.py``) is raised, as the
     kernel's error, in the thread that waits for the worker (the training thread's ``drain``),
     and the worker goes on serving later tasks."""
-    from megatron_ext.stem.worker import HostWorker
+    from megatron_ext.stem.runtime.worker import HostWorker
 
     WORKER = HostWorker()  # a training's worker (stem/run.py makes one)
     args = _state(seed=3)

@@ -70,7 +70,7 @@ def _args(stem_layers, pattern, no_load_optim=False, variant="up"):
 def _save(model, directory, pattern=None, row_state=None, stem_layers=None, **extra_args):
     """``model`` as Megatron saves it (iteration 1, the run's args in the common state), with
     ``row_state`` (a name): a per-row tensor of the tables' optimizer state under that name, as
-    the sparse table optimizer saves it (``stem/checkpoint.py``). ``stem_layers``: the STEM
+    the sparse table optimizer saves it (``stem/runtime/checkpoint.py``). ``stem_layers``: the STEM
     flags in its args (None: args without them, as an older version saved, which leave the
     tables alone to be checked)."""
     from megatron.core import dist_checkpointing

@@ -1,4 +1,4 @@
-"""Host-resident STEM rows on transparent huge pages (megatron_ext/stem/host_memory.py): the
+"""Host-resident STEM rows on transparent huge pages (megatron_ext/stem/runtime/host_memory.py): the
 store's host shards and their Adam moments are advised before they are filled, the values are
 those of plain torch, and ``huge_pages=False`` (``--no-stem-host-huge-pages``) leaves ordinary
 pages. Either way they are kept from child processes (``MADV_DONTFORK``): a forked child has no
@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from megatron_ext.stem import host_memory
-from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-from megatron_ext.stem.store import TableStore
-from megatron_ext.stem.table_optimizer import host_row_tensors
-from megatron_ext.stem.tiers import TieredRowAdamW
+from megatron_ext.stem.runtime import host_memory
+from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW
+from megatron_ext.stem.runtime.store import TableStore
+from megatron_ext.stem.runtime.report import host_row_tensors
+from megatron_ext.stem.runtime.row_adam import TieredRowAdamW
 
 MODE = host_memory.thp_setting()
 needs_thp = pytest.mark.skipif(
@@ -217,7 +217,7 @@ def test_unknown_availability_is_no_check(monkeypatch):
 
 
 def test_planned_host_bytes_count_rows_and_both_moments():
-    from megatron_ext.stem.store import planned_host_bytes
+    from megatron_ext.stem.runtime.store import planned_host_bytes
 
     cuda = torch.cuda.is_available()
     assert planned_host_bytes("cpu", 10, None, [8, 4]) == 3 * 4 * 10 * 12
@@ -232,8 +232,8 @@ def test_tables_too_large_for_the_host_are_refused_at_set_up(mcore_single_rank, 
     from megatron.core import parallel_state
 
     from megatron_ext.stem.config import StemConfig
-    from megatron_ext.stem.tables import LayerTable, StemTables
-    from megatron_ext.stem.worker import HostWorker
+    from megatron_ext.stem.runtime.tables import LayerTable, StemTables
+    from megatron_ext.stem.runtime.worker import HostWorker
 
     def Layer(table):  # noqa: N802 (a STEM layer as the tables know it)
         return LayerTable(1, table, table.dtype, table.shape[0])

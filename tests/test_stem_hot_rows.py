@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.stem import hot_rows
+from megatron_ext.stem.runtime import hot_rows
 from tests_helpers import load_script
 
 
@@ -107,7 +107,7 @@ def test_blend_frequencies_match_a_plain_reference(tmp_path):
                                         vocab, max_tokens=0)
     assert got.total == 401 and got.counted == 400
     with pytest.raises(ValueError, match="blend weights"):
-        hot_rows.training_frequencies(prefixes, [1.0, -1.0], vocab)
+        hot_rows.training_frequencies(prefixes, [1.0, -1.0], vocab, max_tokens=0)
 
 
 def test_budget_shared_among_the_blend_by_share(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 
 from megatron_ext.stem.initial_rows import (InitialRows, blockwise_is_exact, draw_rows,
                                             row_blocks)
-from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.store import TableStore
+from megatron_ext.stem.runtime.ownership import RowOwnership
+from megatron_ext.stem.runtime.store import TableStore
 
 
 def normal(std):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.stem.ownership import SCHEMES, RowOwnership, load_per_rank
+from megatron_ext.stem.runtime.ownership import SCHEMES, RowOwnership, load_per_rank
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

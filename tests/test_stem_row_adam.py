@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.stem.row_adam import (
+from megatron_ext.stem.runtime.row_adam import (
     AdamHyper,
     RowAdamW,
     RowClock,

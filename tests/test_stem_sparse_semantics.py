@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from megatron_ext.stem import row_adam
-from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
+from megatron_ext.stem.runtime import row_adam
+from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW
 
 ROWS, WIDTH, TOKENS, STEPS = 256, 4, 128, 300
 SCALE = 5e-4  # per occurrence; a row touched once: SCALE / TOKENS = 3.9e-6 per element

@@ -20,7 +20,7 @@ VOCAB = 100
 def _worker():
     """The host worker of this file's tables (a training's ``StemRun`` makes one per
     training)."""
-    from megatron_ext.stem.worker import HostWorker
+    from megatron_ext.stem.runtime.worker import HostWorker
 
     return HostWorker()
 
@@ -33,7 +33,7 @@ class FakeLayer:
     micro-batch fetched for it (``bound``: what the layer reads from its ``FetchedRows``)."""
 
     def __init__(self, table, layer_number=None):
-        from megatron_ext.stem.tables import LayerTable
+        from megatron_ext.stem.runtime.tables import LayerTable
 
         self.layer_number = layer_number if layer_number is not None else id(self)
         self.spec = LayerTable(self.layer_number, table, table.dtype, table.shape[0])
@@ -60,7 +60,7 @@ def host_tables(g: torch.Generator, placement: str = "cpu", hot_mask=None):
     StemTables, the device rows go to)."""
     from megatron.core import parallel_state
 
-    from megatron_ext.stem.tables import StemTables
+    from megatron_ext.stem.runtime.tables import StemTables
 
     full = [torch.randn(VOCAB, 8, generator=g), torch.randn(VOCAB, 4, generator=g)]
     layers = [FakeLayer(t.clone(), n) for n, t in enumerate(full, start=2)]
@@ -90,7 +90,7 @@ def test_prefetch_binds_what_a_synchronous_fetch_binds(mcore_single_rank):
 
 
 class ReadClock:
-    """``time`` for ``stem/tables.py``: a clock that moves only while the owners' read gathers
+    """``time`` for ``stem/runtime/tables.py``: a clock that moves only while the owners' read gathers
     rows (``READ`` seconds per read), so the fetch's time accounting is exact and independent of
     the machine's load. ``release`` (an event) is set by the training thread's first reading
     of the clock once ``armed``."""
@@ -127,7 +127,7 @@ def test_prefetch_reads_on_the_worker_while_the_training_thread_goes_on(mcore_si
     none when ``finish_fetch`` waited for all of it, none for a synchronous fetch."""
     import threading
 
-    from megatron_ext.stem import tables as tables_module
+    from megatron_ext.stem.runtime import tables as tables_module
 
     g = torch.Generator().manual_seed(4)
     full, layers, tables, device = host_tables(g)
@@ -180,7 +180,7 @@ def test_tables_hand_the_huge_page_choice_to_the_store(mcore_single_rank, huge):
     moments (tests/test_stem_host_memory.py checks the pages themselves)."""
     from megatron.core import parallel_state
 
-    from megatron_ext.stem.tables import StemTables
+    from megatron_ext.stem.runtime.tables import StemTables
 
     layers = [FakeLayer(torch.randn(VOCAB, 8)).spec]
     tables = StemTables(layers, StemConfig(placement="cpu", sharding="vocab",
@@ -193,7 +193,7 @@ def test_tables_hand_the_huge_page_choice_to_the_store(mcore_single_rank, huge):
 def test_gather_rows_through_pinned_staging(dtype):
     """Rows of several shards, side by side, in the wire dtype: through the reusable pinned buffer
     on a GPU (twice, so the buffer is reused and grown), directly on the CPU."""
-    from megatron_ext.stem.store import PinnedStaging, gather_rows
+    from megatron_ext.stem.runtime.store import PinnedStaging, gather_rows
 
     g = torch.Generator().manual_seed(1)
     shards = [torch.randn(50, 8, generator=g), torch.randn(50, 3, generator=g)]
@@ -236,8 +236,8 @@ def test_overlapped_step_reads_rows_with_the_step_applied(mcore_single_rank, mon
     import threading
     import time
 
-    from megatron_ext.stem.table_optimizer import OwedStep, TableSteps
-    from megatron_ext.stem.read_ahead import TableReadAhead
+    from megatron_ext.stem.runtime.schedule import OwedStep, TableSteps
+    from megatron_ext.stem.runtime.read_ahead import TableReadAhead
 
     if slow:
         monkeypatch.setattr(OwedStep, "CHUNK_ELEMENTS", 1)
@@ -339,9 +339,9 @@ def test_first_reads_host_rows_wait_for_their_own_gradients(mcore_single_rank):
     those; the rest of the step waits for all (``synchronize``). With plain SGD as the row rule,
     every bound row equals a plain table updated by the same rule, so the rows and gradients
     were reordered together."""
-    from megatron_ext.stem.read_ahead import TableReadAhead
-    from megatron_ext.stem.table_optimizer import TableSteps
-    from megatron_ext.stem.tiers import TierGrads, split_grads
+    from megatron_ext.stem.runtime.read_ahead import TableReadAhead
+    from megatron_ext.stem.runtime.schedule import TableSteps
+    from megatron_ext.stem.runtime.tiers import TierGrads, split_grads
 
     g = torch.Generator().manual_seed(5)
     full, layers, tables, _ = host_tables(g, "tiered", torch.arange(VOCAB) < 30)
@@ -431,7 +431,7 @@ def test_worker_runs_tasks_before_the_rest_of_a_background_job():
     import threading
     import time
 
-    from megatron_ext.stem.worker import HostWorker
+    from megatron_ext.stem.runtime.worker import HostWorker
 
     worker, log = HostWorker(), []
     first = worker.submit_background(SlowJob(10, 0.02, log))
@@ -462,7 +462,7 @@ def test_worker_side_stream_work_is_seen_after_wait():
     """GPU work a task queues on the worker's side stream (the GPU tier's step) is seen by the
     current stream's work after ``wait()``, however long it runs on the GPU; a tensor handed
     over from the current stream is not reused while the side stream may still read it."""
-    from megatron_ext.stem.worker import HostWorker
+    from megatron_ext.stem.runtime.worker import HostWorker
 
     worker = HostWorker()
     rows = torch.zeros(1 << 20, device="cuda")
@@ -490,7 +490,7 @@ def test_worker_task_after_an_event_skips_later_gpu_work():
     """A task submitted ``after`` an event (``worker.mark``: the table step's gradients are made,
     the model's optimizer step is queued next) runs its side-stream work while the current
     stream's later work still runs; without ``after`` it waits for that work."""
-    from megatron_ext.stem.worker import HostWorker, mark
+    from megatron_ext.stem.runtime.worker import HostWorker, mark
 
     worker = HostWorker()
     x = torch.zeros(1, device="cuda")
@@ -517,7 +517,7 @@ def test_worker_task_after_an_event_skips_later_gpu_work():
 def test_owed_step_steps_every_row_once_in_reads_and_chunks(monkeypatch):
     """Reads step the owed rows they need (and no other); the chunks the rest, in budget-sized
     pieces; every position once."""
-    from megatron_ext.stem.table_optimizer import OwedStep
+    from megatron_ext.stem.runtime.schedule import OwedStep
 
     monkeypatch.setattr(OwedStep, "CHUNK_ELEMENTS", 40)
     rows = [torch.tensor([5, 9, 2, 7, 11]), torch.tensor([9, 3])]
@@ -568,7 +568,7 @@ def test_read_ahead_routes_the_host_copy_of_the_tokens():
     """The read-ahead hands the tables the batch's host tokens (the sixth item, what routing
     reads without waiting for the GPU) when the batch has them, the tokens otherwise, and gives
     the forward step the batch with the rows fetched for it."""
-    from megatron_ext.stem.read_ahead import TableReadAhead
+    from megatron_ext.stem.runtime.read_ahead import TableReadAhead
 
     batches = []
 
@@ -603,7 +603,7 @@ def test_read_ahead_does_not_keep_its_tables_alive():
     import gc
     import weakref
 
-    from megatron_ext.stem.read_ahead import TableReadAhead
+    from megatron_ext.stem.runtime.read_ahead import TableReadAhead
 
     tables = RecordingTables()
     tables.read_ahead = TableReadAhead(tables)  # as StemTables makes it
@@ -673,8 +673,8 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
 
     import torch.distributed as dist
 
-    from megatron_ext.stem import table_optimizer
-    from megatron_ext.stem.tables import StemTables
+    from megatron_ext.stem.runtime import report
+    from megatron_ext.stem.runtime.tables import StemTables
 
     class Counters:  # a chunk's tables as the report reads them: counters and row sizes
         reset_stats = StemTables.reset_stats
@@ -687,7 +687,7 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
         table.stats.update(unique_rows=5, fetch_rows_in=3, fetch_seconds=0.25)
         kernel.kernel_times.add(640, 0.125, 0.25)
 
-    from megatron_ext.stem.row_adam import KernelTimes
+    from megatron_ext.stem.runtime.row_adam import KernelTimes
 
     kernel = SimpleNamespace(rowwise=None, kernel_times=KernelTimes())  # a host row optimizer
     active = [SimpleNamespace(tables=[table], grad_seconds=0.5, row_adams=[kernel],
@@ -716,17 +716,17 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
 
     writer = Writer()
     count()
-    table_optimizer.report_stats(active, SimpleNamespace(tensorboard_dir=None, wandb_project=""),
+    report.report_stats(active, SimpleNamespace(tensorboard_dir=None, wandb_project=""),
                                  3, {}, None, None)
     assert reductions == [] and table.stats["unique_rows"] == 0
     assert active[0].grad_seconds == 0.0
     with_tb = SimpleNamespace(tensorboard_dir="tb", wandb_project="")
     count()
-    table_optimizer.report_stats(active, with_tb, 4, {}, None, None)  # a rank without a writer
+    report.report_stats(active, with_tb, 4, {}, None, None)  # a rank without a writer
     assert reductions == [17] and table.stats["unique_rows"] == 0  # one collective per report
     assert kernel.kernel_times.take() == (0, 0.0, 0.0)  # taken by the report
     count()
-    table_optimizer.report_stats(active, with_tb, 5, {}, writer, None)
+    report.report_stats(active, with_tb, 5, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (5.0, 5)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48, 5)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.25, 5)
@@ -738,7 +738,7 @@ def test_stats_are_reduced_only_where_a_writer_is_made(mcore_single_rank, monkey
     other[0], other[1], other[8], other[10] = 2, 10, 0.5, 0.125  # unique rows, bytes, seconds
     other[7], other[15] = 100, 0.5  # the row kernel's parameters, loop seconds
     count()
-    table_optimizer.report_stats(active, with_tb, 6, {}, writer, None)
+    report.report_stats(active, with_tb, 6, {}, writer, None)
     assert writer.scalars["stem/unique-rows-fetched"] == (7.0, 6)
     assert writer.scalars["stem/fetch-bytes-to-device"] == (3.0 * 48 + 10, 6)
     assert writer.scalars["stem/fetch-seconds-exposed"] == (0.5, 6)
@@ -756,7 +756,7 @@ def test_one_reduction_decides_the_skip_and_gives_the_norm(mcore_single_rank, mo
     the optimizer scales them (here by 1 / loss scale)."""
     import torch.distributed as dist
 
-    from megatron_ext.stem.table_optimizer import StemTablesOptimizer
+    from megatron_ext.stem.runtime.optimizer import StemTablesOptimizer
 
     g = torch.Generator().manual_seed(3)
     _, layers, tables, device = host_tables(g)
@@ -797,7 +797,7 @@ def test_gradient_exchange_time_leaves_out_the_wait_for_the_table_step(mcore_sin
     2026-11-27 it was in both)."""
     import time
 
-    from megatron_ext.stem.table_optimizer import StemTablesOptimizer
+    from megatron_ext.stem.runtime.optimizer import StemTablesOptimizer
 
     g = torch.Generator().manual_seed(5)
     _, layers, tables, device = host_tables(g)

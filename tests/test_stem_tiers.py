@@ -12,18 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.stem.store import PinnedStaging, TableStore, gather_rows
-from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
-from megatron_ext.stem.tiers import (
-    TieredOwnership,
-    TieredRowAdamW,
-    TieredShard,
-    choose_hot_mask,
-    split_grads,
-    take_rows,
-)
-from megatron_ext.stem.transfer import stage_to_host
+from megatron_ext.stem.runtime.hot_rows import choose_hot_mask
+from megatron_ext.stem.runtime.ownership import RowOwnership, TieredOwnership
+from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW, TieredRowAdamW
+from megatron_ext.stem.runtime.store import PinnedStaging, TableStore, gather_rows
+from megatron_ext.stem.runtime.tiers import TieredShard, split_grads, take_rows
+from megatron_ext.stem.runtime.transfer import stage_to_host
 
 
 @pytest.mark.parametrize("scheme", ["interleaved", "contiguous"])
@@ -249,10 +243,10 @@ def test_hot_rows_from_token_counts(tmp_path):
         assert "the 2 most frequent ids of 1 indexed dataset(s)" in how
         assert "77.8% of the training tokens; 9 of 9 tokens counted (every token)" in how
     mock = argparse.Namespace(data_path=None, train_data_path=None, mock_data=True)
-    mask, how = choose_hot_mask(mock, 16, "25%")
+    mask, how = choose_hot_mask(mock, 16, "25%", count_tokens=0)
     assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3] and "mock data" in how
     remote = _data_args(data_path=[prefix, "s3://bucket/corpus"])
-    mask, how = choose_hot_mask(remote, 16, "25%")
+    mask, how = choose_hot_mask(remote, 16, "25%", count_tokens=0)
     assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3]
     assert "s3://bucket/corpus is in object storage" in how
 
@@ -408,7 +402,7 @@ def test_gradient_rows_of_a_run_are_taken_as_a_view():
     """``select_rows`` (the table step's gradients per chunk, ``take_rows`` and
     ``TierGrads.take``): the values of ``index_select`` always; a view of the gradients for a
     run of consecutive positions, a copy otherwise."""
-    from megatron_ext.stem.tiers import TierGrads, select_rows, take_rows
+    from megatron_ext.stem.runtime.tiers import TierGrads, select_rows, take_rows
 
     g = torch.arange(40.0).view(10, 4)
     cases = {"run": [3, 4, 5, 6], "one": [7], "gap": [3, 4, 6], "unsorted": [5, 4, 3],

@@ -1,4 +1,4 @@
-"""Nothing the tables' worker thread (``megatron_ext/stem/worker.py``) runs fails unseen: ``wait``
+"""Nothing the tables' worker thread (``megatron_ext/stem/runtime/worker.py``) runs fails unseen: ``wait``
 raises the first failed task's error and names every other failed task (in a note on that error
 and in the log), and the exit hook logs a failure nobody waited for."""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from megatron_ext.stem import worker
+from megatron_ext.stem.runtime import worker
 
 
 class FailingJob:

@@ -1,6 +1,6 @@
 """The tables' host worker beside a training thread that holds the GIL, and what shows where the
-CPU table step's time goes (``stem/worker.py``, ``kernels/row_adam_cpu.py``,
-``stem/table_optimizer.py``).
+CPU table step's time goes (``stem/runtime/worker.py``, ``kernels/row_adam_cpu.py``,
+``stem/runtime/optimizer.py``).
 
 * The worker lowers the process's GIL switch interval when it starts (``--stem-gil-switch-ms``),
   never raises it, and 0 leaves Python's own; checked in fresh interpreters, since the worker
@@ -38,7 +38,7 @@ def _python(code: str) -> str:
 def test_worker_start_lowers_the_switch_interval_to_its_own():
     out = _python("""
         import sys
-        from megatron_ext.stem import worker
+        from megatron_ext.stem.runtime import worker
         before = sys.getswitchinterval()
         worker.HostWorker().submit(lambda: None).result()
         print(before, sys.getswitchinterval())
@@ -56,7 +56,7 @@ def test_worker_start_lowers_the_switch_interval_to_its_own():
 def test_switch_interval_setting(preset, setting, expected):
     out = _python(f"""
         import sys
-        from megatron_ext.stem import worker
+        from megatron_ext.stem.runtime import worker
         if {preset!r} is not None:
             sys.setswitchinterval({preset!r})
         worker.HostWorker({setting!r}).submit(lambda: None).result()
@@ -68,7 +68,7 @@ def test_switch_interval_setting(preset, setting, expected):
 def test_switch_interval_set_after_the_worker_started_applies_at_once():
     out = _python("""
         import sys
-        from megatron_ext.stem import worker
+        from megatron_ext.stem.runtime import worker
         host = worker.HostWorker(0.0)
         host.submit(lambda: None).result()
         first = sys.getswitchinterval()
@@ -80,7 +80,7 @@ def test_switch_interval_set_after_the_worker_started_applies_at_once():
 
 
 def test_negative_switch_interval_is_refused():
-    from megatron_ext.stem import worker
+    from megatron_ext.stem.runtime import worker
 
     host = worker.HostWorker()
     before = host.switch_interval_s
@@ -102,7 +102,7 @@ def _kernel():
 
 def test_sparse_step_reports_its_parameters_and_loop_time():
     _kernel()
-    from megatron_ext.stem.row_adam import AdamHyper, RowAdamW
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW
 
     g = torch.Generator().manual_seed(0)
     shard = torch.randn(300, 48, generator=g)
@@ -122,7 +122,7 @@ def test_sparse_step_reports_its_parameters_and_loop_time():
 def test_clock_window_is_made_when_the_clock_steps():
     """The row steps' and reads' window is made by the thread that steps the clock, so the
     worker only looks it up."""
-    from megatron_ext.stem.row_adam import AdamHyper, RowClock
+    from megatron_ext.stem.runtime.row_adam import AdamHyper, RowClock
 
     clock = RowClock()
     hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -152,7 +152,7 @@ def _team_in_thread(kernel, threads, cpus=None):
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU masks")
 def test_team_started_from_a_narrowed_thread_is_seen_and_warned_about():
     kernel = _kernel()
-    from megatron_ext.stem.table_optimizer import describe_team
+    from megatron_ext.stem.runtime.report import describe_team
 
     cpus = sorted(os.sched_getaffinity(0))
     team, mask = _team_in_thread(kernel, 2, {cpus[0]})

@@ -2,7 +2,7 @@
 
 Reads a ``torch_dist`` checkpoint of any TP/PP/EP/DP layout (tensors are stored under their global
 shapes; STEM tables managed on the host or sharded by vocabulary are saved under the same key and
-shape as ordinary ones, ``stem/checkpoint.py``) tensor by tensor, and writes a Hugging Face
+shape as ordinary ones, ``stem/runtime/checkpoint.py``) tensor by tensor, and writes a Hugging Face
 directory: ``config.json``, ``generation_config.json``, sharded safetensors with
 ``model.safetensors.index.json``, the tokenizer, and for families without a native Hugging Face
 class the self-contained ``configuration_megatron_ext.py`` / ``modeling_megatron_ext.py``.

@@ -30,7 +30,7 @@ TOKEN_TABLES = "megatron_ext_token_tables"
 
 class FetchedRows:
     """What a token-indexed runtime fetched for one micro-batch (STEM's managed tables,
-    ``stem/tables.py``): the index ``inverse`` ``[s, b]`` of each token into the micro-batch's
+    ``stem/runtime/tables.py``): the index ``inverse`` ``[s, b]`` of each token into the micro-batch's
     unique rows, and those rows of each token-indexed layer by its layer number (global,
     1-based: ``TransformerLayer.layer_number``). The rows are leaves whose gradients the
     runtime collects after backward; the layers only read them."""
@@ -111,6 +111,17 @@ class TokenContext(torch.Tensor):
         return self._ids
 
 
+def wrapped_attr(model, name: str, default=None):
+    """``name`` of the model inside Megatron's wrappers (DDP, Float16Module: each holds the next
+    as ``module``), or ``default`` when no level has it (a plain ``GPTModel``: no token ids, no
+    tables). ``megatron.core.utils.get_attr_wrapped_model`` raises there instead."""
+    while not hasattr(model, name):
+        if not hasattr(model, "module"):
+            return default
+        model = model.module
+    return getattr(model, name)
+
+
 def split_context(context) -> Tuple[Optional[torch.Tensor], Optional[FetchedRows]]:
     """``(ids, fetched)`` of a layer's ``context``: a ``TokenContext``, or plain ids (a layer
     run on its own, as the tests do)."""
@@ -129,7 +140,7 @@ class TokenIdsMixin:
                  token_tables: Optional[Callable[[Any], Any]] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.table_vocab_size = table_vocab_size if table_vocab_size is not None else self.vocab_size
-        # The runtime of the model's managed token-indexed tables (STEM: stem/tables.py
+        # The runtime of the model's managed token-indexed tables (STEM: stem/runtime/tables.py
         # ``StemTables``), built from the model's layers once they exist; None without.
         self.token_tables = token_tables(self) if token_tables is not None else None
 
@@ -176,7 +187,7 @@ class TokenIdsMixin:
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None):
         """Upstream's, with the runtime of the managed tables passed down in ``metadata``
-        (``TOKEN_TABLES``): their layers' rows are saved by it (``stem/checkpoint.py``)."""
+        (``TOKEN_TABLES``): their layers' rows are saved by it (``stem/runtime/checkpoint.py``)."""
         if self.token_tables is not None:
             metadata = {**(metadata or {}), TOKEN_TABLES: self.token_tables}
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -11,13 +11,13 @@ VARIANTS = ("up", "gate", "dagger")
 # the stem-edit tool (convert/stem_edit.py) reads.
 HF_MLP_TYPE = "stem"
 INITS = ("normal", "fan-in", "ones", "zeros")
-PLACEMENTS = ("gpu", "cpu", "tiered")  # tiered: stem/tiers.py
-# --stem-tier-count-tokens: 134M tokens, about 0.6 s of counting per rank on the development
-# machine (stem/hot_rows.py)
-DEFAULT_TIER_COUNT_TOKENS = 1 << 27
+PLACEMENTS = ("gpu", "cpu", "tiered")  # tiered: stem/runtime/tiers.py
 SHARDINGS = ("replicated", "vocab")
-OWNERSHIPS = ("interleaved", "contiguous")  # stem/ownership.py; interleaved measured balanced
-OPTIMIZERS = ("dense", "sparse")            # stem/row_adam.py
+# --stem-tier-count-tokens: 134M tokens, about 0.6 s of counting per rank on the development
+# machine (stem/runtime/hot_rows.py)
+DEFAULT_TIER_COUNT_TOKENS = 1 << 27
+OWNERSHIPS = ("interleaved", "contiguous")  # stem/runtime/ownership.py; interleaved measured balanced
+OPTIMIZERS = ("dense", "sparse")            # stem/runtime/row_adam.py
 KERNELS = ("auto", "triton", "torch")       # megatron_ext_kernels/stem_gate.py
 
 
@@ -46,7 +46,7 @@ class StemConfig:
     init: str = "fan-in"
     # Where the tables live and who steps them (issue "STEM tables at scale", docs/stem.md):
     # placement gpu + sharding replicated is an ordinary parameter (Megatron's DDP and optimizer);
-    # every other combination is a managed table (stem/tables.py, stem/table_optimizer.py).
+    # every other combination is a managed table (stem/runtime/tables.py, stem/runtime/optimizer.py).
     placement: str = "gpu"
     sharding: str = "replicated"
     ownership: str = "interleaved"
@@ -54,12 +54,12 @@ class StemConfig:
     prefetch: bool = True
     # tiered placement: rows of the GPU tier, "10%" / "0.1" (of the vocabulary) or a row count.
     gpu_tier: str = "10%"
-    # Tokens of the training data counted to choose the GPU tier (0: all; stem/hot_rows.py).
+    # Tokens of the training data counted to choose the GPU tier (0: all; stem/runtime/hot_rows.py).
     tier_count_tokens: int = DEFAULT_TIER_COUNT_TOKENS
     # The lookup-and-gate: ``triton`` the fused kernel (megatron_ext_kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the PyTorch path (faster on an H100: stem_gate.resolve).
     kernel: str = "auto"
-    # Host-resident rows (shards and moments) on transparent huge pages (stem/host_memory.py).
+    # Host-resident rows (shards and moments) on transparent huge pages (stem/runtime/host_memory.py).
     host_huge_pages: bool = True
 
     @property

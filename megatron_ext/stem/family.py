@@ -21,8 +21,8 @@ from megatron_ext.models.hybrid_pattern import mlp_block_count, mlp_layer_indice
 from megatron_ext.models.layer import TokenContextMLPLayer
 from megatron_ext.models.specs import with_mlp
 from megatron_ext.models.terms import MLPTerms
-from megatron_ext.stem import worker
-from megatron_ext.stem.checkpoint import (
+from megatron_ext.stem.runtime import worker
+from megatron_ext.stem.runtime.checkpoint import (
     SavedTables,
     check_optimizer_state,
     check_table_shapes,
@@ -41,10 +41,10 @@ from megatron_ext.stem.config import (
     StemConfig,
     parse_layers,
 )
-from megatron_ext.stem.hot_rows import parse_tier_size
+from megatron_ext.stem.runtime.hot_rows import parse_tier_size
 from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.specs import decoder_block_spec
-from megatron_ext.stem.ownership import RowOwnership
+from megatron_ext.stem.runtime.ownership import RowOwnership
 from megatron_ext.stem.run import StemRun
 from megatron_ext_kernels import stem_gate
 
@@ -242,7 +242,7 @@ def _stem_layers(args):
 # What changes a STEM model on resume (models/saved_settings.py): what its tables do and which
 # MLP blocks have one. The tables' width (--ffn-hidden-size) and rows are compared with the
 # checkpoint's tensors (check_table_shapes). Placement, sharding, ownership, optimizer, prefetch,
-# kernel and init are free: a checkpoint's layout does not depend on them (stem/checkpoint.py).
+# kernel and init are free: a checkpoint's layout does not depend on them (stem/runtime/checkpoint.py).
 SETTINGS = (
     ("--stem-variant", lambda a: a.stem_variant),
     ("STEM layers (MLP blocks, from --stem-layers/--stem-ratio)", _stem_layers),

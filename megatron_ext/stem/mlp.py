@@ -65,7 +65,7 @@ class StemMLP(MegatronModule):
     Managed tables (``StemConfig.managed_tables``) are not parameters of this module: it draws
     their initial values (the rows ``kept_rows`` only: this rank's, given by the family's spec
     builder) and hands them over once (``release_initial_table``); it never sees the runtime
-    that keeps them (``stem/tables.py``) but through its arguments: the rows in ``context``,
+    that keeps them (``stem/runtime/tables.py``) but through its arguments: the rows in ``context``,
     and the runtime in the ``metadata`` of ``sharded_state_dict``.
     """
 
@@ -130,7 +130,7 @@ class StemMLP(MegatronModule):
         )
 
         init_method = table_init_method(stem.init, config)
-        # Managed tables (host-resident and/or vocab-sharded, stem/tables.py) are not parameters
+        # Managed tables (host-resident and/or vocab-sharded, stem/runtime/tables.py) are not parameters
         # of this module: their values are drawn here the same way, a block of rows at a time,
         # only the rows this rank will own kept (stem/initial_rows.py), and handed over once.
         self.managed = stem.managed_tables
@@ -233,7 +233,7 @@ class StemMLP(MegatronModule):
                            metadata: Optional[dict] = None) -> ShardedStateDict:
         """fc1/fc2 as in Megatron's MLP; the table sharded along its columns (axis 1) over TP.
         A managed table is saved under the same key and global shape, in row blocks gathered
-        from their owners (``stem/checkpoint.py``; collective over the data-parallel group)."""
+        from their owners (``stem/runtime/checkpoint.py``; collective over the data-parallel group)."""
         tables = {} if self.managed else {"table": 1}
         sharded = mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata, tables,
                                          gated_fc1=self.variant == "dagger")

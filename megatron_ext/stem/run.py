@@ -3,7 +3,7 @@
 trainer's session after the training (``training/session.py``).
 
 It owns what lives as long as the training: the host worker that every chunk's managed tables
-share (``stem/worker.py``), the tables of each model chunk (built by the model through
+share (``stem/runtime/worker.py``), the tables of each model chunk (built by the model through
 ``token_tables``), the table optimizer chained onto Megatron's, and the GPU tier's token counts.
 ``close`` waits for the worker's last host work and ends its thread; nothing of the training is
 left in the process after it.
@@ -13,19 +13,21 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.hybrid_pattern import mlp_block_count
 from megatron_ext.models.log import print_rank_0
-from megatron_ext.stem import table_optimizer
+from megatron_ext.models.token_ids import wrapped_attr
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.mlp import StemMLP
-from megatron_ext.stem.read_ahead import take_batch
-from megatron_ext.stem.tables import LayerTable, StemTables
-from megatron_ext.stem.tiers import choose_hot_mask
-from megatron_ext.stem.worker import DEFAULT_SWITCH_INTERVAL_S, HostWorker
+from megatron_ext.stem.runtime.optimizer import StemTablesOptimizer, wrap_optimizer
+from megatron_ext.stem.runtime.read_ahead import take_batch
+from megatron_ext.stem.runtime.report import dump_tables, host_memory_report, report_stats
+from megatron_ext.stem.runtime.tables import LayerTable, StemTables
+from megatron_ext.stem.runtime.hot_rows import choose_hot_mask
+from megatron_ext.stem.runtime.worker import DEFAULT_SWITCH_INTERVAL_S, HostWorker
 
 
 class StemRun(FamilyRun):
@@ -35,7 +37,7 @@ class StemRun(FamilyRun):
         switch_ms = getattr(args, "stem_gil_switch_ms", 1e3 * DEFAULT_SWITCH_INTERVAL_S)
         self.worker = HostWorker(switch_ms / 1e3)  # its thread starts with the first host work
         self.tables: List[StemTables] = []  # of each model chunk with managed tables
-        self.optimizers: List[table_optimizer.StemTablesOptimizer] = []
+        self.optimizers: List[StemTablesOptimizer] = []
         self.token_counts: dict = {}  # the GPU tier's counts of the training blend (tiers.py)
 
     # -- the model ----------------------------------------------------------------------------
@@ -76,7 +78,7 @@ class StemRun(FamilyRun):
         """A forward outside the trainer: the rows of ``tokens`` fetched from their owners, as
         ``take_batch`` does, for the model's ``token_rows`` (collective over the data-parallel
         group; nothing for ordinary tables)."""
-        tables = get_attr_wrapped_model(model, "token_tables", allow_none=True)
+        tables = wrapped_attr(model, "token_tables")
         return {} if tables is None else {"token_rows": tables.fetch_now(tokens)}
 
     # -- the optimizer and its reports --------------------------------------------------------
@@ -84,18 +86,18 @@ class StemRun(FamilyRun):
         """Managed tables step in the table optimizer chained onto Megatron's."""
         if not self.stem.managed_tables:
             return optimizer
-        wrapped = table_optimizer.wrap_optimizer(optimizer, chunks, self.args.stem_cpu_threads,
-                                                 self.args.stem_optimizer, self.worker)
+        wrapped = wrap_optimizer(optimizer, chunks, self.args.stem_cpu_threads,
+                                 self.args.stem_optimizer, self.worker)
         self.optimizers.append(wrapped)
+        print(f"[rank {dist.get_rank()}] > {host_memory_report(wrapped)}", flush=True)
         return wrapped
 
     def log_report(self, args, iteration, total_loss_dict, writer, wandb_writer) -> None:
-        table_optimizer.report_stats(self.optimizers, args, iteration, total_loss_dict, writer,
-                                     wandb_writer)
+        report_stats(self.optimizers, args, iteration, total_loss_dict, writer, wandb_writer)
 
     def after_training(self) -> None:
         if self.stem.managed_tables and self.args.stem_dump_tables:
-            table_optimizer.dump_tables(self.optimizers, self.args.stem_dump_tables)
+            dump_tables(self.optimizers, self.args.stem_dump_tables)
 
     def close(self) -> None:
         """The worker's last host work waited for (its failure raised) and its thread ended;
@@ -110,7 +112,7 @@ class StemRun(FamilyRun):
 def _host_data_parallel_group():
     """Megatron's gloo copy of the data-parallel group (``create_gloo_process_groups``, on unless
     ``--disable-gloo-process-groups``), over which the tables route their host ids without
-    waiting for the GPU (``stem/exchange.py``); None without it."""
+    waiting for the GPU (``stem/runtime/exchange.py``); None without it."""
     try:
         return parallel_state.get_data_parallel_group_gloo()
     except AssertionError:

@@ -9,6 +9,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers
 
 from megatron_ext.models.family import FamilyRun
+from megatron_ext.models.token_ids import wrapped_attr
 from megatron_ext.training.batch import get_batch
 
 
@@ -29,7 +30,7 @@ def forward_step(data_iterator, model, *, run: FamilyRun):
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    token_layers_here = bool(get_attr_wrapped_model(model, "needs_token_ids", allow_none=True))
+    token_layers_here = bool(wrapped_attr(model, "needs_token_ids", False))
 
     def read_batch():
         """The five tensors and the tokens' host copy (or None), the ids checked on the host

@@ -32,7 +32,7 @@ from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_
 from megatron_ext.planning.estimate import LABELS, table_memory
 from megatron_ext.planning.layout import Layout, validate_layout
 from megatron_ext.planning.model_shape import ModelShape
-from megatron_ext.stem.host_memory import available_bytes
+from megatron_ext.stem.runtime.host_memory import available_bytes
 from megatron_ext.stem.initial_rows import BLOCK_BYTES
 from megatron_ext.training.refusal import launch_rank, refuse
 
@@ -377,7 +377,7 @@ def check_table_memory(args, world_size: Optional[int] = None, cuda: Optional[bo
     """The managed STEM tables' memory against what is available, before anything is drawn:
     ``stem/initial_rows.py`` draws the rows when the model is built, and a size the allocator
     refuses failed there as a traceback (32.8 GB asked of a smaller machine), one it grants but
-    cannot back got the run OOM-killed; the room check of ``stem/store.py`` comes after.
+    cannot back got the run OOM-killed; the room check of ``stem/runtime/store.py`` comes after.
 
     Host: the ranks of this node (``LOCAL_WORLD_SIZE`` from ``RANK - LOCAL_RANK`` on), each by
     its pipeline stage, together against ``available`` (default

@@ -3,7 +3,7 @@
 Extends Megatron's ``--profile --use-pytorch-profiler`` (``megatron.training.training.train``
 builds a ``torch.profiler.profile`` and exports ``torch_profile/rank-<r>.json.gz``). Upstream's
 profiler records the CPU operators of the thread that started it only, so the work that managed
-STEM tables do on their worker thread (``stem/worker.py``: the owners' row reads, the CPU table
+STEM tables do on their worker thread (``stem/runtime/worker.py``: the owners' row reads, the CPU table
 step, the wait for the gradients' copy) is missing from the timeline, and so is what the GPU's
 streams waited for. With the flag, the profiler Megatron builds gets PyTorch's experimental
 ``profile_all_threads`` (the operators and ``record_function`` ranges of every thread; the

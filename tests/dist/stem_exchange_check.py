@@ -8,10 +8,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_ext.stem import exchange
-from megatron_ext.stem.exchange import ReplicatedExchange, VocabExchange
-from megatron_ext.stem.ownership import SCHEMES, RowOwnership
-from megatron_ext.stem.store import gather_rows
+from megatron_ext.stem.runtime import exchange
+from megatron_ext.stem.runtime.exchange import ReplicatedExchange, VocabExchange
+from megatron_ext.stem.runtime.ownership import SCHEMES, RowOwnership
+from megatron_ext.stem.runtime.store import gather_rows
 
 VOCAB, WIDTHS = 37, (5, 3)
 

@@ -4,22 +4,22 @@ Megatron's parameters, and the way a micro-batch's rows travel.
 
 One direction through the modules:
 
-* rows: ``store`` (``stem/store.py``: the owned rows, read by host work) -> ``exchange``
-  (``stem/exchange.py``: ids routed to their owners, rows sent back; collectives) -> the layers
-  (``stem/binding.py``: leaves in a ``FetchedRows``, which the forward step passes to the model
+* rows: ``store`` (``stem/runtime/store.py``: the owned rows, read by host work) -> ``exchange``
+  (``stem/runtime/exchange.py``: ids routed to their owners, rows sent back; collectives) -> the layers
+  (``stem/runtime/binding.py``: leaves in a ``FetchedRows``, which the forward step passes to the model
   and the model to its layers in the block context);
 * gradients: the layers (``binding.collect``) -> ``exchange.push`` (summed at the owners: the
-  data-parallel reduction of the tables) -> the optimizer (``stem/table_optimizer.py``) -> the
+  data-parallel reduction of the tables) -> the optimizer (``stem/runtime/optimizer.py``) -> the
   store (rows stepped in place).
 
 A fetch has three parts: ``start_fetch`` (training thread: deduplicate the micro-batch's ids once
 for all layers of the chunk, route them: a collective), the owners' read of the rows asked of
-them (host work on the worker thread, ``stem/worker.py``, queued after every table step submitted
+them (host work on the worker thread, ``stem/runtime/worker.py``, queued after every table step submitted
 before it, so it sees them), and ``finish_fetch`` (training thread: wait for that read, send the
 rows back: a collective, and return them as leaves). Every collective is issued by the training thread in
 program order, the same on every rank; the worker never issues one.
 
-The data read-ahead (``stem/read_ahead.py``, the family's ``take_batch`` the forward step
+The data read-ahead (``stem/runtime/read_ahead.py``, the family's ``take_batch`` the forward step
 calls): with ``--stem-prefetch`` it reads micro-batch ``m + 1`` while ``m`` computes and starts
 its fetch, so the owners' reads run in the background. Read-ahead never crosses an optimizer step except for the next step's first
 micro-batch, whose rows are read only after its table step (``deferred``: the optimizer releases
@@ -44,17 +44,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_ext.models.token_ids import FetchedRows
-from megatron_ext.stem import checkpoint
-from megatron_ext.stem.binding import RowBinding
-from megatron_ext.stem.config import StemConfig
-from megatron_ext.stem.exchange import ReplicatedExchange, Route, VocabExchange
-from megatron_ext.stem.initial_rows import InitialRows
-from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.store import TableStore
-from megatron_ext.stem.transfer import to_device
-from megatron_ext.stem.tiers import TieredOwnership
-from megatron_ext.stem.read_ahead import TableReadAhead
-from megatron_ext.stem.worker import HostWorker
+from megatron_ext.stem.runtime import checkpoint
+from megatron_ext.stem.runtime.binding import RowBinding
+from megatron_ext.stem.runtime.exchange import ReplicatedExchange, Route, VocabExchange
+from megatron_ext.stem.runtime.ownership import RowOwnership
+from megatron_ext.stem.runtime.store import TableStore
+from megatron_ext.stem.runtime.transfer import to_device
+from megatron_ext.stem.runtime.ownership import TieredOwnership
+from megatron_ext.stem.runtime.read_ahead import TableReadAhead
+from megatron_ext.stem.runtime.worker import HostWorker
 
 
 @dataclass
@@ -63,7 +61,7 @@ class LayerTable:
     the key of its rows in ``FetchedRows``), the drawn values of this rank's rows, the model's
     dtype, and the table's global rows and tensor-parallel split (its checkpoint blocks)."""
     layer_number: int
-    initial: InitialRows
+    initial: object  # the drawn rows (stem/initial_rows.py InitialRows) or a whole table
     dtype: torch.dtype
     vocab_size: int
     tp_rank: int = 0
@@ -81,7 +79,12 @@ class Fetch:
 
 
 class StemTables:
-    def __init__(self, layers: Sequence[LayerTable], stem: StemConfig, vocab_size: int,
+    """The managed tables of one model chunk. ``stem``: the table options (``placement``,
+    ``sharding``, ``ownership``, ``prefetch``, ``host_huge_pages``: the fields of the model
+    side's ``StemConfig``, read here without importing it); ``worker``: the training's host
+    worker (``StemRun``)."""
+
+    def __init__(self, layers: Sequence[LayerTable], stem, vocab_size: int,
                  dp_group, worker: HostWorker, device: Optional[torch.device] = None,
                  hot_mask: Optional[torch.Tensor] = None, host_group=None):
         self.layers = list(layers)
@@ -242,7 +245,7 @@ class StemTables:
         ``--no-stem-prefetch``, conversions). Collective over the data-parallel group."""
         return self.finish_fetch(self.start_fetch(token_ids))
 
-    # -- checkpoints (the model's sharded_state_dict / load_state_dict, stem/checkpoint.py) -----
+    # -- checkpoints (the model's sharded_state_dict / load_state_dict, stem/runtime/checkpoint.py) -----
     def sharded_blocks(self, layer_number: int, key: str, sharded_offsets: tuple,
                        dtype: torch.dtype) -> dict:
         """The row blocks of layer ``layer_number``'s table this rank writes, as ShardedTensors

@@ -91,3 +91,42 @@ def load_per_rank(ownership: RowOwnership, batches: torch.Tensor) -> Dict[str, o
         "imbalance": float(unique.max() / unique.mean()),
         "lookup_imbalance": float(lookups.max() / lookups.mean()),
     }
+
+
+class TieredOwnership:
+    """``RowOwnership`` of the vocabulary, with this rank's local rows numbered hot first.
+
+    ``owner`` is the base scheme's; ``local_index`` and ``owned_ids`` are this rank's (the only
+    rank that asks: an owner turns the ids it is asked for into its local rows)."""
+
+    def __init__(self, base: RowOwnership, hot: torch.Tensor, rank: int):
+        if hot.numel() != base.vocab:
+            raise ValueError(f"hot-row mask of {hot.numel()} ids for a {base.vocab}-row table")
+        self.base, self.rank, self.world = base, rank, base.world
+        owned = base.owned_ids(rank)
+        is_hot = hot[owned]
+        self.ordered = torch.cat([owned[is_hot], owned[~is_hot]])
+        self.num_hot = int(is_hot.sum())
+        self.position = torch.full((base.vocab,), -1, dtype=torch.long)
+        self.position[self.ordered] = torch.arange(self.ordered.numel())
+
+    @property
+    def vocab(self) -> int:
+        return self.base.vocab
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base.owner(ids)
+
+    def num_owned(self, rank: int) -> int:
+        return self.base.num_owned(rank)
+
+    def local_index(self, ids: torch.Tensor) -> torch.Tensor:
+        local = self.position[ids.cpu()]
+        if bool((local < 0).any()):
+            raise RuntimeError("tiered STEM table: asked for rows this rank does not own")
+        return local
+
+    def owned_ids(self, rank: int) -> torch.Tensor:
+        if rank != self.rank:
+            raise ValueError(f"tiered ownership of rank {self.rank} asked for rank {rank}'s rows")
+        return self.ordered

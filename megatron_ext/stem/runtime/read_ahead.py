@@ -11,13 +11,12 @@ from typing import Callable, Optional, Tuple
 
 import torch
 from megatron.core.num_microbatches_calculator import get_num_microbatches
-from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_ext.models.token_ids import FetchedRows
+from megatron_ext.models.token_ids import FetchedRows, wrapped_attr
 
 
 class TableReadAhead:
-    """The data read-ahead of one model chunk with managed STEM tables (``stem/tables.py``).
+    """The data read-ahead of one model chunk with managed STEM tables (``stem/runtime/tables.py``).
 
     While training, with ``--stem-prefetch``: when micro-batch ``m`` of a step is taken, ``m + 1``
     is read from the data iterator and its rows' fetch started, so the owners read them while
@@ -76,7 +75,7 @@ def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> Tuple[tupl
     last micro-batch of a step may read the next step's first one (the overlapped table step)
     when a next step will run here: ``curr_iteration`` is the number of steps done before this
     one."""
-    tables = get_attr_wrapped_model(model, "token_tables", allow_none=True)
+    tables = wrapped_attr(model, "token_tables")
     if tables is None:  # ordinary tables, or no STEM layer on this stage
         return read_batch(), {}
     upcoming = args.curr_iteration + 1

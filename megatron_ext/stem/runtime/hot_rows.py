@@ -19,14 +19,16 @@ speed of a tiered table, never its numbers, so an estimate of the frequencies is
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
-from megatron_ext.stem.config import DEFAULT_TIER_COUNT_TOKENS
+from megatron_ext.data_paths import training_blend
 
 CHUNK_TOKENS = 1 << 24  # tokens read at once
 COUNT_WINDOW = 1 << 16  # consecutive tokens of one window of a sampled count
@@ -102,7 +104,7 @@ class Frequencies:
 
 
 def training_frequencies(prefixes: Sequence[str], weights: Optional[Sequence[float]],
-                         vocab: int, max_tokens: int = DEFAULT_TIER_COUNT_TOKENS) -> Frequencies:
+                         vocab: int, max_tokens: int) -> Frequencies:
     """Each id's share of the tokens Megatron's blend of ``prefixes`` trains on
     (``BlendedMegatronDatasetBuilder``: dataset ``i`` gives a share ``weights[i] / sum(weights)``
     of the samples, or, without weights, a share in proportion to its size): the sum over the
@@ -169,3 +171,45 @@ def hot_mask(counts: torch.Tensor, rows: int, vocab: Optional[int] = None) -> to
     mask = torch.zeros(vocab, dtype=torch.bool)
     mask[hottest(counts, rows)] = True
     return mask
+
+
+def choose_hot_mask(args, vocab: int, tier_spec: str,
+                    count_tokens: int,
+                    counted: Optional[dict] = None) -> tuple:
+    """``(boolean [vocab] mask of the GPU tier, how it was chosen)``: the most frequent ids of
+    the training blend, from a count of at most ``count_tokens`` of its tokens (0: all).
+    ``counted``: the counts made so far in this training ((blend, vocab, budget) ->
+    (``Frequencies``, seconds); ``StemRun`` keeps it), so that the model chunks of a
+    rank count the blend once."""
+    counted = {} if counted is None else counted
+    rows = parse_tier_size(tier_spec, vocab)
+
+    def lowest_ids(why: str) -> tuple:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[:rows] = True
+        return mask, f"ids 0..{rows - 1} (no token counts: {why})"
+
+    blend = training_blend(args)
+    if blend is None:
+        return lowest_ids("mock data, or no data flag")
+    prefixes, weights = blend
+    remote = [p for p in prefixes if is_object_storage_path(p)]
+    if remote:  # read through Megatron's object-storage cache, not counted here
+        return lowest_ids(f"{remote[0]} is in object storage; the tier is chosen from local "
+                          "indexed datasets only")
+    key = (tuple(prefixes), None if weights is None else tuple(weights), vocab, count_tokens)
+    if key not in counted:
+        start = time.perf_counter()
+        freq = training_frequencies(prefixes, weights, vocab, count_tokens)
+        counted[key] = freq, time.perf_counter() - start
+    freq, seconds = counted[key]
+    mask = hot_mask(freq.share, rows, vocab)
+    share = float(freq.share[mask].sum())
+    sample = ("every token" if freq.counted == freq.total else
+              f"windows of {COUNT_WINDOW:,} tokens spread over each dataset, "
+              f"--stem-tier-count-tokens {count_tokens:,}")
+    how = (f"the {rows} most frequent ids of {len(prefixes)} indexed dataset(s)"
+           f"{' (blend weights applied)' if freq.weighted else ''}, {100 * share:.1f}% of "
+           f"the training tokens; {freq.counted:,} of {freq.total:,} tokens counted "
+           f"({sample}) in {seconds:.1f} s")
+    return mask, how

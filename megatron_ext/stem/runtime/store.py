@@ -3,15 +3,15 @@
 
 A ``TableStore`` keeps its chunk's shards where the placement puts them (host memory; the
 model's device; or a ``TieredShard``'s two halves), in the local row order of the
-rank's ownership (``stem/ownership.py``, ``stem/tiers.py``), and what its rows still owe under the
+rank's ownership (``stem/runtime/ownership.py``, ``stem/runtime/tiers.py``), and what its rows still owe under the
 sparse optimizer (``row_adam.LazyRows``: the optimizer binds the moments, moves the clock and steps
 rows in place; every read here sees the rows it reads brought up to date). It knows nothing of other
-ranks: the exchange (``stem/exchange.py``) says which rows to read and moves them, the optimizer
-(``stem/table_optimizer.py``) writes them, and leaves here the part of a sparse step it has not
+ranks: the exchange (``stem/runtime/exchange.py``) says which rows to read and moves them, the optimizer
+(``stem/runtime/optimizer.py``) writes them, and leaves here the part of a sparse step it has not
 run yet (``owed_step``): a read steps the rows it needs of it first, then reads them as of now
 (host rows without writing them: their next step brings them up to date in its own pass).
 Reads and writes of the shards are host work: they run on the process's worker thread
-(``stem/worker.py``) or, for checkpoints and dumps, on the training thread once the worker is
+(``stem/runtime/worker.py``) or, for checkpoints and dumps, on the training thread once the worker is
 idle.
 
 Reading rows (``gather_rows``): from host shards to a GPU the rows are gathered and cast straight
@@ -26,12 +26,24 @@ from typing import List, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-from megatron_ext.stem import host_memory
-from megatron_ext.stem.initial_rows import InitialRows
-from megatron_ext.stem.row_adam import LazyRows
-from megatron_ext.stem.tiers import TieredLazyRows, TieredShard, full_tensor, write_back
-from megatron_ext.stem.transfer import to_device
+from megatron_ext.stem.runtime import host_memory
+from megatron_ext.stem.runtime.row_adam import LazyRows
+from megatron_ext.stem.runtime.row_adam import TieredLazyRows
+from megatron_ext.stem.runtime.tiers import TieredShard, full_tensor, write_back
+from megatron_ext.stem.runtime.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
+
+
+class WholeTable:
+    """Every row of a table drawn (``[vocab, F/tp]``), in the interface of the model's drawn
+    rows (``stem/initial_rows.py`` ``InitialRows``: ``values`` and ``rows(ids)``, the positions
+    of global rows in ``values``), which the store reads without importing the model side."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+
+    def rows(self, wanted: torch.Tensor) -> torch.Tensor:
+        return wanted.to(torch.long)
 
 
 class TableStore:
@@ -56,7 +68,7 @@ class TableStore:
         # (``PinnedStaging``). Pinning the shards themselves would lock up to twice their
         # size: PyTorch's pinned allocator rounds each allocation up to a power of two (a 4.2 GB
         # table shard: 8 GiB locked).
-        drawn = [d if isinstance(d, InitialRows) else InitialRows(d) for d in tables]
+        drawn = [d if hasattr(d, "rows") else WholeTable(d) for d in tables]
         # Room for the host rows and their moments, checked before any is allocated; the drawn
         # rows are let go one layer at a time as they are copied.
         host_memory.check_room(
@@ -84,7 +96,7 @@ class TableStore:
         self.lazy = TieredLazyRows(self.shards, huge_pages) if placement == "tiered" else \
             LazyRows(self.shards, huge_pages=huge_pages)
         self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
-        # The part of a sparse table step still to run (``table_optimizer.OwedStep``): rows a
+        # The part of a sparse table step still to run (``schedule.OwedStep``): rows a
         # read needs are stepped first. Set and cleared by the optimizer; used on the worker.
         self.owed_step = None
 

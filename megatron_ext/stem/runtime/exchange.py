@@ -2,7 +2,7 @@
 owners read back to the askers, send row gradients to the owners. Collectives over one process
 group (the data-parallel group); every rank of the group calls them in the same order with its
 own ids, from the training thread (the rows themselves are read from and written to the store,
-``stem/store.py``, by host work that issues no collective).
+``stem/runtime/store.py``, by host work that issues no collective).
 
 ``VocabExchange`` (``--stem-table-sharding vocab``): each rank owns the rows a ``RowOwnership``
 gives it. A fetch sends the batch's *deduplicated* ids to their owners (``route``: one small
@@ -43,8 +43,8 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.stem.ownership import RowOwnership
-from megatron_ext.stem.transfer import to_device
+from megatron_ext.stem.runtime.ownership import RowOwnership
+from megatron_ext.stem.runtime.transfer import to_device
 
 ONE_SHOT_ROUTE_BYTES = 256 * 1024
 

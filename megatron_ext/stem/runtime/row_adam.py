@@ -43,8 +43,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.stem import host_memory
-from megatron_ext.stem.transfer import to_device
+from megatron_ext.stem.runtime import host_memory
+from megatron_ext.stem.runtime.tiers import TierGrads, TieredShard, split_grads
+from megatron_ext.stem.runtime.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
 from megatron_ext_kernels._build_dir import build_environment
 
@@ -176,7 +177,7 @@ class RowAdamW(LazyView):
             raise RuntimeError("the deepspeed kernel was requested but cpu_adam cannot be built")
         self.step_count = 0  # iterations stepped (every row's step count; sparse: the clock's)
         if mode == "sparse":
-            # The rows' lazy state: the store of the rows may hold it (``stem/store.py``: its
+            # The rows' lazy state: the store of the rows may hold it (``stem/runtime/store.py``: its
             # row reads settle it), else this optimizer keeps its own.
             if lazy is not None and [d.shape for d in lazy.shards] != \
                     [s.shape for s in self.shards]:
@@ -207,7 +208,7 @@ class RowAdamW(LazyView):
 
     def begin_step(self, hyper: AdamHyper) -> "StepPlan":
         """Advance the iteration clock; the rows then step with ``step_rows`` (possibly later, in
-        another thread, in parts: ``stem/table_optimizer.py`` steps first the rows the next
+        another thread, in parts: ``stem/runtime/optimizer.py`` steps first the rows the next
         micro-batch reads). Sparse: the clock moves on now, so a row read after this call is
         brought to this iteration (with a zero gradient) unless it is stepped first."""
         self.step_count += 1
@@ -569,3 +570,107 @@ def _torch_adamw(p, g, m, v, hyper: AdamHyper, step: int) -> None:
     bc2_sqrt = math.sqrt(1.0 - hyper.beta2 ** step)
     denom = v.sqrt() / bc2_sqrt + hyper.eps
     p.addcdiv_(m, denom, value=-hyper.lr / bc1)
+
+
+# -- the tiered variant (--stem-table-placement tiered: stem/runtime/tiers.py) ---------------
+
+class TieredLazyRows(LazyRows):
+    """``LazyRows`` of tiered shards: one clock, the last and touched steps of all owned rows
+    (host, local order), viewed as those of each tier (``hot``, ``cold``: what each tier's optimizer uses); each
+    tier's moments live with its rows."""
+
+    def __init__(self, shards: Sequence[TieredShard], huge_pages: bool = True):
+        super().__init__(shards, huge_pages=huge_pages)
+        self.hot = LazyRows([s.hot for s in self.shards], self.clock,
+                            [m[: s.num_hot] for m, s in zip(self.last, self.shards)],
+                            [m[: s.num_hot] for m, s in zip(self.touched, self.shards)],
+                            huge_pages)
+        self.cold = LazyRows([s.cold for s in self.shards], self.clock,
+                             [m[s.num_hot:] for m, s in zip(self.last, self.shards)],
+                             [m[s.num_hot:] for m, s in zip(self.touched, self.shards)],
+                             huge_pages)
+
+    def bind_moments(self):
+        raise TypeError("a tiered store's moments are bound per tier (hot, cold)")
+
+    def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
+        """Each tier settles its own rows of ``rows`` (local indices)."""
+        if (self.clock.step if upto is None else upto) == self.clock.base or rows.numel() == 0:
+            return
+        _, hot_rows, _, cold_rows = self.shards[i].split(rows)
+        self.hot.settle(i, hot_rows, upto)
+        self.cold.settle(i, cold_rows, upto)
+
+
+class TieredRowAdamW(LazyView):
+    """``RowAdamW``'s interface over tiered shards: one ``RowAdamW`` for the GPU tier (torch
+    kernel, on the model's device) and one for the host tier (CPU kernels), advanced together
+    (one iteration clock, the same learning rate), each stepping its own rows.
+    ``lazy`` (sparse): the shards' ``TieredLazyRows`` (default: a private one)."""
+
+    def __init__(self, shards: Sequence[TieredShard], mode: str = "dense",
+                 lazy: Optional[TieredLazyRows] = None, huge_pages: bool = True):
+        self.shards = list(shards)
+        self.mode = mode
+        self.lazy = lazy if lazy is not None else TieredLazyRows(self.shards, huge_pages)
+        sparse = mode == "sparse"
+        self.hot = RowAdamW([s.hot for s in self.shards], mode=mode,
+                            lazy=self.lazy.hot if sparse else None, huge_pages=huge_pages)
+        self.cold = RowAdamW([s.cold for s in self.shards], mode=mode,
+                             lazy=self.lazy.cold if sparse else None, huge_pages=huge_pages)
+
+    @property
+    def kernel(self) -> str:
+        return self.cold.kernel
+
+    @property
+    def step_count(self) -> int:
+        return self.hot.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.hot.step_count = self.cold.step_count = value
+
+    def _pair(self, name: str) -> List[TieredShard]:
+        return [TieredShard(h, c) for h, c in zip(getattr(self.hot, name),
+                                                  getattr(self.cold, name))]
+
+    @property
+    def exp_avg(self) -> List[TieredShard]:
+        return self._pair("exp_avg")
+
+    @property
+    def exp_avg_sq(self) -> List[TieredShard]:
+        return self._pair("exp_avg_sq")
+
+    def begin_step(self, hyper: AdamHyper) -> StepPlan:
+        plan = self.hot.begin_step(hyper)  # moves the shared clock once
+        self.cold.step_count = plan.step
+        return plan
+
+    def step_rows(self, i: int, rows: torch.Tensor, rows_grad, plan: StepPlan) -> None:
+        """Shard ``i``'s rows (local indices) step in the tier that holds them; dense: each tier
+        steps all its rows (the others with a zero gradient). ``rows_grad``: a tensor, or the
+        ``TierGrads`` of ``split_grads`` (the rows hot first)."""
+        shard = self.shards[i]
+        if not isinstance(rows_grad, TierGrads):
+            rows, rows_grad = split_grads(shard, rows, rows_grad)
+        rows, n = rows.cpu().to(torch.long), rows_grad.num_hot
+        for opt, local, grad, tier in ((self.hot, rows[:n], rows_grad.hot, shard.hot),
+                                       (self.cold, rows[n:] - shard.num_hot, rows_grad.cold,
+                                        shard.cold)):
+            if tier.shape[0] and (local.numel() or self.mode == "dense"):
+                # Dense zero-fills a tier-sized gradient on the tier's device and writes the rows
+                # there (their indices go along); sparse keeps its per-row last steps on the host
+                # and takes host indices.
+                if self.mode == "dense":
+                    local = to_device(local, tier.device)
+                opt.step_rows(i, local, grad.to(tier.device), plan)
+
+    def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
+        if self.mode == "sparse":
+            self.lazy.settle(i, rows, upto)
+
+    def materialize(self) -> None:
+        if self.mode == "sparse":
+            self.lazy.settle_all()

@@ -36,7 +36,7 @@ copy-on-write, and the first write of each page after it, by the table step, cop
 took 2.0 ms took 99 ms when its rows were first written after a fork (the next step of the same
 rows: 2 ms again), and on the GPU machine of 2026-11-27 the table step inside training ran about
 25x slower than alone. Nothing in a child reads the tables: the data workers read the dataset,
-and a checkpoint's tensors are copies (``stem/checkpoint.py``); a child that touched the mapping
+and a checkpoint's tensors are copies (``stem/runtime/checkpoint.py``); a child that touched the mapping
 would fault, not read stale rows. Smaller tensors (under ``MIN_MAPPED_BYTES``) stay ordinary torch
 tensors, shared copy-on-write, a few thousand pages at most.
 """

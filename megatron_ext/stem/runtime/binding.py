@@ -4,7 +4,7 @@ Each layer reads a leaf tensor ``rows [n_unique, F/tp]`` (requires grad while tr
 inverse index ``[s, b]`` (``models/token_ids.py`` ``FetchedRows``, which reaches the layers as an
 argument in the block context); its lookup is ``rows[inverse]``, so autograd leaves the row
 gradients, already deduplicated per micro-batch, in ``rows.grad``. ``collect`` sums them per id
-over the step's micro-batches: what the exchange pushes to the owners (``stem/exchange.py``).
+over the step's micro-batches: what the exchange pushes to the owners (``stem/runtime/exchange.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from megatron_ext.models.token_ids import FetchedRows
-from megatron_ext.stem.transfer import to_device
+from megatron_ext.stem.runtime.transfer import to_device
 
 
 class RowBinding:

@@ -10,7 +10,7 @@ Layout: the vocabulary is cut into ``N`` equal row blocks (``N`` = the largest d
 vocabulary size that is at most 64, independent of the DP size), i.e. a regular fragmentation
 ``N x tp`` of the global table. Data-parallel rank ``d`` writes (and on load reads) the blocks
 ``b`` with ``b % dp == d``: on save it fetches those rows from their owners with the table
-exchange (``stem/exchange.py``), on load it pushes them to their owners. So a checkpoint written
+exchange (``stem/runtime/exchange.py``), on load it pushes them to their owners. So a checkpoint written
 with one DP size, ownership, sharding or placement loads into any other.
 
 Optimizer state (``StemTablesOptimizer``): the Adam moments use the same blocks under
@@ -35,8 +35,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_ext.checkpoint_manifest import CheckpointError, resolve_checkpoint_dir
 from megatron_ext.checkpoint_reader import MegatronCheckpoint
-from megatron_ext.stem.store import gather_rows
-from megatron_ext.stem.tiers import full_tensor, write_back
+from megatron_ext.stem.runtime.store import gather_rows
+from megatron_ext.stem.runtime.tiers import full_tensor, write_back
 
 MAX_BLOCKS = 64
 

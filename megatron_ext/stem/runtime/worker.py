@@ -12,7 +12,7 @@ training thread's program order: a row read submitted after a table step sees th
 ``submit_background`` jobs (the part of a sparse table step that no read waits for) run in
 chunks whenever no submitted task waits, so a row read submitted later runs before the rest of
 the job instead of behind all of it; the store it reads settles the rows that read needs first
-(``stem/store.py``, ``owed_step``), so it still sees the step. One worker serves every model
+(``stem/runtime/store.py``, ``owed_step``), so it still sees the step. One worker serves every model
 chunk of a training (an interleaved pipeline gives a rank several chunks with tables): the
 training's ``StemRun`` (``stem/run.py``) owns it and closes it when the training ends.
 

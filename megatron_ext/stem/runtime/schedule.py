@@ -1,0 +1,169 @@
+"""The schedule of the managed tables' steps on the host worker: ``TableSteps`` runs each
+iteration's row steps (``stem/runtime/worker.py``), overlapping the next training step: first the
+rows the next step's first micro-batch reads, then that micro-batch's read is released
+(``StemTables.release``), then the other rows (``OwedStep``: the sparse step left with the store,
+run in chunks, every read settling the rows it needs first). Every later read of the rows is
+queued behind the step, so it sees it. The optimizer (``stem/runtime/optimizer.py``) hands it
+each iteration's final row gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence, Tuple
+
+import torch
+from torch.profiler import record_function
+
+from megatron_ext.stem.runtime.tiers import TierGrads, grad_tensors, take_rows
+
+
+class OwedStep:
+    """The part of a sparse table step not run yet, kept by the store (``TableStore.owed_step``).
+
+    ``step(positions)`` steps the rows at ``positions`` (one index tensor per shard) of the step's
+    gradients. A read of the store first steps the rows it reads (``settle``); the worker runs
+    the rest in chunks of about ``CHUNK_ELEMENTS`` row elements (``run_chunk``), so a read
+    queued meanwhile waits for one chunk, not for the whole step. Every row is stepped once,
+    whichever comes first: rows step independently (each is brought up to date from its own last
+    step), so the numbers are those of one step of every row. Used on the worker thread only."""
+
+    CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 rows: a few milliseconds of CPU AdamW
+
+    def __init__(self, step: Callable, rows: Sequence[torch.Tensor], widths: Sequence[int]):
+        self._step = step
+        self.rows = list(rows)
+        self.widths = list(widths)
+        self.left = [torch.arange(r.numel()) for r in self.rows]  # positions not stepped yet
+        self.seconds = 0.0            # every part's step time
+        self.seconds_in_reads = 0.0   # the parts reads waited for (on a read's path)
+        self.store = None             # the store that keeps it, until it is done
+
+    def _run(self, positions) -> float:
+        if not any(p.numel() for p in positions):
+            return 0.0
+        took = self._step(positions)
+        self.seconds += took
+        return took
+
+    def settle(self, local_rows: torch.Tensor) -> None:
+        """Step the rows of ``local_rows`` not stepped yet."""
+        positions = []
+        for i, left in enumerate(self.left):
+            if left.numel() == 0:
+                positions.append(left)
+                continue
+            hit = torch.isin(self.rows[i][left], local_rows)
+            positions.append(left[hit])
+            self.left[i] = left[~hit]
+        self.seconds_in_reads += self._run(positions)
+
+    def run_chunk(self) -> bool:
+        """Step the next chunk of rows; True once every row is stepped."""
+        budget = self.CHUNK_ELEMENTS
+        positions = []
+        for i, left in enumerate(self.left):
+            n = min(left.numel(), max(budget // max(self.widths[i], 1), 0))
+            if n == 0 and left.numel() and not any(p.numel() for p in positions):
+                n = 1  # progress whatever the width
+            positions.append(left[:n])
+            self.left[i] = left[n:]
+            budget -= n * self.widths[i]
+        self._run(positions)
+        if self.done and self.store is not None and self.store.owed_step is self:
+            self.store.owed_step = None
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return not any(left.numel() for left in self.left)
+
+    def finish(self) -> None:
+        while not self.run_chunk():
+            pass
+
+    def result(self) -> Tuple[float, float]:
+        """(seconds of the whole step, seconds of it that reads waited for), as the table
+        step's tasks report them."""
+        return self.seconds, self.seconds_in_reads
+
+
+class TableSteps:
+    """The row steps of each iteration's tables as they run, and the wait for them: what
+    ``StemTablesOptimizer`` does with an iteration's row gradients once they are final (its
+    ``step_with_ready_grads``), apart from Megatron's optimizer, so that it runs alone as well
+    (``benchmarks/stem_worker_schedule.py``, tests). ``mode``: ``--stem-optimizer``."""
+
+    def __init__(self, mode: str, worker):
+        self.mode = mode
+        self.worker = worker  # the training's host worker (stem/runtime/worker.py)
+        # (table, future of (seconds, seconds before its read), the step's gradient waits), not
+        # waited for yet
+        self.tasks = []
+
+    def drain(self, tables: Sequence) -> None:
+        """Wait for the tables' host work (the last step's rows, reads queued behind it). The
+        waited time counts as exposed optimizer time (once, on the first of ``tables``); the
+        background steps' own times are counted now, with the iteration they overlapped."""
+        waited = self.worker.wait()
+        if tables:  # one wait for every chunk: counted once
+            tables[0].stats["optimizer_seconds_exposed"] += waited
+        for t, done, grad_wait in self.tasks:
+            took, before_read = done.result()
+            t.stats["optimizer_seconds"] += took
+            t.stats["optimizer_seconds_before_fetch"] += before_read
+            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
+        self.tasks.clear()
+
+    def step_table(self, t, adam, plan, grads, arrived, made=None) -> None:
+        """Step one chunk's rows. Without a deferred read (no overlap), here and now. With one,
+        on the worker. Dense steps every row in one pass, so its whole step precedes the read.
+        Sparse leaves the step with the store (``OwedStep``) and runs it in the background in
+        chunks; the deferred read, and every later read of this step, runs before the rest of it
+        and steps the rows it needs first. ``made``: the event after which the GPU holds what
+        they read (``worker.mark``), so their GPU work and copies overlap the model's step."""
+
+        grad_wait = [0.0]  # seconds the step waited for its host gradients' copy (in its time)
+
+        def step(positions=None):
+            """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
+            start = time.perf_counter()
+            with record_function("stem/table-step"):
+                if arrived is not None:  # the gradients are read only after their copy landed
+                    # (those of the rows the next step's first micro-batch reads land first)
+                    first = positions is not None and all(
+                        isinstance(g, TierGrads) and g.within_first(p)
+                        for (_, g), p in zip(grads, positions))
+                    with record_function("stem/wait-grads"):
+                        (arrived.synchronize_first if first else arrived.synchronize)()
+                    grad_wait[0] += time.perf_counter() - start
+                for i, (rows, grad) in enumerate(grads):
+                    if positions is not None:
+                        rows, grad = take_rows(rows, grad, positions[i])
+                    if rows.numel() or self.mode != "sparse":
+                        adam.step_rows(i, rows, grad, plan)
+            return time.perf_counter() - start
+
+        fetch = t.deferred
+        if fetch is None:
+            t.stats["optimizer_seconds_exposed"] += self.worker.wait()
+            took = step()
+            t.stats["optimizer_seconds"] += took
+            t.stats["optimizer_seconds_exposed"] += took
+            t.stats["optimizer_seconds_grad_wait"] += grad_wait[0]
+            return
+        # Read on the worker's side stream.
+        self.worker.hand_over(x for _, g in grads for x in grad_tensors(g))
+        if self.mode != "sparse":
+            def whole():
+                took = step()
+                return took, took
+
+            self.tasks.append((t, self.worker.submit(whole, after=made), grad_wait))
+            t.release(fetch, after=made)
+            return
+        owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
+        # The worker is idle for this store: the step drained it.
+        owed.store, t.store.owed_step = t.store, owed
+        t.release(fetch, after=made)
+        self.tasks.append((t, self.worker.submit_background(owed, after=made), grad_wait))
