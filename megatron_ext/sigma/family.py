@@ -33,7 +33,6 @@ from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk
 from megatron_ext.sigma.layer import release_layers
 from megatron_ext.sigma.monitor import report
 from megatron_ext.sigma.presets import FAMILY_FLAGS
-from megatron_ext.sigma.router import forget_routers
 from megatron_ext.sigma.schedule import apply_schedule, sigma_layers
 from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
@@ -75,7 +74,9 @@ def config_from_args(args) -> SigmaConfig:
         sparsify_at=parse_sparsify_at(args.sigma_sparsify_at))
 
 
-_WARNED: set = set()
+@functools.lru_cache(maxsize=None)  # each distinct line once per process
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_args(args) -> None:
@@ -90,9 +91,7 @@ def check_args(args) -> None:
         warning = (f"megatron-ext: warning: --sigma-sparsify-at={args.sigma_sparsify_at} switches "
                    f"to the target top-k after step {switch}, at or beyond --train-iters="
                    f"{args.train_iters}: the switch will not happen in this run")
-        if warning not in _WARNED:  # the entry point checks before and after Megatron's checks
-            _WARNED.add(warning)
-            print(warning, file=sys.stderr, flush=True)
+        _say_once(warning)  # the entry point checks before and after Megatron's checks
     required = [
         (args.moe_ffn_hidden_size is not None, "--moe-ffn-hidden-size (the expert width)"),
         (args.swiglu, "--swiglu (SwiGLU experts)"),
@@ -193,9 +192,14 @@ class SigmaRun(FamilyRun):
         config.finalize_model_grads_func = functools.partial(monitor.finalize_model_grads,
                                                              ext_args=args)
 
+    def routers(self) -> list:
+        """The routers of this rank's Sigma layers, by layer."""
+        return sorted((layer.router for layers in self.layers.values() for layer in layers),
+                      key=lambda r: r.layer_index)
+
     def log_report(self, args, iteration, total_loss_dict, writer, wandb_writer) -> None:
         """Per-layer load balance and LBL values each iteration."""
-        report(args, iteration, total_loss_dict, writer, wandb_writer)
+        report(args, iteration, total_loss_dict, writer, wandb_writer, self.routers())
 
     def before_forward(self, model) -> None:
         """Progressive sparsification: every layer's top-k for this step (a function of the
@@ -210,11 +214,10 @@ class SigmaRun(FamilyRun):
                            self.args.train_iters)
 
     def close(self) -> None:
-        """Back to a fresh process's state: the finished model's routers out of the registry,
-        its layers' last autograd graphs dropped (``layer.release_layers``)."""
+        """Back to a fresh process's state: the finished model's layers' last autograd graphs
+        dropped (``layer.release_layers``) and the layers let go."""
+        release_layers([layer for layers in self.layers.values() for layer in layers])
         self.layers.clear()
-        release_layers()
-        forget_routers()
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:

@@ -12,16 +12,12 @@ dispatcher together. The dispatchers only read ``moe_*`` fields from that copy.
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
 from megatron_ext.sigma.config import SigmaConfig
-
-_LAYERS: "weakref.WeakSet[SigmaMoELayer]" = weakref.WeakSet()
-
 
 class SigmaMoELayer(MoELayer):
     def __init__(self, config, submodules: Optional[MoESubmodules] = None,
@@ -34,7 +30,6 @@ class SigmaMoELayer(MoELayer):
                          pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         self.layer_index = layer_index  # 0-based global layer
         self.router.layer_index = layer_index
-        _LAYERS.add(self)
 
     @property
     def topk(self) -> int:
@@ -49,16 +44,15 @@ class SigmaMoELayer(MoELayer):
             self.token_dispatcher.router_topk = topk
 
 
-def release_layers() -> None:
-    """After a training (``training/teardown.py``): drop the autograd graphs that upstream's token
+def release_layers(layers) -> None:
+    """After a training (the Sigma run's ``close``): drop the autograd graphs that upstream's token
     dispatchers keep from the last step (``MoEAlltoAllTokenDispatcher.probs``, megatron-core 0.19).
     Through such a graph the router weight's gradient accumulator holds Megatron DDP's gradient
     hook, which holds the model: a cycle through autograd's C++ side that Python's collector
     cannot free, so every finished Sigma model, with its process groups and their threads, stayed
     alive for the life of the process (57 gloo threads per rank per training in a test launch)."""
-    for layer in list(_LAYERS):
+    for layer in layers:
         dispatcher = getattr(layer, "token_dispatcher", None)
         for name, value in list(vars(dispatcher).items() if dispatcher is not None else ()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
                 setattr(dispatcher, name, None)
-    _LAYERS.clear()

@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, Sequence
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads as upstream
 
-from megatron_ext.sigma.router import SigmaRouter, end_global_batch, live_routers
+from megatron_ext.sigma.router import SigmaRouter, end_global_batch
 
 
 def finalize_model_grads(model, *args, ext_args=None, **kwargs):
@@ -76,19 +76,21 @@ def layer_scalars(stats, layer: int, lbl: str) -> Dict[str, float]:
     return out
 
 
-def collect(lbl: str) -> Dict[str, float]:
+def collect(lbl: str, routers: Sequence[SigmaRouter]) -> Dict[str, float]:
     scalars: Dict[str, float] = {}
-    for router in live_routers():
+    for router in routers:
         if router.last_stats is not None:
             scalars.update(layer_scalars(router.last_stats, router.layer_index, lbl))
     return scalars
 
 
-def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer) -> None:
-    """Collective over the pipeline group (every rank calls it each iteration)."""
+def report(args, iteration: int, total_loss_dict: dict, writer, wandb_writer,
+           routers: Sequence[SigmaRouter]) -> None:
+    """The load balance of ``routers`` (this rank's, by layer). Collective over the pipeline
+    group (every rank calls it each iteration)."""
     if args.tensorboard_log_interval and iteration % args.tensorboard_log_interval:
         return  # the same decision on every rank (no collective, no host synchronization)
-    scalars = collect(args.sigma_lbl)
+    scalars = collect(args.sigma_lbl, routers)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         gathered = [None] * parallel_state.get_pipeline_model_parallel_world_size()
         torch.distributed.all_gather_object(

@@ -22,7 +22,6 @@ gradient gets the LM loss's factor (loss scale, micro-batches, CP) that Megatron
 
 from __future__ import annotations
 
-import weakref
 from typing import Dict, Optional
 
 import torch
@@ -32,22 +31,6 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.sigma.config import SigmaConfig
 from megatron_ext.sigma.lbl import BatchStats, acc_size, coefficients
-
-_ROUTERS: "weakref.WeakSet[SigmaRouter]" = weakref.WeakSet()
-
-
-def forget_routers() -> None:
-    """Empty the registry after a training (``training/teardown.py``): a finished model can
-    outlive it in reference cycles (Megatron DDP's gradient hooks keep it through autograd nodes
-    the collector does not free; ``layer.release_layers`` breaks the one Sigma's dispatchers
-    make), so its routers would stay listed."""
-    _ROUTERS.clear()
-
-
-def live_routers():
-    """Every Sigma router of this process, by layer number."""
-    return sorted(_ROUTERS, key=lambda r: (r.layer_index if r.layer_index is not None else -1))
-
 
 def _buffer_device():
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -71,7 +54,6 @@ class SigmaRouter(TopKRouter):
                                                       device=dev), persistent=False)
         self.last_stats: Optional[BatchStats] = None  # the finished global batch (for logs)
         self._forwards = 0  # training forwards since the last end of a global batch
-        _ROUTERS.add(self)
 
     def set_topk(self, topk: int) -> None:
         self.topk = topk

@@ -34,6 +34,7 @@ OpenMP; its first use JIT-compiles it), ``rowwise`` (sparse on the host:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -64,27 +65,24 @@ class AdamHyper:
     weight_decay: float
 
 
-_DS_OP = None
 # The id this module's optimizer has in DeepSpeed's op, away from DeepSpeedCPUAdam's own counter.
 DEEPSPEED_OPTIMIZER_ID = 1 << 20
 
 
+@functools.lru_cache(maxsize=None)  # a compiled extension: loaded (or refused) once per process
 def deepspeed_op():
     """DeepSpeed's ``cpu_adam`` extension, or None if it cannot be loaded or built."""
-    global _DS_OP
-    if _DS_OP is None:
-        try:
-            from deepspeed.ops.op_builder import CPUAdamBuilder
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
 
-            with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
-                op = CPUAdamBuilder().load(verbose=False)
-            op.create_adam(DEEPSPEED_OPTIMIZER_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
-            _DS_OP = op
-        except Exception as exc:  # no compiler, no deepspeed: the torch kernel still works
-            logger.warning("DeepSpeed's cpu_adam op is unavailable (%s); STEM tables step with "
-                           "the torch kernel", exc)
-            _DS_OP = False
-    return _DS_OP or None
+        with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
+            op = CPUAdamBuilder().load(verbose=False)
+        op.create_adam(DEEPSPEED_OPTIMIZER_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
+        return op
+    except Exception as exc:  # no compiler, no deepspeed: the torch kernel still works
+        logger.warning("DeepSpeed's cpu_adam op is unavailable (%s); STEM tables step with "
+                       "the torch kernel", exc)
+        return None
 
 
 @dataclass(frozen=True)
