@@ -37,26 +37,25 @@ def upstream_assignments(source: str, path: str = "<source>") -> List[str]:
     """``name.attr (line N)`` for every assignment, deletion, ``setattr`` or ``delattr`` onto an
     object reached from a name bound to an upstream import, or to an alias of one
     (``cls = module.Class``)."""
-    tree = ast.parse(source, path)
+    nodes = list(ast.walk(ast.parse(source, path)))
     bound: Set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             bound |= {a.asname or a.name.split(".")[0] for a in node.names if _upstream(a.name)}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
                 _upstream(node.module):
             bound |= {a.asname or a.name for a in node.names}
+    aliases = [(n.value, [t.id for t in n.targets if isinstance(t, ast.Name)]) for n in nodes
+               if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Name, ast.Attribute))]
     changed = True
     while changed:  # aliases of aliases
         changed = False
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)) \
-                    and _root(node.value) in bound:
-                for t in node.targets:
-                    if isinstance(t, ast.Name) and t.id not in bound:
-                        bound.add(t.id)
-                        changed = True
+        for value, names in aliases:
+            if _root(value) in bound and not set(names) <= bound:
+                bound |= set(names)
+                changed = True
     found = []
-    for node in ast.walk(tree):
+    for node in nodes:
         targets = []
         if isinstance(node, ast.Assign):
             targets = node.targets
