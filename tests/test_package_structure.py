@@ -328,3 +328,63 @@ def test_the_stem_runtime_check_can_fail():
     assert stem_runtime_arrows(graph) == [
         "megatron_ext.stem.mlp -> megatron_ext.stem.runtime.worker",
         "megatron_ext.stem.runtime.store -> megatron_ext.stem.config"]
+
+
+# The module-level mutable objects the package keeps (compat/, the CPU backend's patch state,
+# aside), each with a comment saying why it must be module-level. There were 13 in STEM's code
+# and the trainer seam before the families' runs and the training session owned their state.
+MODULE_STATE = {"megatron_ext.models.registry._FAMILIES",
+                "megatron_ext.models.specs._CORE_ATTENTION",
+                "megatron_ext.stem.runtime.worker._LIVE"}
+_MUTABLE_CALLS = {"WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "set", "dict", "list",
+                  "defaultdict", "deque", "ContextVar", "SaveLock", "HostWorker", "Lock"}
+
+
+def module_state(mods: Dict[str, str]) -> Dict[str, bool]:
+    """``module.name`` of every module-level mutable object (an empty list, dict or set display,
+    or a display under a name that is not a constant's; a container or context variable made by
+    a call; a ``_name = None`` filled in later) -> whether a comment line is right above it.
+    A non-empty display under an upper-case name is a constant table."""
+    found = {}
+    for module, path in mods.items():
+        if module.startswith("megatron_ext.compat"):
+            continue
+        lines = open(path).read().splitlines()
+        for node in ast.parse("\n".join(lines), path).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                target, value = node.target, node.value
+            else:
+                continue
+            if not isinstance(target, ast.Name):
+                continue
+            name = target.id
+            constant = name.lstrip("_").isupper() and not isinstance(value, ast.Call)
+            call = isinstance(value, ast.Call) and \
+                ast.unparse(value.func).split(".")[-1] in _MUTABLE_CALLS
+            empty = isinstance(value, ast.Dict) and not value.keys or \
+                isinstance(value, (ast.List, ast.Set)) and not value.elts
+            display = isinstance(value, (ast.List, ast.Dict, ast.Set)) and \
+                (empty or not constant)
+            filled_later = name.startswith("_") and isinstance(value, ast.Constant) and \
+                value.value is None
+            if call or display or filled_later:
+                found[f"{module}.{name}"] = lines[node.lineno - 2].lstrip().startswith("#")
+    return found
+
+
+def test_module_level_state_is_the_listed_three_and_says_why():
+    found = module_state(modules())
+    assert set(found) == MODULE_STATE, sorted(set(found) ^ MODULE_STATE)
+    assert all(found.values()), [k for k, v in found.items() if not v]
+    assert not [p for p in modules().values() if not p.endswith(os.sep + "cpu.py") and
+                any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(open(p).read())))]
+
+
+def test_the_module_state_check_can_fail(tmp_path):
+    (tmp_path / "state.py").write_text("import weakref\nTABLE = {'a': 1}\n_CACHE = {}\n"
+                                       "# why\n_LIVE = weakref.WeakSet()\n_LATER = None\n")
+    assert module_state({"megatron_ext.x.state": str(tmp_path / "state.py")}) == {
+        "megatron_ext.x.state._CACHE": False, "megatron_ext.x.state._LIVE": True,
+        "megatron_ext.x.state._LATER": False}

@@ -170,6 +170,8 @@ class Run:
         self.log_hooks = []
         self.manifests = object()
         self.family_run = object()
+        self.model_chunks = []
+        self.save_lock = object()
 
 
 def test_install_then_restore_gives_back_the_originals(seams):

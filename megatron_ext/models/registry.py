@@ -16,6 +16,7 @@ cycle). Another family registers itself with ``register_family``, from a module 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Dict, Sequence, Tuple
 
@@ -25,19 +26,18 @@ from megatron_ext.models.family import Family  # noqa: F401  (the contract, re-e
 BUILTIN = ("megatron_ext.models.gpt_family", "megatron_ext.stem.family",
            "megatron_ext.structmoe.family", "megatron_ext.sigma.family")
 
+# Module-level because the process registers its families once, before its flags are parsed
+# (plugins with ``--ext-plugin``), and every training, conversion and tool of the process reads
+# them by name.
 _FAMILIES: Dict[str, Family] = {}
-_loaded = False
 
 
-def _load_builtin() -> None:
-    global _loaded
-    if _loaded:
-        return
+@functools.lru_cache(maxsize=None)  # once per process; a failed import is not cached: it is
+def _load_builtin() -> None:        # retried, and raises again
     for module in BUILTIN:
         family = importlib.import_module(module).FAMILY
         if family.name not in _FAMILIES:
             _FAMILIES[family.name] = family
-    _loaded = True  # after every import succeeded: a failed one is retried and raises again
 
 
 def register_family(family: Family) -> Family:

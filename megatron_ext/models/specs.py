@@ -80,6 +80,9 @@ def te_available() -> bool:
 CORE_ATTENTION_CHOICES = ("auto", "sdpa", "unfused")
 # The training's --ext-core-attention while its model is built (``core_attention_choice``, set
 # by the trainer's model provider around the spec builders); ``auto`` outside a training.
+# Module-level because Megatron's spec builders (``get_gpt_layer_local_spec`` and the families'
+# specs over them) take no argument for it; a context variable, so it holds only inside the
+# model provider's ``with``.
 _CORE_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("ext_core_attention",
                                                                 default="auto")
 

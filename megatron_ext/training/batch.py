@@ -27,48 +27,52 @@ def stage_needs_batch(vp_stage: Optional[int], token_layers_here: bool) -> bool:
     return first or last or token_layers_here
 
 
-# (Megatron's tensor-parallel group, its gloo copy) of this rank, once made: the copy is used only
-# while that group is Megatron's (a later training in the process makes its own).
-_HOST_TP_GROUP: list = [None, None]
+class HostTokenGroup:
+    """A gloo copy of this rank's tensor-parallel group, over which TP rank 0 sends the tokens'
+    host copy to its peers (``broadcast_batch``), so that no TP rank reads the GPU's copy back
+    (which waits for every queued kernel). Megatron keeps gloo copies of the data-parallel groups
+    only. One per training (the trainer's session owns it and closes it)."""
 
+    def __init__(self):
+        self.tp_group = None  # Megatron's group it copies
+        self.group = None
 
-def make_host_tensor_parallel_group() -> None:
-    """A gloo copy of every tensor-parallel group, over which TP rank 0 sends the tokens' host
-    copy to its peers (``broadcast_batch``), so that no TP rank reads the GPU's copy back (which
-    waits for every queued kernel). Megatron keeps gloo copies of the data-parallel groups only.
-    Collective over every rank: each must call it once per training, after Megatron made its
-    groups and before the first batch (the model provider does, for families that read host
-    tokens). Nothing with one TP rank."""
-    tp_group = mpu.get_tensor_model_parallel_group()
-    if mpu.get_tensor_model_parallel_world_size() == 1 or _HOST_TP_GROUP[0] is tp_group:
-        return
-    reset_host_tensor_parallel_group()
-    dist = torch.distributed
-    mine = dist.get_process_group_ranks(tp_group)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    rank = dist.get_rank()
-    for ranks in sorted({tuple(r) for r in every}):  # the same order on every rank
-        group = dist.new_group(list(ranks), backend="gloo")
-        if rank in ranks:
-            _HOST_TP_GROUP[:] = [tp_group, group]
+    def make(self) -> None:
+        """Collective over every rank: each calls it once per training, after Megatron made its
+        groups and before the first batch (the model provider does, for families that read
+        host tokens). Nothing with one TP rank, or when made already for Megatron's group."""
+        tp_group = mpu.get_tensor_model_parallel_group()
+        if mpu.get_tensor_model_parallel_world_size() == 1 or self.tp_group is tp_group:
+            return
+        self.close()
+        dist = torch.distributed
+        mine = dist.get_process_group_ranks(tp_group)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        rank = dist.get_rank()
+        for ranks in sorted({tuple(r) for r in every}):  # the same order on every rank
+            group = dist.new_group(list(ranks), backend="gloo")
+            if rank in ranks:
+                self.tp_group, self.group = tp_group, group
 
+    def of(self, tp_group):
+        """The copy of ``tp_group`` (Megatron's current group), or None when not made for it."""
+        return self.group if self.tp_group is tp_group else None
 
-def reset_host_tensor_parallel_group() -> None:
-    """Forget the gloo tensor-parallel group (a training's end: the next one makes its own)."""
-    group = _HOST_TP_GROUP[1]
-    _HOST_TP_GROUP[:] = [None, None]
-    if group is not None:
-        torch.distributed.destroy_process_group(group)
+    def close(self) -> None:
+        """Destroy the copy (a training's end: the next one makes its own)."""
+        group, self.tp_group, self.group = self.group, None, None
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
 
 
 def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
-                    with_attention_mask: bool, host_tokens: bool = False
-                    ) -> Dict[str, torch.Tensor]:
+                    with_attention_mask: bool, host_tokens: bool = False,
+                    host_group: Optional[HostTokenGroup] = None) -> Dict[str, torch.Tensor]:
     """TP rank 0 reads the next sample batch; the other TP ranks receive it. The batch's
     ``host_tokens`` are the tokens on the host: TP rank 0's from the data loader; with
     ``host_tokens`` the other TP ranks receive them over the gloo TP group when there is one
-    (``make_host_tensor_parallel_group``), else they have None."""
+    (``host_group``, made by the model provider), else they have None."""
     keys = KEYS + (("attention_mask",) if with_attention_mask else ())
     group = mpu.get_tensor_model_parallel_group()
     src = mpu.get_tensor_model_parallel_src_rank()
@@ -89,7 +93,7 @@ def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
     if mpu.get_tensor_model_parallel_world_size() > 1:
         for k in keys:
             torch.distributed.broadcast(batch[k], src, group=group)
-        host_group = _HOST_TP_GROUP[1] if _HOST_TP_GROUP[0] is group else None
+        host_group = host_group.of(group) if host_group is not None else None
         if host_tokens and host_group is not None:
             if batch["host_tokens"] is None:
                 batch["host_tokens"] = torch.empty(micro_batch_size, seq_length,
@@ -101,15 +105,16 @@ def broadcast_batch(data_iterator, micro_batch_size: int, seq_length: int,
 
 
 def get_batch(data_iterator, args, vp_stage: Optional[int] = None,
-              token_layers_here: bool = False, host_tokens: bool = False):
+              token_layers_here: bool = False, host_tokens: bool = False,
+              host_group: Optional[HostTokenGroup] = None):
     """Returns ``tokens, labels, loss_mask, attention_mask, position_ids`` for this rank, and with
     ``host_tokens`` a sixth item: the tokens on the host where this rank has them without
-    waiting for the GPU (TP rank 0, and the other TP ranks once
-    ``make_host_tensor_parallel_group`` ran; not with context parallelism), else None."""
+    waiting for the GPU (TP rank 0, and the other TP ranks over ``host_group`` once made; not
+    with context parallelism), else None."""
     if not stage_needs_batch(vp_stage, token_layers_here):
         return (None,) * (6 if host_tokens else 5)
     batch = broadcast_batch(data_iterator, args.micro_batch_size, args.seq_length,
-                            args.create_attention_mask_in_dataloader, host_tokens)
+                            args.create_attention_mask_in_dataloader, host_tokens, host_group)
     host = batch.pop("host_tokens")
     batch["cu_seqlens"] = None
     if mpu.get_context_parallel_world_size() > 1:

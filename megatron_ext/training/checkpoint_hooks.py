@@ -51,7 +51,7 @@ from megatron_ext import checkpoint_state
 from megatron_ext.models import saved_settings
 from megatron_ext.models.hybrid_checkpoint import retarget_to_layered_gpt_checkpoint
 from megatron_ext.models.registry import family_of
-from megatron_ext.training.save_lock import LOCKS, SaveLockError
+from megatron_ext.training.save_lock import SaveLock, SaveLockError
 
 
 def log(line: str) -> None:
@@ -107,16 +107,17 @@ def _rank_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def lock_save_dir(save: Optional[str]) -> None:
-    """Rank 0 takes ``--save``'s lock; every rank raises ``CheckpointError`` (the same line) when
-    it could not. Collective over the default group."""
+def lock_save_dir(save: Optional[str], locks: SaveLock) -> None:
+    """Rank 0 takes ``--save``'s lock (held in ``locks``, the training session's); every rank
+    raises ``CheckpointError`` (the same line) when it could not. Collective over the default
+    group."""
     if not save:
         return
     rank, world = _rank_world()
     problem: List[Optional[str]] = [None]
     if rank == 0:
         try:
-            LOCKS.acquire(save, log=log)
+            locks.acquire(save, log=log)
         except SaveLockError as exc:
             problem = [str(exc)]
         except OSError as exc:
@@ -158,11 +159,11 @@ def check_checkpoint(model, margs, load_dir: str,
         raise cm.CheckpointError(str(exc)) from None
 
 
-def wrap_initialize_megatron(upstream: Callable) -> Callable:
+def wrap_initialize_megatron(upstream: Callable, locks: SaveLock) -> Callable:
     def initialize_megatron(*args, **kwargs):
         result = upstream(*args, **kwargs)
         # Before pretrain writes into --save (its progress log, the first checkpoint).
-        lock_save_dir(get_args().save)
+        lock_save_dir(get_args().save, locks)
         return result
 
     return initialize_megatron

@@ -215,8 +215,9 @@ def main(argv=None) -> None:
         sys.stdout.flush()
         try:
             pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-                     partial(forward_step, run=run),
-                     model_provider=partial(model_provider, run=run))
+                     partial(forward_step, run=run, host_group=session.host_tokens),
+                     model_provider=partial(model_provider, run=run,
+                                            host_group=session.host_tokens))
         except CheckpointError as exc:
             refuse(str(exc))
         except RowKernelError as exc:

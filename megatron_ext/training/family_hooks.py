@@ -14,11 +14,13 @@ from typing import Callable
 
 
 
-def wrap_get_megatron_optimizer(upstream: Callable, family_run) -> Callable:
-    """``family_run``: the training's ``FamilyRun`` (``training/session.py``)."""
+def wrap_get_megatron_optimizer(upstream: Callable, family_run, trained: list) -> Callable:
+    """``family_run``: the training's ``FamilyRun``; ``trained``: the session's list of the model
+    chunks the training optimizes (``training/session.py``), to which they are added."""
 
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         optimizer = upstream(config, model_chunks, *args, **kwargs)
+        trained.extend(model_chunks)
         return family_run.wrap_optimizer(optimizer, model_chunks)
 
     return get_megatron_optimizer

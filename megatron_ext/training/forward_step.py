@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
@@ -10,7 +11,7 @@ from megatron.training import get_args, get_timers
 
 from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.token_ids import wrapped_attr
-from megatron_ext.training.batch import get_batch
+from megatron_ext.training.batch import HostTokenGroup, get_batch
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -23,9 +24,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
-def forward_step(data_iterator, model, *, run: FamilyRun):
+def forward_step(data_iterator, model, *, run: FamilyRun,
+                 host_group: Optional[HostTokenGroup] = None):
     """One micro-batch of ``model`` (a chunk) for ``pretrain``; ``run``: the family's run of
-    this training (the trainer binds it, ``functools.partial(forward_step, run=...)``)."""
+    this training, ``host_group``: its gloo copy of the tensor-parallel group (the trainer binds
+    both, ``functools.partial(forward_step, run=..., host_group=...)``)."""
     args = get_args()
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
@@ -36,7 +39,8 @@ def forward_step(data_iterator, model, *, run: FamilyRun):
         """The five tensors and the tokens' host copy (or None), the ids checked on the host
         where there is one: the model's forward then need not read them back from the GPU,
         which would wait for every kernel queued before (the previous micro-batch's backward)."""
-        batch = get_batch(data_iterator, args, vp_stage, token_layers_here, host_tokens=True)
+        batch = get_batch(data_iterator, args, vp_stage, token_layers_here, host_tokens=True,
+                          host_group=host_group)
         if token_layers_here and batch[0] is not None and batch[5] is not None:
             get_attr_wrapped_model(model, "check_host_token_ids")(batch[5])
         return batch

@@ -17,17 +17,18 @@ from megatron_ext.models.hybrid import TokenIdsHybridModel, stack_has_token_laye
 from megatron_ext.models.registry import get_family
 from megatron_ext.models.specs import (core_attention_choice, stage_has_token_layers,
                                        te_available)
-from megatron_ext.training.batch import make_host_tensor_parallel_group
-from megatron_ext.training.teardown import track_model_config
+from megatron_ext.training.batch import HostTokenGroup
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
                    vp_stage: Optional[int] = None, config=None, pg_collection=None, *,
-                   run: Optional[FamilyRun] = None):
+                   run: Optional[FamilyRun] = None,
+                   host_group: Optional[HostTokenGroup] = None):
     """One model chunk. ``run``: the family's run of this training (``FamilyRun``; the trainer
     binds it, ``functools.partial(model_provider, run=...)``), whose ``token_tables`` the model
     builds and keeps and whose ``model_state`` sees the chunk; without one, a run that does
-    nothing (a model built outside a training)."""
+    nothing (a model built outside a training). ``host_group``: the training's gloo copy of the
+    tensor-parallel group, made here when the run's batches route the tokens' host copy."""
     args = get_args()
     use_te = args.transformer_impl == "transformer_engine"
     if use_te and not te_available():
@@ -35,7 +36,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
                          "installed (or has no GPU); use --transformer-impl local")
     if config is None:
         config = core_transformer_config_from_args(args)
-    track_model_config(config)  # its trainer callbacks are dropped at teardown (teardown.py)
     family = get_family(args.model_family)
     if family.heterogeneous_layers:
         # Layers differ (e.g. only STEM layers hold a table): save each layer under its own key.
@@ -53,8 +53,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
             model = _gpt_model(args, config, family, use_te, pre_process, post_process,
                                vp_stage, pg_collection, token_tables)
     run.model_state(model, config)
-    if getattr(args, "use_gloo_process_groups", True) and run.host_tokens:
-        make_host_tensor_parallel_group()  # every rank, the first chunk: a collective
+    if getattr(args, "use_gloo_process_groups", True) and run.host_tokens \
+            and host_group is not None:
+        host_group.make()  # every rank, the first chunk: a collective
     return model
 
 

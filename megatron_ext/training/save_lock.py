@@ -219,5 +219,3 @@ def _read(fd: int) -> dict:
         return {}
     return record if isinstance(record, dict) else {}
 
-
-LOCKS = SaveLock()

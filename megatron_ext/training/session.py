@@ -16,9 +16,11 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megatron_ext.checkpoint_manifest import ManifestWriter
-from megatron_ext.training import checkpoint_hooks, upstream_seams
+from megatron_ext.training import checkpoint_hooks, teardown, upstream_seams
+from megatron_ext.training.batch import HostTokenGroup
 from megatron_ext.training.log_hooks import Hook
 from megatron_ext.training.run_report import RunReport
+from megatron_ext.training.save_lock import SaveLock
 
 
 class TrainingSession:
@@ -33,6 +35,13 @@ class TrainingSession:
         if self.report is not None:
             self.log_hooks.append(self.report.hook)
         self.manifests = ManifestWriter(log=checkpoint_hooks.log)
+        # --save's lock (taken after Megatron's initialisation), the gloo copy of the
+        # tensor-parallel group the batches' host tokens travel over (made by the model
+        # provider), and the model chunks the optimizer seam saw (their trainer callbacks are
+        # dropped at the end: teardown.release_model_configs).
+        self.save_lock = SaveLock()
+        self.host_tokens = HostTokenGroup()
+        self.model_chunks: list = []
         self.closed = False
 
     def open(self) -> "TrainingSession":
@@ -57,5 +66,9 @@ class TrainingSession:
                 # manifest being hashed is finished first (an ended training waited for them).
                 self.manifests.close()
         finally:
+            teardown.release_model_configs(self.model_chunks)
+            self.model_chunks.clear()
+            self.host_tokens.close()
+            self.save_lock.release_all()
             self.log_hooks.clear()
             upstream_seams.restore(upstream_seams.HOOKS)  # the fixes of upstream bugs stay

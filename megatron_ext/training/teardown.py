@@ -8,13 +8,14 @@ their last Megatron reference but stay registered with ``torch.distributed``, an
 keeps its context and its ``pt_gloo_runloop``/``gloo_tcp_loop`` threads for the life of the process:
 hundreds of threads per rank after a launch of a few dozen trainings), the tensorboard writer
 (flushed and closed), Megatron's aux-loss gradient scale and MoE metrics tracker (whose entries keep
-the layer count of the training that first recorded them), the trainer's callbacks on the models'
-configs (which kept a model with the distributed optimizer alive: ``release_model_configs``). The
-default process group stays up: ``initialize_megatron`` finds it and builds the next training's
-groups. Every training seeds its generators itself. The run's own state (its log hooks, run
-report, manifest writer, the upstream functions it replaced, and the family's run: STEM's host
-worker and table optimizers, Sigma's layers and routers) is not here: the entry point closes its
-``TrainingSession`` on every way out (``training/session.py``).
+the layer count of the training that first recorded them). The default process group stays up:
+``initialize_megatron`` finds it and builds the next training's groups. Every training seeds its
+generators itself. The run's own state (its log hooks, run report, manifest writer, ``--save``'s
+lock, the gloo copy of the tensor-parallel group, the trainer's callbacks on its models' configs
+(``release_model_configs``, which kept a model with the distributed optimizer alive), the upstream
+functions it replaced, and the family's run: STEM's host worker and table optimizers, Sigma's
+layers) is not here: the entry point closes its ``TrainingSession`` on every way out
+(``training/session.py``).
 
 Used by ``tests/dist/multi_config.py`` (several test trainings per launch of the ranks).
 """
@@ -22,37 +23,27 @@ Used by ``tests/dist/multi_config.py`` (several test trainings per launch of the
 from __future__ import annotations
 
 import gc
-import weakref
 
 import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+from megatron.core.utils import get_model_config
 from megatron.training import training
 from megatron.training.global_vars import get_tensorboard_writer
 
 from megatron_ext.training import upstream_seams
-from megatron_ext.training.batch import reset_host_tensor_parallel_group
 
 
-# The config of every model ``model_provider`` built in this process, by id (weak: a freed model's
-# config goes; configs are dataclasses with ``__eq__``, so not hashable). See
-# ``release_model_configs``.
-_CONFIGS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 # What upstream's ``train()`` attaches to the model's config (megatron-core 0.19,
 # ``megatron.training.training.train``): bound methods of the optimizer and the DDP chunks.
 TRAINER_CALLBACKS = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
                      "finalize_model_grads_func")
 
 
-def track_model_config(config) -> None:
-    """Called by ``model_provider`` with the config of each model chunk it builds."""
-    _CONFIGS[id(config)] = config
-
-
-def release_model_configs() -> None:
-    """Detach the trainer's callbacks from every model config still alive, so that a finished
-    model and its optimizer can be freed. Upstream's ``DistributedOptimizer`` keeps the shards of
+def release_model_configs(chunks) -> None:
+    """Detach the trainer's callbacks from the configs of the model ``chunks`` (the training
+    session's, at its end), so that a finished model and its optimizer can be freed. Upstream's ``DistributedOptimizer`` keeps the shards of
     fp32 parameters as views made without ``detach()`` (``model_param.view(-1)[start:end]``; its
     fp16/bf16 branch detaches). Their autograd graph holds each parameter's ``AccumulateGrad``
     node, whose hook (Megatron DDP's backward post-hook) holds the DDP chunk, whose config holds
@@ -61,14 +52,13 @@ def release_model_configs() -> None:
     lived for the rest of the process (60 gloo threads per rank more after each training of a
     2-rank launch of tiny GPT trainings with ``--use-distributed-optimizer``, measured
     2026-11-26). Without the config's link to the optimizer the cycle is an ordinary one."""
-    for config in list(_CONFIGS.values()):
+    for config in {id(c): c for c in map(get_model_config, chunks)}.values():
         for name in TRAINER_CALLBACKS:
             if getattr(config, name, None) is not None:
                 setattr(config, name, None)
 
 
 def destroy_training_state() -> None:
-    release_model_configs()
     try:
         writer = get_tensorboard_writer()
     except Exception:  # global state already gone
@@ -77,7 +67,6 @@ def destroy_training_state() -> None:
         writer.flush()
         writer.close()
     destroy_moe_metrics_tracker()
-    reset_host_tensor_parallel_group()
     training.destroy_global_state()
     upstream_seams.forget_upstream_state()  # what destroy_global_state leaves (its RESETS)
     clear_rotary_caches()

@@ -42,7 +42,11 @@ def _training_log(upstream, run):
 
 
 def _get_megatron_optimizer(upstream, run):
-    return family_hooks.wrap_get_megatron_optimizer(upstream, run.family_run)
+    return family_hooks.wrap_get_megatron_optimizer(upstream, run.family_run, run.model_chunks)
+
+
+def _initialize_megatron(upstream, run):
+    return checkpoint_hooks.wrap_initialize_megatron(upstream, run.save_lock)
 
 
 def _save_checkpoint(upstream, run):
@@ -60,8 +64,9 @@ HOOKS: Tuple[Seam, ...] = (
     Seam(training, "get_megatron_optimizer", _get_megatron_optimizer,
          "no optimizer hook in setup_model_and_optimizer; the family run's wrap_optimizer "
          "chains its optimizer onto the one upstream builds", per_run=True),
-    Seam(training, "initialize_megatron", checkpoint_hooks.wrap_initialize_megatron,
-         "no hook between initialization and the first write into --save; --save's lock"),
+    Seam(training, "initialize_megatron", _initialize_megatron,
+         "no hook between initialization and the first write into --save; --save's lock",
+         per_run=True),
     Seam(gpt_checkpoint_interop, "retarget_sharded_state_dict_to_gpt_checkpoint",
          checkpoint_hooks.wrap_retarget,
          "load_checkpoint imports it by name when a hybrid run loads a GPT checkpoint; no "

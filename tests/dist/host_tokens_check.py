@@ -33,18 +33,19 @@ def main() -> None:
     got = batches.get_batch(data(0), args, host_tokens=True)
     if tp_rank == 1 and got[5] is not None:
         sys.exit("TP rank 1 had host tokens without the gloo TP group")
-    batches.make_host_tensor_parallel_group()
-    group = batches._HOST_TP_GROUP[1]
+    host_group = batches.HostTokenGroup()  # a training session's
+    host_group.make()
+    group = host_group.group
     if dist.get_backend(group) != "gloo" or sorted(dist.get_process_group_ranks(group)) != \
             sorted(dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group())):
         sys.exit(f"rank {rank}: the host TP group is not a gloo copy of the TP group")
     for step in (1, 2):
-        got = batches.get_batch(data(step), args, host_tokens=True)
+        got = batches.get_batch(data(step), args, host_tokens=True, host_group=host_group)
         host = got[5]
         if host is None or host.device.type != "cpu" or not torch.equal(host, got[0].cpu()):
             sys.exit(f"rank {rank} (TP rank {tp_rank}) step {step}: host tokens {host} differ "
                      f"from the batch's {got[0]}")
-    batches.reset_host_tensor_parallel_group()
+    host_group.close()
     dist.barrier()
     if rank == 0:
         print("host tokens ok on every TP rank")

@@ -269,8 +269,9 @@ def _on_stream(fn: Callable, stream, after=None) -> Callable:
     return task
 
 
-# The workers whose thread runs: the one module-level state of the worker, because the exit hook
-# below must reach a training's worker that was not closed (its thread is a daemon).
+# The workers whose thread runs. Module-level because the exit hook below must reach a training's
+# worker that was not closed (its thread is a daemon): a run that ends without its session's
+# close still has its queued host work finished, or its failure logged.
 _LIVE: "weakref.WeakSet[HostWorker]" = weakref.WeakSet()
 
 
