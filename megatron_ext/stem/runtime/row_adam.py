@@ -227,6 +227,44 @@ class RowAdamW(LazyView):
         else:
             self._sparse_step(i, rows, rows_grad, plan)
 
+    def step_shards(self, items: Sequence[Tuple[int, torch.Tensor, torch.Tensor]],
+                    plan: "StepPlan") -> None:
+        """``step_rows(i, rows, rows_grad, plan)`` for each ``(i, rows, rows_grad)`` of ``items``.
+        Sparse on the torch path (the GPU tier, device shards), with every shard's rows the same
+        (as a chunk's layers are: the same tokens touch them) and its state in one tensor per
+        kind (``stacked``): all layers step together, one op per tensor instead of one per layer
+        (on a GPU each op is a kernel launch). The same bits as the step per shard."""
+        if not (self.mode == "sparse" and self.rowwise is None and len(items) > 1 and
+                self._step_stacked(items, plan)):
+            for i, rows, rows_grad in items:
+                self.step_rows(i, rows, rows_grad, plan)
+
+    def _step_stacked(self, items, plan: "StepPlan") -> bool:
+        """The sparse torch step of every shard at once (``step_shards``); False (nothing done)
+        where the shards, their rows or their state cannot be taken as one."""
+        lazy = self.lazy
+        if [i for i, _, _ in items] != list(range(len(self.shards))):
+            return False
+        state = lazy.stacks()
+        if state is None:
+            return False
+        rows = [r.cpu().to(torch.long) for _, r, _ in items]  # the per-row state is on the host
+        if rows[0].numel() == 0 or any(r.shape != rows[0].shape or not torch.equal(r, rows[0])
+                                       for r in rows[1:]):
+            return False
+        shards, exp_avg, exp_avg_sq, last, touched = state
+        rows = rows[0]
+        dev = shards.device
+        factors = lazy.clock.coefficients(last[:, rows], touched[:, rows], plan.step - 1)
+        index = to_device(rows, dev)
+        g = torch.stack([grad.to(dev, torch.float32) for _, _, grad in items])
+        p, m, v = catch_up_rows(shards.index_select(1, index), exp_avg.index_select(1, index),
+                                exp_avg_sq.index_select(1, index), *factor_columns(factors, dev))
+        _torch_adamw(p, g, m, v, plan.hyper, plan.step)
+        shards[:, index], exp_avg[:, index], exp_avg_sq[:, index] = p, m, v
+        last[:, rows] = touched[:, rows] = plan.step
+        return True
+
     def _dense_step(self, i: int, rows: torch.Tensor, rows_grad: torch.Tensor,
                     plan: "StepPlan") -> None:
         hyper = plan.hyper
@@ -461,10 +499,8 @@ class LazyRows:
         self.shards = list(shards)
         self.huge_pages = huge_pages
         self.clock = clock if clock is not None else RowClock()
-        self.last = last if last is not None else \
-            [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
-        self.touched = touched if touched is not None else \
-            [torch.zeros(s.shape[0], dtype=torch.long) for s in self.shards]
+        self.last = last if last is not None else _per_row_steps(self.shards)
+        self.touched = touched if touched is not None else _per_row_steps(self.shards)
         self.exp_avg: Optional[List[torch.Tensor]] = None
         self.exp_avg_sq: Optional[List[torch.Tensor]] = None
         self._kernel = None
@@ -473,9 +509,60 @@ class LazyRows:
         """The Adam moments of the shards (zeros, allocated on first call), which the catch-up
         reads and the sparse optimizer steps."""
         if self.exp_avg is None:
-            self.exp_avg = [host_memory.zeros_like(s, self.huge_pages) for s in self.shards]
-            self.exp_avg_sq = [host_memory.zeros_like(s, self.huge_pages) for s in self.shards]
+            stack = stacked(self.shards) if len(self.shards) > 1 else None
+            if stack is not None:  # shards in one tensor (the store's device shards): their
+                # moments too, so that the torch path steps and settles every layer at once
+                self.exp_avg = list(host_memory.zeros_like(stack, self.huge_pages).unbind(0))
+                self.exp_avg_sq = list(host_memory.zeros_like(stack, self.huge_pages).unbind(0))
+            else:
+                self.exp_avg = [host_memory.zeros_like(s, self.huge_pages) for s in self.shards]
+                self.exp_avg_sq = [host_memory.zeros_like(s, self.huge_pages)
+                                   for s in self.shards]
         return self.exp_avg, self.exp_avg_sq
+
+    def stacks(self):
+        """``(rows, exp_avg, exp_avg_sq, last, touched)``, each every shard's in one tensor
+        (``stacked``: layer first), where the rows step and settle with torch ops (no row kernel)
+        and each kind of state is one tensor; else None."""
+        if self.exp_avg is None or len(self.shards) < 2 or \
+                self._row_kernel(self.shards[0]) is not None:
+            return None
+        state = [stacked(x) for x in (self.shards, self.exp_avg, self.exp_avg_sq, self.last,
+                                      self.touched)]
+        return None if any(x is None for x in state) else state
+
+    def settle_shards(self, rows: torch.Tensor, upto: Optional[int] = None) -> None:
+        """``settle(i, rows, upto)`` for every shard: on the torch path with the state in one
+        tensor per kind (``stacks``), every layer at once, one op per tensor instead of one per
+        layer; the same bits."""
+        upto = self.clock.step if upto is None else upto
+        if upto == self.clock.base or rows.numel() == 0 or self.exp_avg is None:
+            return
+        state = self.stacks()
+        if state is None:
+            for i in range(len(self.shards)):
+                self.settle(i, rows, upto)
+            return
+        shards, exp_avg, exp_avg_sq, last_all, touched_all = state
+        rows = torch.unique(rows.cpu().to(torch.long))
+        last = last_all[:, rows]
+        late = last < upto  # [layers, rows], on the host
+        some = late.any(0)
+        if not bool(some.any()):
+            return
+        if not bool(some.all()):
+            rows, last, late = rows[some], last[:, some], late[:, some]
+        factors = self.clock.coefficients(last, touched_all[:, rows], upto)
+        dev = shards.device
+        index = to_device(rows, dev)
+        p, m, v = (x.index_select(1, index) for x in (shards, exp_avg, exp_avg_sq))
+        pr, mr, vr = catch_up_rows(p, m, v, *factor_columns(factors, dev))
+        if not bool(late.all()):  # a row already current in some layer stays as it is there
+            keep = to_device(late, dev).unsqueeze(-1)
+            pr, mr, vr = torch.where(keep, pr, p), torch.where(keep, mr, m), \
+                torch.where(keep, vr, v)
+        shards[:, index], exp_avg[:, index], exp_avg_sq[:, index] = pr, mr, vr
+        last_all[:, rows] = torch.where(late, upto, last)
 
     def settle(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         """Bring rows ``rows`` (local indices, repeats allowed) of shard ``i`` to iteration
@@ -548,7 +635,40 @@ def factor_columns(factors: Sequence[torch.Tensor], device: torch.device) -> Lis
     """``RowClock.coefficients``' float64 factors as fp32 columns ``[rows, 1]`` on ``device``,
     rounded as the compiled kernel rounds them, in one copy (a device shard: one host-to-device
     transfer, not one per factor)."""
-    return list(to_device(torch.stack(factors).to(torch.float32), device).unsqueeze(2).unbind(0))
+    return list(to_device(torch.stack(factors).to(torch.float32), device).unsqueeze(-1)
+                .unbind(0))
+
+
+def stacked(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One tensor ``T`` with ``T[k]`` the storage of ``tensors[k]`` (a view, no copy), where they
+    are equal-shaped views of one base at evenly spaced, non-overlapping offsets (the layers of a
+    store's device shards and their state: ``TableStore``, ``bind_moments``,
+    ``_per_row_steps``); else None."""
+    if not tensors or any(not isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    first = tensors[0]
+    base = first._base
+    if base is None or len(tensors) < 2:
+        return None
+    step = tensors[1].storage_offset() - first.storage_offset()
+    extent = 1 + sum((n - 1) * st for n, st in zip(first.shape, first.stride()))
+    if step < extent:
+        return None
+    for k, t in enumerate(tensors):
+        if t._base is not base or t.shape != first.shape or t.stride() != first.stride() or \
+                t.dtype != first.dtype or t.storage_offset() != first.storage_offset() + k * step:
+            return None
+    return base.as_strided((len(tensors),) + tuple(first.shape), (step,) + first.stride(),
+                           first.storage_offset())
+
+
+def _per_row_steps(shards: Sequence) -> List[torch.Tensor]:
+    """Zeroed per-row iteration counts of each shard, in one ``[layers, rows]`` tensor where the
+    shards have the same rows (``stacked`` finds it)."""
+    counts = {s.shape[0] for s in shards}
+    if len(shards) > 1 and len(counts) == 1:
+        return list(torch.zeros(len(shards), counts.pop(), dtype=torch.long).unbind(0))
+    return [torch.zeros(s.shape[0], dtype=torch.long) for s in shards]
 
 
 def catch_up_rows(p, m, v, owed, move, m_scale, v_scale, eps):
@@ -598,6 +718,15 @@ class TieredLazyRows(LazyRows):
         _, hot_rows, _, cold_rows = self.shards[i].split(rows)
         self.hot.settle(i, hot_rows, upto)
         self.cold.settle(i, cold_rows, upto)
+
+    def settle_shards(self, rows: torch.Tensor, upto: Optional[int] = None) -> None:
+        """Each tier settles its rows of ``rows`` in every shard (the tiers split once)."""
+        if (self.clock.step if upto is None else upto) == self.clock.base or rows.numel() == 0 \
+                or not self.shards:
+            return
+        _, hot_rows, _, cold_rows = self.shards[0].split(rows)
+        self.hot.settle_shards(hot_rows, upto)
+        self.cold.settle_shards(cold_rows, upto)
 
 
 class TieredRowAdamW(LazyView):
@@ -650,20 +779,30 @@ class TieredRowAdamW(LazyView):
         """Shard ``i``'s rows (local indices) step in the tier that holds them; dense: each tier
         steps all its rows (the others with a zero gradient). ``rows_grad``: a tensor, or the
         ``TierGrads`` of ``split_grads`` (the rows hot first)."""
-        shard = self.shards[i]
-        if not isinstance(rows_grad, TierGrads):
-            rows, rows_grad = split_grads(shard, rows, rows_grad)
-        rows, n = rows.cpu().to(torch.long), rows_grad.num_hot
-        for opt, local, grad, tier in ((self.hot, rows[:n], rows_grad.hot, shard.hot),
-                                       (self.cold, rows[n:] - shard.num_hot, rows_grad.cold,
-                                        shard.cold)):
-            if tier.shape[0] and (local.numel() or self.mode == "dense"):
-                # Dense zero-fills a tier-sized gradient on the tier's device and writes the rows
-                # there (their indices go along); sparse keeps its per-row last steps on the host
-                # and takes host indices.
-                if self.mode == "dense":
-                    local = to_device(local, tier.device)
-                opt.step_rows(i, local, grad.to(tier.device), plan)
+        self.step_shards([(i, rows, rows_grad)], plan)
+
+    def step_shards(self, items, plan: StepPlan) -> None:
+        """``step_rows`` for each ``(i, rows, rows_grad)`` of ``items``; each tier steps its rows
+        of all of them in one call (``RowAdamW.step_shards``: the GPU tier's layers together)."""
+        per_tier = ([], [])
+        for i, rows, rows_grad in items:
+            shard = self.shards[i]
+            if not isinstance(rows_grad, TierGrads):
+                rows, rows_grad = split_grads(shard, rows, rows_grad)
+            rows, n = rows.cpu().to(torch.long), rows_grad.num_hot
+            for todo, local, grad, tier in ((per_tier[0], rows[:n], rows_grad.hot, shard.hot),
+                                            (per_tier[1], rows[n:] - shard.num_hot,
+                                             rows_grad.cold, shard.cold)):
+                if tier.shape[0] and (local.numel() or self.mode == "dense"):
+                    # Dense zero-fills a tier-sized gradient on the tier's device and writes the
+                    # rows there (their indices go along); sparse keeps its per-row last steps on
+                    # the host and takes host indices.
+                    if self.mode == "dense":
+                        local = to_device(local, tier.device)
+                    todo.append((i, local, grad.to(tier.device)))
+        for opt, todo in zip((self.hot, self.cold), per_tier):
+            if todo:
+                opt.step_shards(todo, plan)
 
     def catch_up(self, i: int, rows: torch.Tensor, upto: Optional[int] = None) -> None:
         if self.mode == "sparse":

@@ -34,7 +34,16 @@ class OwedStep:
         self._step = step
         self.rows = list(rows)
         self.widths = list(widths)
-        self.left = [torch.arange(r.numel()) for r in self.rows]  # positions not stepped yet
+        # The layers of a chunk step the same rows (the same tokens touch them): those share one
+        # tensor of rows and of positions left, so a read looks its rows up once, not per layer
+        # (``_per_rows``).
+        for i in range(1, len(self.rows)):
+            r, first = self.rows[i], self.rows[0]
+            if r.shape == first.shape and r.device.type == first.device.type == "cpu" and \
+                    torch.equal(r, first):
+                self.rows[i] = first
+        left = {}
+        self.left = [left.setdefault(id(r), torch.arange(r.numel())) for r in self.rows]
         self.seconds = 0.0            # every part's step time
         self.seconds_in_reads = 0.0   # the parts reads waited for (on a read's path)
         self.store = None             # the store that keeps it, until it is done
@@ -48,27 +57,48 @@ class OwedStep:
 
     def settle(self, local_rows: torch.Tensor) -> None:
         """Step the rows of ``local_rows`` not stepped yet."""
-        positions = []
-        for i, left in enumerate(self.left):
+        def split(rows, left):
             if left.numel() == 0:
-                positions.append(left)
-                continue
-            hit = torch.isin(self.rows[i][left], local_rows)
-            positions.append(left[hit])
-            self.left[i] = left[~hit]
+                return left, left
+            hit = torch.isin(rows[left], local_rows)
+            return left[hit], left[~hit]
+
+        positions, self.left = self._per_rows(split)
         self.seconds_in_reads += self._run(positions)
+
+    def _per_rows(self, split: Callable) -> Tuple[list, list]:
+        """``split(rows, left) -> (positions to step, positions left)`` per shard, called once
+        for shards that share their rows and positions left (the outputs shared alike)."""
+        done, positions, left = {}, [], []
+        for rows, remaining in zip(self.rows, self.left):
+            key = (id(rows), id(remaining))
+            if key not in done:
+                done[key] = split(rows, remaining)
+            positions.append(done[key][0])
+            left.append(done[key][1])
+        return positions, left
 
     def run_chunk(self) -> bool:
         """Step the next chunk of rows; True once every row is stepped."""
-        budget = self.CHUNK_ELEMENTS
-        positions = []
-        for i, left in enumerate(self.left):
-            n = min(left.numel(), max(budget // max(self.widths[i], 1), 0))
-            if n == 0 and left.numel() and not any(p.numel() for p in positions):
+        # Shards that share their rows and positions left take the same positions (their
+        # widths summed against the budget), so they keep sharing them.
+        widths = {}
+        for rows, left, width in zip(self.rows, self.left, self.widths):
+            key = (id(rows), id(left))
+            widths[key] = widths.get(key, 0) + width
+        budget, taken = self.CHUNK_ELEMENTS, False
+
+        def split(rows, left):
+            nonlocal budget, taken
+            width = widths[(id(rows), id(left))]
+            n = min(left.numel(), max(budget // max(width, 1), 0))
+            if n == 0 and left.numel() and not taken:
                 n = 1  # progress whatever the width
-            positions.append(left[:n])
-            self.left[i] = left[n:]
-            budget -= n * self.widths[i]
+            taken = taken or n > 0
+            budget -= n * width
+            return left[:n], left[n:]
+
+        positions, self.left = self._per_rows(split)
         self._run(positions)
         if self.done and self.store is not None and self.store.owed_step is self:
             self.store.owed_step = None
@@ -137,11 +167,18 @@ class TableSteps:
                     with record_function("stem/wait-grads"):
                         (arrived.synchronize_first if first else arrived.synchronize)()
                     grad_wait[0] += time.perf_counter() - start
+                items = []
                 for i, (rows, grad) in enumerate(grads):
                     if positions is not None:
                         rows, grad = take_rows(rows, grad, positions[i])
                     if rows.numel() or self.mode != "sparse":
-                        adam.step_rows(i, rows, grad, plan)
+                        items.append((i, rows, grad))
+                step_shards = getattr(adam, "step_shards", None)
+                if step_shards is not None:  # the layers together where it can (row_adam)
+                    step_shards(items, plan)
+                else:  # an optimizer of one shard at a time
+                    for item in items:
+                        adam.step_rows(*item, plan)
             return time.perf_counter() - start
 
         fetch = t.deferred

@@ -28,7 +28,7 @@ from torch.profiler import record_function
 
 from megatron_ext.stem.runtime import host_memory
 from megatron_ext.stem.runtime.row_adam import LazyRows
-from megatron_ext.stem.runtime.row_adam import TieredLazyRows
+from megatron_ext.stem.runtime.row_adam import TieredLazyRows, stacked
 from megatron_ext.stem.runtime.tiers import TieredShard, full_tensor, write_back
 from megatron_ext.stem.runtime.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
@@ -77,21 +77,32 @@ class TableStore:
             released=sum(d.values.numel() * d.values.element_size() for d in drawn
                          if d.values.device.type == "cpu"),
             ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        # The device rows of every layer (the GPU tier; gpu placement) in one tensor, layer
+        # first, where the layers have one width: the torch path then steps, settles and reads
+        # every layer's rows with one op per tensor (row_adam.stacked), not one per layer.
+        widths = {d.values.shape[1] for d in drawn}
+        on_device = num_hot if placement == "tiered" else \
+            owned_ids.numel() if placement == "gpu" and cuda else None
+        stack = torch.empty(len(drawn), on_device, widths.pop(), dtype=torch.float32,
+                            device=device) if on_device and len(drawn) > 1 and \
+            len(widths) == 1 else None
+        layer_number = 0
         while drawn:
             layer = drawn.pop(0)
             rows, values = layer.rows(owned_ids), layer.values
             del layer
             if placement == "tiered":  # the first num_hot owned rows are the GPU tier
-                hot = values[rows[:num_hot]].to(device=device, dtype=torch.float32)
+                hot = self._device_rows(values[rows[:num_hot]], stack, layer_number, device)
                 cold = host_memory.index_select(values, rows[num_hot:], torch.float32,
                                                 huge_pages)
-                shard = TieredShard(hot.contiguous(), cold)
+                shard = TieredShard(hot, cold)
             elif placement == "gpu" and cuda:
-                shard = values[rows].to(device=device, dtype=torch.float32).contiguous()
+                shard = self._device_rows(values[rows], stack, layer_number, device)
             else:  # host memory (cpu placement; gpu placement without CUDA)
                 shard = host_memory.index_select(values, rows, torch.float32, huge_pages)
             del values
             self.shards.append(shard)
+            layer_number += 1
         self.placement = placement
         self.lazy = TieredLazyRows(self.shards, huge_pages) if placement == "tiered" else \
             LazyRows(self.shards, huge_pages=huge_pages)
@@ -99,6 +110,15 @@ class TableStore:
         # The part of a sparse table step still to run (``schedule.OwedStep``): rows a
         # read needs are stepped first. Set and cleared by the optimizer; used on the worker.
         self.owed_step = None
+
+    @staticmethod
+    def _device_rows(rows: torch.Tensor, stack: Optional[torch.Tensor], k: int,
+                     device: torch.device) -> torch.Tensor:
+        """A layer's device rows as fp32: layer ``k`` of ``stack``, or a tensor of their own."""
+        if stack is None:
+            return rows.to(device=device, dtype=torch.float32).contiguous()
+        stack[k].copy_(rows)
+        return stack[k]
 
     @property
     def widths(self) -> List[int]:
@@ -238,8 +258,12 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
     index = index.to(torch.long).contiguous()
     if not on_host:  # device shards: settled in place, read by indexing
         if lazy is not None:
-            for i in range(len(shards)):
-                lazy.settle(i, index)
+            lazy.settle_shards(index)
+        stack = stacked(shards)
+        if stack is not None:  # every layer's rows in one gather, laid side by side and cast
+            rows = torch.empty(n, len(shards), widths[0], dtype=dtype, device=device)
+            rows.copy_(stack.index_select(1, to_device(index, stack.device)).transpose(0, 1))
+            return rows.view(n, -1)
         return torch.cat([s[to_device(index, s.device)] for s in shards], dim=1).to(
             device=device, dtype=dtype)
     if staging is None or device.type != "cuda":  # host rows to host memory
@@ -270,6 +294,12 @@ def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: t
     ``TieredLazyRows``, each tier reading its own rows."""
     widths = [s.shape[1] for s in shards]
     hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
+    for pos, rows, tier, tier_lazy, tier_staging in (
+            (hot_pos, hot_rows, "hot", lazy.hot if lazy is not None else None, None),
+            (cold_pos, cold_rows, "cold", lazy.cold if lazy is not None else None, staging)):
+        if pos.numel() == index.numel():  # every row in one tier: read in place of ``out``
+            return gather_rows([getattr(s, tier) for s in shards], rows, device, dtype,
+                               tier_staging, lazy=tier_lazy)
     out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
     if hot_pos.numel():
         out[to_device(hot_pos, device)] = gather_rows(

@@ -1,0 +1,315 @@
+"""The torch ops of one read of a micro-batch's rows while a sparse table step is owed: what the
+host worker runs for the next step's first micro-batch (``TableStore.gather``: the owed step's
+rows that the read needs are stepped first, ``schedule.OwedStep.settle``, then every row read is
+brought up to date and gathered). On a GPU each op of the GPU tier is a kernel launch of about
+5-10 us, and each host op a few us of Python and dispatch on the worker; this counts them on the
+CPU (the GPU tier on the CPU device), per phase, with a ``TorchDispatchMode``.
+
+Phases: ``step: bookkeeping`` (the owed step's choice of rows, its gradients' split by tier),
+``step: GPU tier`` (the GPU tier's rows stepped with torch ops, ``RowAdamW._sparse_step``),
+``step: host tier`` (the host rows stepped by the row kernel, ``sparse_adamw_``: ops around one
+C call), ``read: GPU tier settle`` (rows read but not stepped, brought up to date in place,
+``LazyRows.settle``), ``read: host tier`` (``gather_current_rows_``) and ``read: rest`` (the split
+by tier, the output's assembly). ``would sync`` counts the ops that wait for the GPU when their
+tensors are on one (``.item()``/``bool()``/``int()``, ``nonzero``, ``unique``, indexing with a
+boolean mask). Host-to-device copies of indices and factors are not counted: on the CPU they are
+no copies at all.
+
+The store is the real one (``TableStore``, ``cpu`` or ``tiered`` placement, device = CPU), its
+optimizer ``RowAdamW``/``TieredRowAdamW`` sparse, the owed step made by ``TableSteps.step_table``
+as in training. Rows are drawn Zipf(1) over the owned rows (local order: hot first); a few
+steps run first so that rows owe catch-ups of different lengths; each timed read gets a new owed
+step. Times: medians of ``--reps`` reads (the op count is that of one read, without the counter
+in the timings).
+
+    .venv/bin/python benchmarks/stem_catchup_ops.py     # 2 tables x 30000 rows x 8192, 4096 read
+    .venv/bin/python benchmarks/stem_catchup_ops.py --rows 8000 --width 2048 --verbose
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import report_json  # noqa: E402
+
+SYNCING = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive",
+           "masked_select", "item"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched, per phase (``phase`` is a stack set by ``in_phase``):
+    ``device`` the ops on a tensor of the GPU tier's device (``--count-device``: ``meta``, where
+    the GPU tier's ops run without data), views apart; ``host`` the others."""
+
+    def __init__(self, default: str, device: str):
+        super().__init__()
+        self.phases = [default]
+        self.device = device
+        self.counts = collections.defaultdict(collections.Counter)
+        self.kinds = collections.defaultdict(collections.Counter)
+        self.syncs = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        phase = self.phases[-1]
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        on_device = any(t.device.type == self.device for t in tensors)
+        kind = ("device view" if func.is_view else "device") if on_device else "host"
+        self.counts[phase][f"{kind}:{name}"] += 1
+        self.kinds[phase][kind] += 1
+        if on_device and (name in SYNCING or (name in ("index", "index_put", "index_put_") and any(
+                t.dtype == torch.bool for t in tensors))):
+            self.syncs[phase] += 1
+        return out
+
+
+def in_phase(counter_ref: list, phase: str, fn):
+    """``fn`` run with ``phase`` on the counter's stack (when one is counting)."""
+
+    def wrapped(*args, **kwargs):
+        counter = counter_ref[0]
+        if counter is None:
+            return fn(*args, **kwargs)
+        counter.phases.append(phase)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.phases.pop()
+
+    return wrapped
+
+
+class _Worker:
+    """The host worker as ``TableSteps.step_table`` sees it: the owed step is kept, not run."""
+
+    def hand_over(self, tensors):
+        list(tensors)
+
+    def submit_background(self, owed, after=None):
+        return None
+
+    def wait(self):
+        return 0.0
+
+
+class _Table:
+    """What ``TableSteps.step_table`` needs of a chunk's ``StemTables``: a deferred read."""
+
+    def __init__(self, store):
+        self.store = store
+        self.deferred = object()
+        self.stats = collections.defaultdict(float)
+
+    def release(self, fetch, after=None):
+        pass
+
+
+def build(placement: str, a, g, device: torch.device):
+    from megatron_ext.stem.runtime.row_adam import RowAdamW, TieredRowAdamW
+    from megatron_ext.stem.runtime.store import TableStore
+
+    tables = [torch.randn(a.rows, a.width, generator=g) * 0.02 for _ in range(a.tables)]
+    owned = torch.arange(a.rows)
+    num_hot = int(a.rows * a.hot_fraction) if placement == "tiered" else None
+    store = TableStore(tables, owned, placement, device, num_hot=num_hot)
+    del tables
+    if placement == "tiered":
+        adam = TieredRowAdamW(store.shards, mode="sparse", lazy=store.lazy)
+        if device.type == "cpu":
+            # The GPU tier steps and catches up with torch ops, as it does on a GPU (on the CPU
+            # it would take the host kernel).
+            adam.hot.rowwise, store.lazy.hot._kernel = None, False
+    else:
+        adam = RowAdamW(store.shards, mode="sparse", lazy=store.lazy)
+    return store, adam
+
+
+def draw(weights, n, g):
+    return torch.sort(torch.multinomial(weights, n, replacement=False, generator=g)).values
+
+
+def step_grads(store, rows, first, g, width):
+    """The row gradients of one step as the optimizer hands them to ``step_table`` (tiered:
+    split by tier, the rows ``first`` reads first among the host rows)."""
+    from megatron_ext.stem.runtime.tiers import split_grads
+
+    grads = []
+    for shard in store.shards:
+        grad = torch.randn(rows.numel(), width, generator=g) * 1e-3
+        if store.placement == "tiered":
+            # The GPU tier's part on its device, the host tier's on the host (as the
+            # optimizer's copy to the host leaves them).
+            local, split = split_grads(shard, rows, grad, first)
+            split.hot = split.hot.to(shard.hot.device)
+            grads.append((local, split))
+        else:
+            grads.append((rows, grad))
+    return grads
+
+
+class Scenario:
+    """A store, its sparse optimizer and the steps before the read (the same for a seed)."""
+
+    def __init__(self, placement: str, a, device: torch.device):
+        from megatron_ext.stem.runtime.row_adam import AdamHyper
+        from megatron_ext.stem.runtime.schedule import TableSteps
+
+        self.a = a
+        self.g = torch.Generator().manual_seed(0)
+        self.store, self.adam = build(placement, a, self.g, device)
+        self.hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        self.weights = torch.arange(1, a.rows + 1, dtype=torch.float64) ** -1.0
+        self.steps = TableSteps("sparse", _Worker())
+        self.table = _Table(self.store)
+        self.counter = [None]
+        store, adam, ref = self.store, self.adam, self.counter
+        # Phases: wrappers on the instances (the calls go through their attributes).
+        if placement == "tiered":
+            for name in ("step_rows", "step_shards"):
+                if hasattr(adam.hot, name):
+                    setattr(adam.hot, name, in_phase(ref, "step: GPU tier",
+                                                     getattr(adam.hot, name)))
+                    setattr(adam.cold, name, in_phase(ref, "step: host tier",
+                                                      getattr(adam.cold, name)))
+            for name in ("settle", "settle_shards"):
+                if hasattr(store.lazy.hot, name):
+                    setattr(store.lazy.hot, name, in_phase(ref, "read: GPU tier settle",
+                                                           getattr(store.lazy.hot, name)))
+            host_lazy = store.lazy.cold
+        else:
+            for name in ("step_rows", "step_shards"):
+                if hasattr(adam, name):
+                    setattr(adam, name, in_phase(ref, "step: host tier", getattr(adam, name)))
+            host_lazy = store.lazy
+        for name in ("read_into", "settle", "settle_shards"):
+            if hasattr(host_lazy, name):
+                setattr(host_lazy, name, in_phase(ref, "read: host tier", getattr(host_lazy, name)))
+        for _ in range(a.warmup_steps):  # rows owing catch-ups of different lengths
+            self.owe_step()
+            self.finish()
+
+    def owe_step(self):
+        """Begin a step of ``--step-rows`` touched rows and leave it owed to the store; returns
+        the rows the next read asks for."""
+        rows = draw(self.weights, self.a.step_rows, self.g)
+        read = draw(self.weights, self.a.read_rows, self.g)
+        grads = step_grads(self.store, rows, read, self.g, self.a.width)
+        self.steps.step_table(self.table, self.adam, self.adam.begin_step(self.hyper), grads,
+                              None)
+        return read
+
+    def read(self, rows):
+        """What ``TableStore.gather`` does (its owed step's settle counted apart)."""
+        store, counter = self.store, self.counter[0]
+        if counter is not None:
+            counter.phases.append("step: bookkeeping")
+        try:
+            if store.owed_step is not None:
+                store.owed_step.settle(rows)
+        finally:
+            if counter is not None:
+                counter.phases.pop()
+        saved, store.owed_step = store.owed_step, None  # settled above: the read alone
+        try:
+            return store.gather(rows, torch.device(self.store.shards[0].device.type
+                                                   if store.placement == "cpu" else
+                                                   self.store.shards[0].hot.device.type),
+                                torch.bfloat16)
+        finally:
+            store.owed_step = saved
+
+    def finish(self):
+        if self.store.owed_step is not None:
+            self.store.owed_step.finish()
+
+
+def run(placement: str, a) -> dict:
+    # Times: the GPU tier on the CPU (its torch path forced).
+    scenario = Scenario(placement, a, torch.device("cpu"))
+    wall, cpu = [], []
+    for _ in range(a.reps):
+        read = scenario.owe_step()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        scenario.read(read)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        scenario.finish()
+    del scenario
+    # Ops: the GPU tier on the meta device (its ops run without data, told apart from the host's).
+    device = torch.device(a.count_device if placement == "tiered" else "cpu")
+    scenario = Scenario(placement, a, device)
+    read = scenario.owe_step()
+    counter = OpCounter("read: rest", a.count_device)
+    scenario.counter[0] = counter
+    with counter:
+        scenario.read(read)
+    scenario.counter[0] = None
+    scenario.finish()
+    return {"ops": {p: dict(c) for p, c in counter.kinds.items()},
+            "total": dict(sum(counter.kinds.values(), collections.Counter())),
+            "would_sync_on_device": dict(counter.syncs),
+            "by_op": {p: dict(c.most_common()) for p, c in counter.counts.items()},
+            "read_ms": 1e3 * statistics.median(wall),
+            "read_cpu_ms": 1e3 * statistics.median(cpu),
+            "read_ms_all": [round(1e3 * t, 3) for t in wall]}
+
+
+ORDER = ("step: bookkeeping", "step: GPU tier", "step: host tier", "read: GPU tier settle",
+         "read: host tier", "read: rest")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=30000, help="rows of each table this rank owns")
+    p.add_argument("--width", type=int, default=8192, help="d_ff of a table row")
+    p.add_argument("--tables", type=int, default=2)
+    p.add_argument("--hot-fraction", type=float, default=0.5,
+                   help="tiered: the share of owned rows in the GPU tier")
+    p.add_argument("--read-rows", type=int, default=4096,
+                   help="distinct rows the first micro-batch reads")
+    p.add_argument("--step-rows", type=int, default=12000, help="rows the owed step touched")
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--placements", default="cpu,tiered")
+    p.add_argument("--count-device", default="meta",
+                   help="where the GPU tier lives for the op count (meta: no data, no memory)")
+    p.add_argument("--verbose", action="store_true", help="also print the ops per phase")
+    p.add_argument("--json", default=None, help="also write the summary as JSON here")
+    a = p.parse_args()
+    print(f"{a.tables} tables x {a.rows} rows x {a.width}, {a.read_rows} rows read, "
+          f"{a.step_rows} owed by the step; {os.cpu_count()} cores, torch {torch.__version__}")
+    summary = {}
+    for placement in a.placements.split(","):
+        r = run(placement, a)
+        summary[placement] = r
+        total = r["total"]
+        print(f"{placement}: {total.get('device', 0)} device ops (+{total.get('device view', 0)} "
+              f"views), {total.get('host', 0)} host ops; read {r['read_ms']:.2f} ms wall, "
+              f"{r['read_cpu_ms']:.2f} ms CPU (medians of {a.reps}; wall: "
+              f"{', '.join(f'{t:.1f}' for t in r['read_ms_all'])})")
+        for phase in ORDER:
+            if phase in r["ops"]:
+                k = r["ops"][phase]
+                print(f"  {phase:24s} device {k.get('device', 0):4d} (+{k.get('device view', 0)} "
+                      f"views), host {k.get('host', 0):4d}, would sync on the device "
+                      f"{r['would_sync_on_device'].get(phase, 0)}")
+                if a.verbose:
+                    print("      " + ", ".join(f"{k} {v}" for k, v in r["by_op"][phase].items()))
+    report_json(summary, a.json)
+
+
+if __name__ == "__main__":
+    main()
