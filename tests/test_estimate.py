@@ -190,9 +190,123 @@ def test_activation_terms_scale_as_documented():
     a = layer_activation_bytes(s, Layout(micro_batch=2, global_batch=4), 0, ())
     b = layer_activation_bytes(s, Layout(micro_batch=4, global_batch=4), 0, ())
     assert b == pytest.approx(2 * a)
-    flash = layer_activation_bytes(s, Layout(micro_batch=2, global_batch=4,
-                                             flash_attention=True), 0, ())
-    assert flash < a  # no s^2 scores
+    for core in ("sdpa", "te"):
+        fused = layer_activation_bytes(s, Layout(micro_batch=2, global_batch=4,
+                                                 core_attention=core, attention_mask=False,
+                                                 transformer_engine=core == "te"), 0, ())
+        assert fused < a  # no s^2 scores
+
+
+# ---------------------------------------------------------------------------------------------
+# the core attention that runs (--ext-core-attention): scores or none
+
+
+def dense_1b_by_hand(core: str, mask: bool) -> int:
+    """One micro-batch's activations of dense_1b on one GPU (pipeline stage 0 = last stage), bf16,
+    micro batch 1, Megatron's default dropouts (0.1), local backend, written out from the preset:
+    16 layers, h 2048, 32 heads of 64 in 8 groups (Q 2048 wide, K and V 512), SwiGLU 8192,
+    vocabulary 128,256, sequence 4096."""
+    L, h, a, d, q, kv, f, V, s, B = 16, 2048, 32, 64, 2048, 512, 8192, 128256, 4096, 2
+    hs = s * h
+    norm = 8 * hs + 4 * s + B * hs  # fp32 input and output, fp32 rstd, the bf16 output
+    layer = (2 * norm
+             + B * s * (q + 2 * kv) + B * s * q  # fused QKV output; the output projection's input
+             + B * s * (q + kv) + 4 * s * d * B  # RoPE's new Q and K; its cos/sin tables
+             + 2 * hs  # two 1-byte hidden-dropout masks
+             + B * s * 5 * f)  # SwiGLU: fc1's 2f output, SiLU, product (fc2's input)
+    scores = B * a * s * s + B * a * s * s + a * s * s  # probabilities, dropout output and mask
+    # the kernel's fp32 log-sum-exp [b, heads, s]; its output is the output projection's input
+    fused = 4 * a * s
+    layer += scores if core == "unfused" else fused
+    if core == "sdpa" and mask:
+        # the batch's mask made additive in bf16, [b, 1, s, s]; K and V expanded to 32 heads
+        # (repeat_interleave), which leave RoPE's K and the QKV output unreferenced
+        layer += B * s * s + 2 * B * s * q - B * s * (q + 2 * kv) - B * s * kv
+    total = L * layer + norm + 4 * s * V + 8 * s  # final norm, fp32 logits, token ids
+    if core == "unfused":
+        total += s * s  # the causal mask (bool), one for all layers
+    return total
+
+
+@pytest.mark.parametrize("core, mask", [("unfused", True), ("sdpa", False), ("sdpa", True)])
+def test_activations_of_each_core_attention_by_hand(core, mask):
+    lay = Layout(attention_dropout=True, hidden_dropout=True, core_attention=core,
+                 attention_mask=mask)
+    got = rank_estimate(spec_from_preset("dense_1b"), lay, 0)["activation_bytes_one_microbatch"]
+    assert got == dense_1b_by_hand(core, mask)
+
+
+def test_unfused_minus_sdpa_is_the_score_tensors():
+    """What changes with the core attention is exactly its score tensors (the probabilities,
+    their dropout output and 1-byte mask per layer, the shared causal mask), less what the fused
+    kernel keeps instead (its fp32 log-sum-exp), for dense_1b at micro batch 1."""
+    spec = spec_from_preset("dense_1b")
+
+    def one(core):
+        lay = Layout(attention_dropout=True, hidden_dropout=True, core_attention=core,
+                     attention_mask=False)
+        return rank_estimate(spec, lay, 0)["activation_bytes_one_microbatch"]
+
+    a, s = 32, 4096
+    scores = 16 * (2 * a * s * s + 2 * a * s * s + a * s * s) + s * s
+    kept = 16 * 4 * a * s
+    assert one("unfused") - one("sdpa") == scores - kept == 42_958_061_568  # 40.01 GiB
+
+
+def _dry_json(capsys, tmp_path, *flags):
+    from megatron_ext.training import dry_run
+    from megatron_ext.training.presets import expand_argv
+
+    out = tmp_path / "est.json"
+    raw = ["--dry-run", "--preset", "dense_1b", "--dry-run-world-size", "1",
+           "--micro-batch-size", "1", "--dry-run-json", str(out), *flags]
+    rc = dry_run.main(expand_argv(raw), raw)
+    text = capsys.readouterr()
+    assert rc == 0, text.err[-2000:]
+    return json.loads(out.read_text()), text.out
+
+
+def test_dry_run_follows_ext_core_attention(capsys, tmp_path):
+    """``--dry-run --transformer-impl local --ext-core-attention sdpa`` counts no scores (it
+    used to: the local backend was taken for upstream's unfused attention), and the report says
+    which core attention it assumed; ``auto`` on this CPU is the unfused one, as a run here
+    builds it, and the line names the flag that chooses sdpa."""
+    local = ["--transformer-impl", "local", "--no-create-attention-mask-in-dataloader"]
+    data, out = _dry_json(capsys, tmp_path, *local, "--ext-core-attention", "sdpa")
+    assert data["gpu_bytes"]["activations"] == dense_1b_by_hand("sdpa", mask=False)
+    assert data["layout"]["core_attention"] == "sdpa"
+    assert "core attention: sdpa (" in out and "--ext-core-attention sdpa)" in out
+    data, out = _dry_json(capsys, tmp_path, *local)
+    assert data["gpu_bytes"]["activations"] == dense_1b_by_hand("unfused", mask=False)
+    assert data["layout"]["core_attention"] == "unfused"
+    assert "--ext-core-attention auto on a machine without a GPU" in out
+    assert "pass --ext-core-attention sdpa to estimate that run" in out
+    data, out = _dry_json(capsys, tmp_path)  # Megatron's default backend, the cluster's
+    assert data["layout"]["core_attention"] == "te"
+    assert "core attention: Transformer Engine's fused attention" in out
+
+
+def test_dry_run_on_a_gpu_without_te_takes_the_local_backend(monkeypatch):
+    """On a GPU without Transformer Engine the training falls back to the local backend and
+    ``auto`` builds sdpa (models/specs.py): the dry run assumes the same."""
+    from megatron_ext.flags import flag_value
+    from megatron_ext.models import specs
+    from megatron_ext.planning.layout import core_attention_of
+    from megatron_ext.training import dry_run
+
+    monkeypatch.setattr(dry_run, "_cuda", lambda: True)
+    monkeypatch.setattr(dry_run, "te_available", lambda: False)
+    argv = dry_run.dry_run_argv(["--vocab-size", "512"], ["--vocab-size", "512"])
+    assert flag_value(argv, "--transformer-impl") == "local"
+    given = ["--vocab-size", "512", "--transformer-impl", "transformer_engine"]
+    assert flag_value(dry_run.dry_run_argv(given, given), "--transformer-impl") == \
+        "transformer_engine"
+    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(specs, "te_available", lambda: False)
+    assert core_attention_of("local", None) == "sdpa"
+    assert core_attention_of("local", "unfused") == "unfused"
+    assert "auto on this GPU without Transformer Engine" in dry_run.core_attention_line(
+        "sdpa", ["--transformer-impl", "local"], True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,6 +329,16 @@ BUILT = {
                             "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                             "--expert-model-parallel-size", "2",
                             "--expert-tensor-parallel-size", "1"],
+    # PyTorch's fused attention (models/sdpa_attention.py): with the batch's mask and GQA (K and
+    # V expanded, the mask made additive per layer), and without a mask in bf16 (the GPU runs')
+    "stem_sdpa_gqa_tp2sp_mask": ["--preset", "stem_cpu", "--ext-core-attention", "sdpa",
+                                 "--group-query-attention", "--num-query-groups", "2",
+                                 "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "stem_sdpa_bf16_nomask_tp2_pp2": ["--preset", "stem_cpu", "--bf16",
+                                      "--ext-core-attention", "sdpa",
+                                      "--no-create-attention-mask-in-dataloader",
+                                      "--tensor-model-parallel-size", "2",
+                                      "--pipeline-model-parallel-size", "2"],
 }
 
 
@@ -223,12 +347,15 @@ def built(tmp_path_factory):
     """Every ``BUILT`` model in one launch of 4 ranks (``tests/dist/multi_config.py`` running
     ``tests/dist/estimate_check.py``'s ``main`` for each, Megatron's state torn down between):
     ``{name: (its output folder, whether every rank finished it, its ranks' logs)}``."""
+    return launch_built(tmp_path_factory.mktemp("estimate_built"), sorted(BUILT))
+
+
+def launch_built(tmp, names):
     from multirank import MULTI_CONFIG, launch_ranks, plan_item_logs
 
-    tmp = tmp_path_factory.mktemp("estimate_built")
     plan = [{"name": name, "module": "estimate_check",
              "argv": ["--estimate-out", str(tmp / name / "out"), *BUILT[name], *CPU],
-             "log_dir": str(tmp / name / "ranks")} for name in sorted(BUILT)]
+             "log_dir": str(tmp / name / "ranks")} for name in names]
     plan_path = tmp / "plan.json"
     plan_path.write_text(json.dumps(plan, indent=1))
     status, launch_log = launch_ranks([MULTI_CONFIG, str(plan_path)], 4, timeout=900)
@@ -265,6 +392,8 @@ def test_estimate_matches_the_built_model(name, built):
     if name.startswith("structmoe"):
         h, L, rk, layers = 64, 4, 4, 4
         expected += (2 - 1) * layers * 6 * (h * L + 1 * rk * h)
+    if "_sdpa_" in name:  # the counter has no formula for PyTorch's CPU flash kernel
+        measured += 4 * 12 * 64 * 64  # the core's 12 s h per layer, stem_cpu's 4 layers
     assert measured == pytest.approx(expected, rel=1e-9)
 
 

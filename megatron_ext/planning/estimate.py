@@ -21,7 +21,9 @@ read from Megatron's parsed arguments by :func:`estimate_from_args`.
   ownership the whole tier, as the busiest rank may own every frequent id) and its other rows on
   the host; plus two buffers of fetched rows on the GPU (at most ``min(V, s b)`` rows each);
 * activations of one micro-batch: per layer the tensors autograd keeps
-  (:func:`layer_activation_bytes`), the causal mask, the token ids, and on the last stage the final
+  (:func:`layer_activation_bytes`; the attention's by the core attention that will run,
+  ``Layout.core_attention``, the model's own rule for ``--ext-core-attention``), the causal mask
+  of the unfused attention, the token ids, and on the last stage the final
   norm and the fp32 logits of the loss (``4 s b V / t`` bytes); 1F1B pipelining keeps
   ``min(pp - stage, micro-batches)`` micro-batches in flight on a stage; full recomputation keeps
   each layer's input only, plus one layer's activations while it is recomputed.
@@ -77,7 +79,7 @@ def norm_activation_bytes(layout: Layout, hs: float, rows: float) -> float:
     fp32 math) keeps its input and the normalised input in fp32, the fp32 ``rstd`` per row and the
     16-bit output the linear reads; Transformer Engine's fused norm keeps the input and ``rstd``."""
     B = layout.act_bytes
-    if layout.flash_attention:  # Transformer Engine
+    if layout.transformer_engine:
         return 2 * B * hs + 4 * rows
     return 8 * hs + 4 * rows + B * hs
 
@@ -95,12 +97,11 @@ def layer_activation_bytes(spec: ModelShape, layout: Layout, layer: int,
     * two norms, each with the linear after it (:func:`norm_activation_bytes`);
     * QK-norm (local backend): the fp32 input and normalised Q and K and their ``rstd``;
     * attention: the fused QKV output ``s b (a + 2g) d / t`` (V is a view of it), with RoPE new Q
-      and K ``s b (a + g) d / t`` and the cos/sin tables ``4 s d``; the softmax probabilities
-      ``a s^2 b / t`` (local backend without selective recomputation of the core; the fp16/bf16
-      dropout output and a 1-byte mask on top with attention dropout); Transformer Engine's flash
-      attention keeps the output and the fp32 log-sum-exp ``a s b / t`` instead; the context, the
-      output projection's input ``s b a d / t``; a 1-byte dropout mask of ``hs`` with hidden
-      dropout (twice per layer);
+      and K ``s b (a + g) d / t`` and the cos/sin tables ``4 s d``; what the core attention that
+      runs keeps (:func:`core_attention_bytes`: upstream's unfused one the softmax probabilities
+      ``a s^2 b / t``, the fused ones the fp32 log-sum-exp ``a s b / t``); the
+      context, the output projection's input ``s b a d / t``; a 1-byte dropout mask of ``hs``
+      with hidden dropout (twice per layer);
     * MLP: SwiGLU ``5 s b f / t`` (fc1's output, ``2f`` wide, and three ``f``-wide tensors of the
       unfused SwiGLU: the SiLU output, the product and the fc2 input), a plain activation
       ``2 s b f / t``; STEM layers the gate output, the gathered rows, the SiLU output and the
@@ -133,18 +134,50 @@ def attention_activation_bytes(spec: ModelShape, layout: Layout) -> float:
     n += B * s * b * ((spec.q + 2 * spec.kv) + spec.q) / t
     if spec.rope:
         n += B * s * b * (spec.q + spec.kv) / t + 4 * s * spec.head_dim * B
-    if spec.qk_norm and not layout.flash_attention:  # fp32 math of the local norm, Q and K
+    if spec.qk_norm and not layout.transformer_engine:  # fp32 math of the local norm, Q and K
         n += 4 * s * b * (2 * (spec.q + spec.kv) + spec.heads + spec.query_groups) / t
-    core_recomputed = layout.recompute == "selective" and "core_attn" in layout.recompute_modules
-    if layout.flash_attention:
-        n += B * s * b * spec.q / t + 4 * spec.heads * s * b / t
-    elif not core_recomputed:
-        scores = spec.heads * s * s * b / t
-        n += B * scores
-        if layout.attention_dropout:
-            n += B * scores + scores
+    n += core_attention_bytes(spec, layout)
     if layout.hidden_dropout:
         n += hs
+    return n
+
+
+def core_attention_bytes(spec: ModelShape, layout: Layout) -> float:
+    """What the core attention itself keeps for backward beyond its inputs (one layer, one
+    micro-batch), by the core attention that runs (``layout.core_attention``):
+
+    * ``unfused`` (upstream's ``DotProductAttention``): the softmax probabilities
+      ``a s^2 b / t`` in the training dtype (the dropout output and a 1-byte mask on top with
+      attention dropout) -- the score tensors;
+    * ``sdpa`` (PyTorch's fused kernels): the fp32 log-sum-exp ``a s b / t``; the output it
+      keeps is the output projection's input (the kernel writes it in the query's layout, so
+      ``sdpa_attention.py``'s reshape back is a view), counted with the attention. With the
+      batch's mask (``models/sdpa_attention.py`` hands it to the kernel) also the mask PyTorch
+      makes additive in the training dtype, ``[b, 1, s, s]`` per layer, and with GQA K and V
+      expanded to the heads (``2 s b a d / t``), which then keep neither RoPE's K nor the fused
+      QKV output (V's storage) alive. Measured on the CPU (PyTorch's CPU flash kernel,
+      ``tests/test_estimate.py``); on a GPU a masked batch takes the memory-efficient kernel,
+      whose own output (``s b a d / t`` more) is not counted;
+    * ``te`` (Transformer Engine's fused attention): its output and the fp32 log-sum-exp (not
+      measured here: no Transformer Engine on these machines);
+    * nothing with selective recomputation of ``core_attn`` (upstream checkpoints any core
+      attention; its inputs are kept anyway)."""
+    t, B = layout.tp, layout.act_bytes
+    s, b = spec.seq_length // layout.cp, layout.micro_batch
+    if layout.recompute == "selective" and "core_attn" in layout.recompute_modules:
+        return 0.0
+    if layout.core_attention == "unfused":
+        scores = spec.heads * s * s * b / t
+        return B * scores + ((B * scores + scores) if layout.attention_dropout else 0.0)
+    n = 4 * spec.heads * s * b / t
+    if layout.core_attention == "te":
+        n += B * s * b * spec.q / t
+    if layout.core_attention == "sdpa" and layout.attention_mask:
+        n += B * s * s * b
+        if spec.query_groups < spec.heads:  # upstream's repeat_interleave before the kernel
+            n += 2 * B * s * b * spec.q / t
+            if spec.rope and not spec.qk_norm:  # Q is RoPE's own tensor: nothing views QKV
+                n -= B * s * b * ((spec.q + 2 * spec.kv) + spec.kv) / t
     return n
 
 
@@ -293,7 +326,7 @@ def _stage_memory(spec: ModelShape, layout: Layout, stage: int, topks: Sequence[
         one_microbatch = blocks.layers * hs * B + (max(full) if full else 0)
     else:
         one_microbatch = blocks.attention * attention + sum(mlp)
-    if not layout.flash_attention and layout.recompute is None:
+    if layout.core_attention == "unfused" and layout.recompute is None:
         one_microbatch += s * s * b  # the causal mask (bool), shared by the layers
     rows = s * b / (layout.tp if spec.sequence_parallel else 1)
     if stage == layout.pp - 1:  # final norm + output layer input, fp32 logits of the loss
@@ -365,9 +398,10 @@ def estimate(spec: ModelShape, layout: Layout) -> Estimate:
     if layout.virtual_pp:
         notes.append("interleaved pipeline: activations use the (1 + (p-1)/(p v)) in-flight "
                      "factor of the 1F1B-interleaved schedule")
-    if not layout.flash_attention:
-        notes.append("attention scores are materialised (local backend); TE/flash attention "
-                     "removes the a s^2 b term")
+    if layout.core_attention == "unfused":
+        notes.append("attention scores are materialised (--ext-core-attention unfused, "
+                     "Megatron's DotProductAttention); sdpa or Transformer Engine removes the "
+                     "a s^2 b term")
     emb = spec.vocab * spec.hidden
     return Estimate(
         model=spec, layout=layout, total_params=whole.total,

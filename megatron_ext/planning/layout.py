@@ -14,7 +14,24 @@ from dataclasses import InitVar, dataclass
 from typing import List, Optional, Tuple
 
 from megatron_ext.models.registry import family_config
+from megatron_ext.models.sdpa_attention import SDPAttention
+from megatron_ext.models.specs import local_core_attention
 from megatron_ext.planning.model_shape import ModelShape, family_terms
+
+# The core attentions the estimate tells apart, by what they keep for backward: upstream's
+# DotProductAttention (the [b, heads, s, s] probabilities), PyTorch's fused kernels
+# (models/sdpa_attention.py) and Transformer Engine's (output and log-sum-exp).
+CORE_ATTENTIONS = ("unfused", "sdpa", "te")
+
+
+def core_attention_of(transformer_impl: str, choice: Optional[str]) -> str:
+    """The core attention a run of ``--transformer-impl`` and ``--ext-core-attention``
+    (``choice``; None: ``auto``) builds on this machine, by the model's own rule
+    (``models/specs.py`` ``local_core_attention``: ``auto`` is ``sdpa`` on a GPU without
+    Transformer Engine, ``unfused`` otherwise); Transformer Engine's layers bring their own."""
+    if transformer_impl == "transformer_engine":
+        return "te"
+    return "sdpa" if local_core_attention(choice or "auto") is SDPAttention else "unfused"
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,11 @@ class Layout:
     master_weights: bool = True  # fp32 main params (16-bit training)
     attention_dropout: bool = False
     hidden_dropout: bool = False
-    flash_attention: bool = False  # scores are not materialised (TE / flash attention)
+    transformer_engine: bool = False  # TE's layers: its fused norms and core attention
+    core_attention: str = "unfused"  # one of CORE_ATTENTIONS ("te" exactly with TE's layers)
+    # the batch carries Megatron's [b, 1, s, s] mask (--no-create-attention-mask-in-dataloader:
+    # none, the causal kernels mask by themselves)
+    attention_mask: bool = True
     # STEM managed tables
     stem_managed: bool = False
     stem_placement: str = "gpu"
@@ -69,8 +90,7 @@ class Layout:
         default Megatron's), with the family's own fields from its terms."""
         sixteen = bool(args.bf16 or args.fp16)
         modules = tuple(getattr(args, "recompute_modules", None) or ("core_attn",))
-        flash = (args.transformer_impl == "transformer_engine"
-                 or bool(getattr(args, "use_flash_attn", False)))
+        te = args.transformer_impl == "transformer_engine"
         return cls(
             world_size=world_size or args.world_size, tp=args.tensor_model_parallel_size,
             pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
@@ -82,7 +102,10 @@ class Layout:
             param_bytes=2 if sixteen else 4,
             grad_bytes=4 if (args.accumulate_allreduce_grads_in_fp32 or not sixteen) else 2,
             master_weights=sixteen, attention_dropout=args.attention_dropout > 0,
-            hidden_dropout=args.hidden_dropout > 0, flash_attention=flash,
+            hidden_dropout=args.hidden_dropout > 0, transformer_engine=te,
+            core_attention=core_attention_of(args.transformer_impl,
+                                             getattr(args, "ext_core_attention", None)),
+            attention_mask=bool(getattr(args, "create_attention_mask_in_dataloader", True)),
             **family_terms(args.model_family).layout_fields(args, family_config(args)))
 
     @property
@@ -167,6 +190,13 @@ def validate_layout(layout: Layout, shape: Optional[ModelShape] = None,
         value = getattr(layout, key)
         if value is not None and value < 1:
             raise ValueError(f"{n}{key}={value}: must be >= 1")
+    if layout.core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"{n}core_attention={layout.core_attention!r}: one of "
+                         f"{', '.join(CORE_ATTENTIONS)}")
+    if (layout.core_attention == "te") != layout.transformer_engine:
+        raise ValueError(f"{n}core_attention={layout.core_attention!r} with transformer_engine="
+                         f"{layout.transformer_engine}: Transformer Engine's layers bring its "
+                         "attention ('te'), the local ones 'unfused' or 'sdpa'")
     if layout.world_size % (tp * pp * cp):
         raise ValueError(f"{n}world size {layout.world_size} is not divisible by TP x PP x CP = "
                          f"{tp} x {pp} x {cp}")

@@ -17,10 +17,12 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+import torch
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.global_vars import unset_global_variables
 
 from megatron_ext.flags import flag_value, has_flag
+from megatron_ext.models.specs import te_available
 from megatron_ext.planning.estimate import LABELS, estimate_from_args
 from megatron_ext.training.arguments import add_extension_args, validate_extension_args
 from megatron_ext.training.presets import preset_tokenizer
@@ -45,10 +47,18 @@ def _without(argv: Sequence[str], flag: str) -> List[str]:
     return out
 
 
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def dry_run_argv(argv: Sequence[str], raw_argv: Sequence[str]) -> List[str]:
     """``argv`` with what a dry run needs: a tokenizer (the vocabulary as a NullTokenizer), a
-    micro batch (1 unless given)."""
+    micro batch (1 unless given), and on a GPU without Transformer Engine the local backend
+    the training would fall back to here (``training/entry.py``); without a GPU Megatron's
+    default, Transformer Engine, stays (the estimate is for the cluster's run)."""
     argv = list(argv)
+    if not has_flag(argv, "--transformer-impl") and _cuda() and not te_available():
+        argv += ["--transformer-impl", "local"]
     if not has_flag(argv, "--tokenizer-type"):
         vocab = flag_value(raw_argv, "--vocab-size")
         vocab = int(vocab) if vocab is not None else preset_tokenizer(raw_argv).get("vocab_size")
@@ -107,7 +117,32 @@ def _count(n: float) -> str:
     return f"{n:,.0f} ({n / 1e6:.2f}M)"
 
 
-def report(est, preset: Optional[str]) -> str:
+def core_attention_line(core: str, argv: Sequence[str], cuda: bool) -> str:
+    """Which core attention the estimate assumed (``Layout.core_attention``) and why, with the
+    flag that chooses another: a dry run on a machine without a GPU cannot see the cluster's."""
+    if core == "te":
+        given = has_flag(argv, "--transformer-impl")
+        return ("core attention: Transformer Engine's fused attention (--transformer-impl "
+                f"transformer_engine{'' if given else ', Megatron default'}; without Transformer "
+                "Engine pass --transformer-impl local, whose --ext-core-attention sdpa keeps no "
+                "[b, heads, s, s] scores either)")
+    choice = flag_value(argv, "--ext-core-attention") or "auto"
+    what = {"sdpa": "PyTorch's fused scaled_dot_product_attention, no [b, heads, s, s] scores",
+            "unfused": "Megatron's DotProductAttention, [b, heads, s, s] scores kept"}[core]
+    if choice != "auto":
+        why = f"--ext-core-attention {choice}"
+    elif core == "sdpa":
+        why = "--ext-core-attention auto on this GPU without Transformer Engine"
+    elif cuda:
+        why = "--ext-core-attention auto beside Transformer Engine"
+    else:
+        why = ("--ext-core-attention auto on a machine without a GPU, as a run here builds it; "
+               "a GPU without Transformer Engine builds sdpa: pass --ext-core-attention sdpa "
+               "to estimate that run")
+    return f"core attention: {core} ({what}; {why})"
+
+
+def report(est, preset: Optional[str], attention: Optional[str] = None) -> str:
     m, lay = est.model, est.layout
     head = f"{m.family}" + (f" (preset {preset})" if preset else "")
     lines = [
@@ -116,6 +151,8 @@ def report(est, preset: Optional[str]) -> str:
         f"{lay.micro_batch}, global batch {lay.global_batch} ({lay.microbatches} micro-batches "
         f"per step per DP rank), sequence {m.seq_length}, vocabulary {m.vocab:,} (padded)",
     ]
+    if attention:
+        lines.append(attention)
     if m.hybrid_layer_pattern:  # the hybrid path: the pattern's blocks, not --num-layers
         lines.append(f"hybrid path: --hybrid-layer-pattern {m.hybrid_layer_pattern!r}: "
                      f"{m.attention_layers} attention blocks, {m.num_layers} MLP blocks")
@@ -178,11 +215,13 @@ def main(argv: Sequence[str], raw_argv: Sequence[str]) -> int:
         print(f"megatron-ext: --dry-run: {exc}", file=sys.stderr)
         return 2
     preset = flag_value(raw_argv, "--preset") or flag_value(raw_argv, "--sigma-preset")
-    print(report(est, preset), flush=True)
+    attention = core_attention_line(est.layout.core_attention, dry_run_argv(argv, raw_argv),
+                                    _cuda())
+    print(report(est, preset, attention), flush=True)
     if args.dry_run_json:
         path = args.dry_run_json
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(dict(est.as_dict(), preset=preset), f, indent=2)
+            json.dump(dict(est.as_dict(), preset=preset, core_attention=attention), f, indent=2)
         os.replace(tmp, path)
     return 0
