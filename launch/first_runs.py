@@ -5,12 +5,17 @@ the pairs' ratios against their goals.
     python launch/first_runs.py --out runs/first_runs [--runs dense_1b,stem_1b,...]
         [--run-seconds 90] [--micro-batch-size 4] [--warmup-iters 3] [--peak-tflops X]
     python launch/first_runs.py --out /tmp/fr --runs dense_cpu,stem_cpu --iters 6 \\
-        --warmup-iters 2 --micro-batch-size 2 --corpus-vocab 512 --corpus-mb 0.3   # CPU
+        --warmup-iters 2 --micro-batch-size 2 --corpus-tokens 200000   # CPU
 
-1. builds (or reuses) the main job's offline corpus (``megatron_ext.tools.data_prep``, the
-   builder of ``launch/main_job.py``): every run trains on the same tokens. Its tokenizer's
-   vocabulary is padded to the preset's (``--make-vocab-size-divisible-by``), so the embedding,
-   output layer and STEM tables have the preset's rows (ids above the corpus's are never seen);
+1. builds (or reuses) an offline corpus with the main job's builder
+   (``megatron_ext.tools.data_prep``): every run trains on the same tokens. By default
+   (``--corpus zipf``) synthetic ids drawn from a Zipf law over the whole vocabulary of the
+   smallest preset run (128,256 ids for the GPU runs; ``tools/synthetic_corpus.py``), so that a
+   STEM GPU tier serves the share of tokens it would on real text and the host tier is read;
+   ``--corpus text`` is the main job's BPE text corpus (8,192 ids: a 10% tier of a 128,256-row
+   table holds every row it touches). Its tokenizer's vocabulary is padded to the preset's
+   (``--make-vocab-size-divisible-by``), so the embedding, output layer and STEM tables have the
+   preset's rows;
 2. trains each run with ``launch/scaling.py``'s torchrun command on one device (bf16 as the
    presets say; one micro-batch of whole sequences per iteration unless --global-batch-size).
    A run gets SIGTERM ``--run-seconds`` after its start (start-up included) and, with
@@ -49,7 +54,8 @@ from megatron_ext.planning.layout import parse_layout  # noqa: E402
 # name -> (preset, flags after the preset's). Sigma-MoE-Tiny with 6 of its 56 layers (the
 # per-layer shape unchanged; its progressive top-k schedule cut to those layers) in micro-batches
 # of 2 (the same tokens per iteration as the others': two of them) to fit an H100's 80 GB: the
-# dry run's estimate is 56 GiB, 8 layers in micro-batches of 4 76 GiB.
+# dry run's estimate with the GPU runs' local backend and sdpa is 53.8 GiB, 8 layers in
+# micro-batches of 4 80.3 GiB.
 RUNS: Dict[str, Tuple[str, List[str]]] = {
     "dense_1b": ("dense_1b", []),
     "stem_1b": ("stem_1b", [*STEM_TABLES, "--stem-gpu-tier", "10%"]),
@@ -75,6 +81,9 @@ PAIR_GOALS = [
 MFU_GOALS = {"dense_1b": (0.40, "H100")}
 
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+# The zipf corpus's tokens: more than a run of --run-seconds reads on a GPU (about 3M for a 1B
+# model at 40,000 tokens/s), built in seconds.
+ZIPF_TOKENS = 1 << 24
 
 
 def log(msg: str) -> None:
@@ -191,10 +200,15 @@ def failure_status(log_text: str) -> str:
 # the summary
 
 
+CORPUS_NAMES = {"zipf": "synthetic Zipf ids (not text: loss curves say nothing about the models)",
+                "text": "BPE text"}
+
+
 def markdown(summary: Dict[str, object]) -> str:
     unit = "GPU" if summary["cuda"] else "rank"
     lines = [f"# First runs on {summary['device']}", "",
              f"Peak {summary['peak_tflops']} TFLOP/s ({summary['peak_source']}); corpus "
+             f"{CORPUS_NAMES.get(summary['corpus'].get('source'), 'text')}, "
              f"{summary['corpus']['tokens']:,} tokens, vocabulary {summary['corpus']['vocab']} "
              "padded to each preset's.", "",
              f"| run | status | tokens/s/{unit} | TFLOP/s/{unit} | MFU | peak memory GiB | "
@@ -325,8 +339,17 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="default: the GPU's datasheet bf16 dense peak (launch/scaling.py), a "
                         "measured fp32 GEMM on the CPU")
-    p.add_argument("--corpus-vocab", type=int, default=8192, help="the corpus tokenizer's")
-    p.add_argument("--corpus-mb", type=float, default=8.0, help="the corpus's text, MB")
+    p.add_argument("--corpus", choices=("zipf", "text"), default="zipf",
+                   help="zipf: synthetic Zipf-distributed ids over the whole vocabulary "
+                        "(realistic STEM tier hit rates; not text: its loss curves say nothing "
+                        "about the models); text: the main job's BPE corpus (8,192 ids)")
+    p.add_argument("--corpus-vocab", type=int, default=None,
+                   help="the corpus tokenizer's (default: zipf the smallest vocabulary of the "
+                        "runs' presets, text 8192)")
+    p.add_argument("--corpus-tokens", type=int, default=None,
+                   help=f"--corpus zipf: its tokens (default {ZIPF_TOKENS:,})")
+    p.add_argument("--corpus-mb", type=float, default=None,
+                   help="--corpus text: the corpus's text, MB (default 8)")
     p.add_argument("--data-dir", default=None, help="corpus directory (default OUT/data)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per run before it is killed (default --run-seconds + 120)")
@@ -343,6 +366,13 @@ def parse_args(argv: Sequence[str]):
         p.error(f"--micro-batch-size={opts.micro_batch_size}: must be >= 1")
     if opts.run_seconds <= 0:
         p.error(f"--run-seconds={opts.run_seconds}: must be > 0")
+    if opts.corpus == "zipf" and opts.corpus_mb is not None:
+        p.error("--corpus-mb sizes the text corpus: with --corpus zipf give --corpus-tokens")
+    if opts.corpus == "text" and opts.corpus_tokens is not None:
+        p.error("--corpus-tokens sizes the zipf corpus: with --corpus text give --corpus-mb")
+    if opts.corpus_vocab is None:
+        opts.corpus_vocab = (min(scaling.preset_vocab(RUNS[n][0], None) for n in opts.run_list)
+                             if opts.corpus == "zipf" else 8192)
     return opts
 
 
@@ -363,10 +393,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from megatron_ext.tools import data_prep
 
-    manifest = data_prep.prepare(data_prep.DataPrepConfig(
-        out=opts.data_dir or os.path.join(out, "data"), vocab_size=opts.corpus_vocab,
-        max_mb=opts.corpus_mb))
-    data = {"prefix": manifest["data_prefix"], "tokenizer": manifest["tokenizer_dir"],
+    try:
+        manifest = data_prep.prepare(data_prep.DataPrepConfig(
+            out=opts.data_dir or os.path.join(out, "data"), vocab_size=opts.corpus_vocab,
+            max_mb=opts.corpus_mb or 8.0, source=opts.corpus,
+            zipf_tokens=opts.corpus_tokens or ZIPF_TOKENS))
+    except ValueError as exc:
+        log(str(exc))
+        return 2
+    data = {"source": opts.corpus, "prefix": manifest["data_prefix"],
+            "tokenizer": manifest["tokenizer_dir"],
             "vocab": int(manifest["tokenizer_vocab_size"]), "tokens": int(manifest["num_tokens"]),
             "manifest": os.path.join(os.path.dirname(manifest["data_prefix"]),
                                      data_prep.MANIFEST)}
@@ -435,7 +471,7 @@ def make_summary(opts, rows: Dict[str, Dict[str, object]], device: str, cuda: bo
     runs = [rows.get(n) or {"run": n, "status": "not run"} for n in opts.run_list]
     return {
         "device": device, "cuda": cuda, "peak_tflops": peak, "peak_source": peak_source,
-        "corpus": {k: data[k] for k in ("prefix", "vocab", "tokens")},
+        "corpus": {k: data[k] for k in ("source", "prefix", "vocab", "tokens")},
         "micro_batch_size": opts.micro_batch_size,
         "global_batch_size": opts.global_batch_size or opts.micro_batch_size,
         "warmup_iters": opts.warmup_iters, "iters": opts.iters, "run_seconds": opts.run_seconds,

@@ -108,3 +108,73 @@ def test_gpu_commands_name_the_corpus_the_vocabulary_and_the_stop():
     assert "--exit-signal-handler" in flags and last("--global-batch-size") == "4"
     with pytest.raises(ValueError, match="--corpus-vocab=200000"):
         fr.run_command("dense_1b", opts, dict(data, vocab=200000), "/tmp/x", "/tmp/r", True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the corpus: synthetic Zipf ids over the whole vocabulary (tools/synthetic_corpus.py)
+
+
+def _zipf(tmp_path, name, **kw):
+    from megatron_ext.tools import data_prep
+
+    return data_prep.prepare(data_prep.DataPrepConfig(out=str(tmp_path / name), source="zipf",
+                                                      **kw), progress=False)
+
+
+def test_zipf_corpus_is_deterministic_and_trains_as_built(tmp_path):
+    """The same seed gives the same files (another seed other ids, the same tokenizer); Megatron's
+    tokenizer loads with the corpus's vocabulary and a training picks its GPU tier from it
+    (``choose_hot_mask``: counts, not id order)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from megatron_ext.stem.runtime.hot_rows import choose_hot_mask
+    from megatron_ext.tools.data_prep import sha256_file
+
+    def digests(manifest):
+        prefix = manifest["data_prefix"]
+        return [sha256_file(p) for p in (prefix + ".bin", prefix + ".idx")] + \
+            [manifest["tokenizer_sha256"]]
+
+    kw = dict(vocab_size=4096, zipf_tokens=50_000)
+    a, b = _zipf(tmp_path, "a", **kw), _zipf(tmp_path, "b", **kw)
+    assert digests(a) == digests(b)
+    other = _zipf(tmp_path, "c", seed=7, **kw)
+    assert digests(other)[:2] != digests(a)[:2] and digests(other)[2] == digests(a)[2]
+    assert a["num_tokens"] == 50_000 and a["tokenizer_vocab_size"] == 4096 and a["eod_id"] == 0
+    assert len(AutoTokenizer.from_pretrained(a["tokenizer_dir"])) == 4096
+    mask, how = choose_hot_mask(SimpleNamespace(data_path=[a["data_prefix"]]), 4096, "10%", 0)
+    assert int(mask.sum()) == 410 and "most frequent ids" in how and not bool(mask[:410].all())
+
+
+def test_the_stem_tier_of_the_zipf_corpus_serves_a_realistic_share():
+    """stem_1b's 10% GPU tier (12,826 of 128,256 rows), the most frequent ids as a training
+    chooses them (``hot_rows.hot_mask`` of the counts), serves 87.8% of 2^20 tokens (87.28% of
+    the 2^24 that first_runs builds, docs/scaling.md), not every token as with the text
+    corpus's 8,192 ids; the ids span the vocabulary and the end-of-document id ends each
+    document."""
+    import numpy as np
+    import torch
+
+    from megatron_ext.stem.runtime.hot_rows import hot_mask
+    from megatron_ext.tools.synthetic_corpus import zipf_tokens
+
+    vocab = 128256
+    ids, lengths = zipf_tokens(vocab, 1.07, 1 << 20, 1234)
+    counts = torch.from_numpy(np.bincount(ids, minlength=vocab))
+    mask = hot_mask(counts, 12826)
+    share = float(counts[mask].sum()) / ids.size
+    assert 0.85 < share < 0.90, share
+    assert int((counts > 0).sum()) > 80_000 and int(counts[0]) == len(lengths)
+    assert (ids[np.cumsum(lengths) - 1] == 0).all() and int(lengths.sum()) == 1 << 20
+
+
+def test_the_first_runs_train_on_the_zipf_corpus_over_the_presets_vocabulary():
+    opts = fr.parse_args(["--out", "/tmp/x"])
+    assert opts.corpus == "zipf" and opts.corpus_vocab == 128256  # the GPU runs' smallest
+    assert fr.parse_args(["--runs", "dense_cpu,stem_cpu"]).corpus_vocab == 512
+    assert fr.parse_args(["--corpus", "text"]).corpus_vocab == 8192
+    for bad in (["--corpus-mb", "1"], ["--corpus", "text", "--corpus-tokens", "9"]):
+        with pytest.raises(SystemExit):
+            fr.parse_args(bad)

@@ -48,7 +48,8 @@ TINY = {
     # launch/first_runs.py: the CPU pair, a tiny corpus, fixed iterations (the time budget's
     # check needs CUDA).
     "first_runs": ["--runs", "dense_cpu,stem_cpu", "--iters", "3", "--warmup-iters", "1",
-                   "--micro-batch-size", "2", "--corpus-vocab", "512", "--corpus-mb", "0.2",
+                   "--micro-batch-size", "2", "--corpus-vocab", "512", "--corpus-tokens",
+                   "100000",
                    "--peak-tflops", "1"],  # no GEMM benchmark for the peak
     "stem_worker_schedule": ["--rows", "512", "--width", "64", "--tokens", "256",
                              "--compute-ms", "2", "--steps", "3", "--skip", "1"],

@@ -1,5 +1,7 @@
 """Offline default corpus: a byte-level BPE tokenizer and a Megatron indexed dataset built from text
-that ships with every Python (``pydoc_data.topics`` and the standard library's sources).
+that ships with every Python (``pydoc_data.topics`` and the standard library's sources); or, with
+``--source zipf``, ids drawn from a Zipf law over a whole vocabulary (``tools/synthetic_corpus.py``:
+``--vocab-size 128256 --zipf-tokens N --zipf-exponent S``, the same layout and manifest).
 
 ``python -m megatron_ext.tools.data_prep --out DIR [--vocab-size 8192] [--max-mb 8] [--seed N]``
 writes::
@@ -45,6 +47,7 @@ from tqdm import tqdm
 
 # The manifest's format, which the trainer reads too (--ext-data-manifest).
 from megatron_ext.data_manifest import MANIFEST, load_manifest, manifest_path
+from megatron_ext.tools import synthetic_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ EOD_TOKEN = "<|endoftext|>"
 DATA_NAME = "corpus_text_document"
 TOKENIZER_DIR = "tokenizer"
 FORMAT_VERSION = 1
+SOURCES = ("text", "zipf")
 # Directories of the standard library that are not ordinary library source: test suites (large,
 # repetitive fixtures), installed third-party packages, caches, pydoc_data (its topics are taken
 # directly, as text, not as the Python literal that holds them) and encodings (mostly generated
@@ -71,10 +75,21 @@ class DataPrepConfig:
     vocab_size: int = 8192
     max_mb: float = 8.0
     seed: int = 1234
+    source: str = "text"  # "zipf": synthetic ids over the whole vocabulary
+    zipf_tokens: int = 1 << 24
+    # fitted to the text corpus's own BPE ids (ranks 10-5,000; tools/synthetic_corpus.py)
+    zipf_exponent: float = 1.07
 
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("--out: an output directory is required")
+        if self.source not in SOURCES:
+            raise ValueError(f"--source={self.source}: one of {', '.join(SOURCES)}")
+        if not 1 <= self.zipf_tokens <= 1 << 34:
+            raise ValueError(f"--zipf-tokens={self.zipf_tokens}: allowed range is 1..{1 << 34}")
+        if not 0.0 < self.zipf_exponent <= 4.0:
+            raise ValueError(f"--zipf-exponent={self.zipf_exponent}: allowed range is (0, 4] "
+                             "(real BPE text: about 1.0-1.1)")
         # 256 byte symbols + the EOD token are the smallest byte-level vocabulary.
         if not 258 <= self.vocab_size <= 1_000_000:
             raise ValueError(f"--vocab-size={self.vocab_size}: allowed range is 258..1000000 "
@@ -84,6 +99,10 @@ class DataPrepConfig:
 
     def settings(self) -> Dict[str, object]:
         """What decides the content of the output (a rebuild happens when any of it changes)."""
+        if self.source == "zipf":
+            return {"format": FORMAT_VERSION, "source": "zipf", "vocab_size": self.vocab_size,
+                    "zipf_tokens": self.zipf_tokens, "zipf_exponent": float(self.zipf_exponent),
+                    "doc_tokens": synthetic_corpus.DOC_TOKENS, "seed": self.seed}
         return {
             "format": FORMAT_VERSION,
             "vocab_size": self.vocab_size,
@@ -313,52 +332,10 @@ def prepare(config: DataPrepConfig, progress: bool = True) -> dict:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        t0 = time.perf_counter()
-        docs = collect_documents(int(config.max_mb * 1e6), config.seed)
-        if not docs:
-            raise ValueError(f"--max-mb={config.max_mb}: no document fits; raise the cap")
-        corpus_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
-        num_topics = sum(d.name.startswith("pydoc:") for d in docs)
-        logger.info("data_prep: corpus %d documents (%d pydoc topics, %d stdlib files), %.2f MB "
-                    "from %s [%.1fs]", len(docs), num_topics, len(docs) - num_topics,
-                    corpus_bytes / 1e6, stdlib_dir(), time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        tokenizer = train_tokenizer(docs, config.vocab_size, progress)
-        tok_dir = os.path.join(tmp, TOKENIZER_DIR)
-        tok_json = save_hf_tokenizer(tokenizer, tok_dir)
-        vocab = tokenizer.get_vocab_size()
-        eod_id = tokenizer.token_to_id(EOD_TOKEN)
-        if vocab < config.vocab_size:
-            logger.warning("data_prep: the corpus only supports %d tokens (asked for %d)",
-                           vocab, config.vocab_size)
-        logger.info("data_prep: trained byte-level BPE, vocab %d, eod id %d [%.1fs]", vocab,
-                    eod_id, time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        num_tokens = write_indexed_dataset(tokenizer, docs, os.path.join(tmp, DATA_NAME), vocab,
-                                           eod_id, progress)
-        logger.info("data_prep: wrote %d tokens (%.2f bytes/token) to %s.{bin,idx} [%.1fs]",
-                    num_tokens, corpus_bytes / max(1, num_tokens - len(docs)),
-                    os.path.join(out, DATA_NAME), time.perf_counter() - t0)
-
-        manifest = {
-            "settings": settings,
-            "tokenizer_vocab_size": vocab,
-            "eod_id": eod_id,
-            "eod_token": EOD_TOKEN,
-            "tokenizer_sha256": sha256_file(tok_json),
-            "tokenizer_dir_relative": TOKENIZER_DIR,
-            "num_documents": len(docs),
-            "num_tokens": num_tokens,
-            "corpus_bytes": corpus_bytes,
-            "data_prefix_relative": DATA_NAME,
-            # Informational: where the build was made (load_manifest resolves the relative names).
-            "data_prefix": os.path.join(out, DATA_NAME),
-            "tokenizer_dir": os.path.join(out, TOKENIZER_DIR),
-            "sources": {"pydoc_topics": num_topics, "stdlib_files": len(docs) - num_topics,
-                        "stdlib": stdlib_dir()},
-        }
+        if config.source == "zipf":
+            manifest = _build_zipf(config, tmp, out)
+        else:
+            manifest = _build_text(config, tmp, out, settings, progress)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
         _swap_into_place(tmp, out)
@@ -367,6 +344,88 @@ def prepare(config: DataPrepConfig, progress: bool = True) -> dict:
         raise
     logger.info("data_prep: done, manifest %s", manifest_path(out))
     return load_manifest(manifest_path(out))
+
+
+def _build_zipf(config: DataPrepConfig, tmp: str, out: str) -> dict:
+    """The synthetic corpus (``tools/synthetic_corpus.py``) and its word tokenizer in ``tmp``;
+    returns the manifest."""
+    t0 = time.perf_counter()
+    vocab = config.vocab_size
+    ids, lengths = synthetic_corpus.zipf_tokens(vocab, config.zipf_exponent, config.zipf_tokens,
+                                                config.seed)
+    tok_json = save_hf_tokenizer(synthetic_corpus.word_tokenizer(vocab, EOD_TOKEN),
+                                 os.path.join(tmp, TOKENIZER_DIR))
+    prefix = os.path.join(tmp, DATA_NAME)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(vocab))
+    for doc in synthetic_corpus.documents(ids, lengths):
+        builder.add_item(torch.from_numpy(doc))
+        builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    logger.info("data_prep: %d Zipf ids (exponent %g, seed %d) over %d ids in %d documents "
+                "[%.1fs]", ids.size, config.zipf_exponent, config.seed, vocab, len(lengths),
+                time.perf_counter() - t0)
+    return {
+        "settings": config.settings(), "tokenizer_vocab_size": vocab, "eod_id": 0,
+        "eod_token": EOD_TOKEN, "tokenizer_sha256": sha256_file(tok_json),
+        "tokenizer_dir_relative": TOKENIZER_DIR, "num_documents": len(lengths),
+        "num_tokens": int(ids.size), "corpus_bytes": 0,  # no text
+        "data_prefix_relative": DATA_NAME, "data_prefix": os.path.join(out, DATA_NAME),
+        "tokenizer_dir": os.path.join(out, TOKENIZER_DIR),
+        "sources": {"synthetic": "zipf", "zipf_exponent": config.zipf_exponent,
+                    "seed": config.seed},
+    }
+
+
+def _build_text(config: DataPrepConfig, tmp: str, out: str, settings: Dict[str, object],
+                progress: bool) -> dict:
+    """The text corpus, its BPE tokenizer and dataset in ``tmp``; returns the manifest."""
+    t0 = time.perf_counter()
+    docs = collect_documents(int(config.max_mb * 1e6), config.seed)
+    if not docs:
+        raise ValueError(f"--max-mb={config.max_mb}: no document fits; raise the cap")
+    corpus_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
+    num_topics = sum(d.name.startswith("pydoc:") for d in docs)
+    logger.info("data_prep: corpus %d documents (%d pydoc topics, %d stdlib files), %.2f MB "
+                "from %s [%.1fs]", len(docs), num_topics, len(docs) - num_topics,
+                corpus_bytes / 1e6, stdlib_dir(), time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer(docs, config.vocab_size, progress)
+    tok_dir = os.path.join(tmp, TOKENIZER_DIR)
+    tok_json = save_hf_tokenizer(tokenizer, tok_dir)
+    vocab = tokenizer.get_vocab_size()
+    eod_id = tokenizer.token_to_id(EOD_TOKEN)
+    if vocab < config.vocab_size:
+        logger.warning("data_prep: the corpus only supports %d tokens (asked for %d)",
+                       vocab, config.vocab_size)
+    logger.info("data_prep: trained byte-level BPE, vocab %d, eod id %d [%.1fs]", vocab,
+                eod_id, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    num_tokens = write_indexed_dataset(tokenizer, docs, os.path.join(tmp, DATA_NAME), vocab,
+                                       eod_id, progress)
+    logger.info("data_prep: wrote %d tokens (%.2f bytes/token) to %s.{bin,idx} [%.1fs]",
+                num_tokens, corpus_bytes / max(1, num_tokens - len(docs)),
+                os.path.join(out, DATA_NAME), time.perf_counter() - t0)
+
+    manifest = {
+        "settings": settings,
+        "tokenizer_vocab_size": vocab,
+        "eod_id": eod_id,
+        "eod_token": EOD_TOKEN,
+        "tokenizer_sha256": sha256_file(tok_json),
+        "tokenizer_dir_relative": TOKENIZER_DIR,
+        "num_documents": len(docs),
+        "num_tokens": num_tokens,
+        "corpus_bytes": corpus_bytes,
+        "data_prefix_relative": DATA_NAME,
+        # Informational: where the build was made (load_manifest resolves the relative names).
+        "data_prefix": os.path.join(out, DATA_NAME),
+        "tokenizer_dir": os.path.join(out, TOKENIZER_DIR),
+        "sources": {"pydoc_topics": num_topics, "stdlib_files": len(docs) - num_topics,
+                    "stdlib": stdlib_dir()},
+    }
+    return manifest
 
 
 def megatron_data_args(manifest: dict, split: str = "95,5,0") -> List[str]:
@@ -386,11 +445,21 @@ def parse_args(argv: Optional[List[str]] = None) -> DataPrepConfig:
     parser.add_argument("--max-mb", type=float, default=DataPrepConfig.max_mb,
                         help="cap on the corpus size in MB of UTF-8 text")
     parser.add_argument("--seed", type=int, default=DataPrepConfig.seed,
-                        help="seed of the document selection and order")
+                        help="seed of the document selection and order (zipf: of the draws)")
+    parser.add_argument("--source", choices=SOURCES, default=DataPrepConfig.source,
+                        help="text: pydoc topics + stdlib sources with a BPE trained on them; "
+                             "zipf: synthetic ids over the whole --vocab-size, Zipf-distributed "
+                             "(tools/synthetic_corpus.py; not text: no loss curve to learn from)")
+    parser.add_argument("--zipf-tokens", type=int, default=DataPrepConfig.zipf_tokens,
+                        help="--source zipf: tokens of the corpus")
+    parser.add_argument("--zipf-exponent", type=float, default=DataPrepConfig.zipf_exponent,
+                        help="--source zipf: the frequency of the r-th most frequent id is "
+                             "proportional to r^-EXPONENT")
     ns = parser.parse_args(argv)
     try:
         return DataPrepConfig(out=ns.out, vocab_size=ns.vocab_size, max_mb=ns.max_mb,
-                              seed=ns.seed)
+                              seed=ns.seed, source=ns.source, zipf_tokens=ns.zipf_tokens,
+                              zipf_exponent=ns.zipf_exponent)
     except ValueError as exc:
         parser.error(str(exc))
 
