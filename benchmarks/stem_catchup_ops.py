@@ -2,25 +2,24 @@
 host worker runs for the next step's first micro-batch (``TableStore.gather``: the owed step's
 rows that the read needs are stepped first, ``schedule.OwedStep.settle``, then every row read is
 brought up to date and gathered). On a GPU each op of the GPU tier is a kernel launch of about
-5-10 us, and each host op a few us of Python and dispatch on the worker; this counts them on the
-CPU (the GPU tier on the CPU device), per phase, with a ``TorchDispatchMode``.
+5-10 us, and each host op a few us of Python and dispatch on the worker; this counts them per
+phase with a ``TorchDispatchMode``, the GPU tier on the ``meta`` device (its torch path runs
+without data, so its ops are told apart from the host's: ``device``, views apart, and ``host``).
 
 Phases: ``step: bookkeeping`` (the owed step's choice of rows, its gradients' split by tier),
-``step: GPU tier`` (the GPU tier's rows stepped with torch ops, ``RowAdamW._sparse_step``),
-``step: host tier`` (the host rows stepped by the row kernel, ``sparse_adamw_``: ops around one
-C call), ``read: GPU tier settle`` (rows read but not stepped, brought up to date in place,
-``LazyRows.settle``), ``read: host tier`` (``gather_current_rows_``) and ``read: rest`` (the split
-by tier, the output's assembly). ``would sync`` counts the ops that wait for the GPU when their
-tensors are on one (``.item()``/``bool()``/``int()``, ``nonzero``, ``unique``, indexing with a
-boolean mask). Host-to-device copies of indices and factors are not counted: on the CPU they are
-no copies at all.
+``step: GPU tier`` (the GPU tier's rows stepped with torch ops), ``step: host tier`` (the host
+rows stepped by the row kernel: ops around its C calls), ``read: GPU tier settle`` (rows read but
+not stepped, brought up to date in place), ``read: host tier`` (``gather_current_rows_``) and
+``read: rest`` (the split by tier, the output's assembly). ``would sync on the device``: device
+ops that wait for the GPU (``.item()``, ``nonzero``, ``unique``, a boolean-mask index).
 
-The store is the real one (``TableStore``, ``cpu`` or ``tiered`` placement, device = CPU), its
-optimizer ``RowAdamW``/``TieredRowAdamW`` sparse, the owed step made by ``TableSteps.step_table``
-as in training. Rows are drawn Zipf(1) over the owned rows (local order: hot first); a few
-steps run first so that rows owe catch-ups of different lengths; each timed read gets a new owed
-step. Times: medians of ``--reps`` reads (the op count is that of one read, without the counter
-in the timings).
+The store is the real one (``TableStore``, ``cpu`` or ``tiered`` placement), its optimizer
+``RowAdamW``/``TieredRowAdamW`` sparse, the owed step made by ``TableSteps.step_table`` as in
+training. Rows are drawn Zipf(1) over the owned rows (local order: hot first); a few steps run
+first so that rows owe catch-ups of different lengths; each timed read gets a new owed step.
+Times: medians of ``--reps`` reads, wall and process CPU time, the GPU tier on ``--device``
+(on the CPU its torch path is forced: there it would take the host kernel); the op count is
+that of one read, without the counter in the timings.
 
     .venv/bin/python benchmarks/stem_catchup_ops.py     # 2 tables x 30000 rows x 8192, 4096 read
     .venv/bin/python benchmarks/stem_catchup_ops.py --rows 8000 --width 2048 --verbose
@@ -42,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import report_json  # noqa: E402
+from common import report_json, sync  # noqa: E402
 
 SYNCING = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive",
            "masked_select", "item"}
@@ -237,13 +236,15 @@ class Scenario:
 
 
 def run(placement: str, a) -> dict:
-    # Times: the GPU tier on the CPU (its torch path forced).
-    scenario = Scenario(placement, a, torch.device("cpu"))
+    # Times: the GPU tier on --device (the CPU: its torch path forced).
+    scenario = Scenario(placement, a, torch.device(a.device))
     wall, cpu = [], []
     for _ in range(a.reps):
         read = scenario.owe_step()
+        sync()
         start, start_cpu = time.perf_counter(), time.process_time()
         scenario.read(read)
+        sync()
         wall.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
         scenario.finish()
@@ -284,6 +285,8 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--placements", default="cpu,tiered")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the GPU tier lives for the times")
     p.add_argument("--count-device", default="meta",
                    help="where the GPU tier lives for the op count (meta: no data, no memory)")
     p.add_argument("--verbose", action="store_true", help="also print the ops per phase")
