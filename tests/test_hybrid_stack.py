@@ -64,14 +64,17 @@ MASK = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()  # causal (True
 
 
 def _record_ids(model):
-    """Each STEM MLP call's bound ids, in call order, by the layer's global index."""
+    """Each STEM MLP call's ids (its ``context`` argument), in call order, by the layer's global
+    index."""
+    from megatron_ext.models.token_ids import split_context
     from megatron_ext.stem.mlp import StemMLP
 
     seen = []
     for layer in model.decoder.layers:
         if isinstance(layer.mlp, StemMLP):
             layer.mlp.register_forward_pre_hook(
-                lambda m, args, n=layer.layer_number - 1: seen.append((n, m._token_ids.clone())))
+                lambda m, args, kwargs, n=layer.layer_number - 1: seen.append(
+                    (n, split_context(kwargs["context"])[0].clone())), with_kwargs=True)
     return seen
 
 

@@ -166,8 +166,8 @@ def test_forward_step_checks_the_host_copy(mcore_single_rank, monkeypatch, host,
     run = ReadingRun() if take_batch else FamilyRun()
     monkeypatch.setattr(fs, "get_args", lambda: SimpleNamespace())
     monkeypatch.setattr(fs, "get_timers", lambda: lambda *a, **k: Timer())
-    monkeypatch.setattr(fs, "get_batch", lambda *a, host_tokens=False: batch if host_tokens
-                        else batch[:5])
+    monkeypatch.setattr(fs, "get_batch", lambda *a, host_tokens=False, host_group=None:
+                        batch if host_tokens else batch[:5])
     output, loss = fs.forward_step(iter(()), _tiny_stem_gpt(), run=run)
     assert output.shape == (2, 16) and loss(output)[1] == 32
     assert reads == ([] if host else ["min", "max"])
