@@ -18,7 +18,7 @@ SHARDINGS = ("replicated", "vocab")
 DEFAULT_TIER_COUNT_TOKENS = 1 << 27
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/runtime/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/runtime/row_adam.py
-KERNELS = ("auto", "triton", "torch")       # megatron_ext_kernels/stem_gate.py
+KERNELS = ("auto", "triton", "torch")       # kernels/stem_gate.py
 
 
 @dataclass
@@ -56,7 +56,7 @@ class StemConfig:
     gpu_tier: str = "10%"
     # Tokens of the training data counted to choose the GPU tier (0: all; stem/runtime/hot_rows.py).
     tier_count_tokens: int = DEFAULT_TIER_COUNT_TOKENS
-    # The lookup-and-gate: ``triton`` the fused kernel (megatron_ext_kernels/stem_gate.py), ``torch`` its
+    # The lookup-and-gate: ``triton`` the fused kernel (kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the PyTorch path (faster on an H100: stem_gate.resolve).
     kernel: str = "auto"
     # Host-resident rows (shards and moments) on transparent huge pages (stem/runtime/host_memory.py).

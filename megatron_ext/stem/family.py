@@ -114,7 +114,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "steps; needs the kernel's THP mode madvise or always)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
                       help="lookup-and-gate: triton = the fused kernel "
-                           "(megatron_ext_kernels/stem_gate.py; no [vocab, d_ff] gradient "
+                           "(kernels/stem_gate.py; no [vocab, d_ff] gradient "
                            "temporary, slower on an H100), torch = the plain-PyTorch path, "
                            "auto = torch (docs/stem.md)")
     stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",

@@ -153,7 +153,7 @@ class StemMLP(MegatronModule):
             self.table = torch.nn.Parameter(table)
             set_tensor_model_parallel_attributes(self.table, True, 1, 1)
         self.layer_number: Optional[int] = None
-        # The fused lookup-and-gate (megatron_ext_kernels/stem_gate.py) or its PyTorch reference below.
+        # The fused lookup-and-gate (kernels/stem_gate.py) or its PyTorch reference below.
         self.kernel = stem_gate.resolve(stem.kernel, self.activation_func)
 
     @classmethod

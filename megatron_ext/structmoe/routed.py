@@ -17,7 +17,7 @@ Backends, numerically equal (tested against a plain reference of Eq. 5):
   (``torch._grouped_mm`` with on-device group offsets, so no host sync), and scatter-add back.
   ``k / L`` of dense-masked's low-rank FLOPs, at the price of a permutation.
 * ``triton``: router and codes fused in one Triton kernel, forward and backward
-  (``megatron_ext_kernels/structmoe_routed.py``): the routing and dense-masked's codes come out of one pass
+  (``kernels/structmoe_routed.py``): the routing and dense-masked's codes come out of one pass
   over ``x`` with the slot counts (no ``torch.bincount``), no permutation, no host sync; the
   expand is dense-masked's GEMM. It computes its own routing, so it is a *fused* backend
   (:data:`FUSED_BACKENDS`): ``route_codes(x, w_router, a, topk) -> (Routing, codes)``.

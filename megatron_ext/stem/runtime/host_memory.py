@@ -2,7 +2,7 @@
 transparent huge pages.
 
 The host rows are read and stepped a few at a time at scattered places (a micro-batch's rows,
-``megatron_ext_kernels/row_adam_cpu.py``), over shards of gigabytes: with 4 KiB pages almost
+``kernels/row_adam_cpu.py``), over shards of gigabytes: with 4 KiB pages almost
 every row of every tensor (parameters, first and second moment) costs TLB misses, whose page
 walks through gigabytes of page tables miss the caches (in a virtual machine each walk is two
 dimensional, guest and host). 2 MiB pages cut the page-table entries 512-fold. Measured on the

@@ -28,7 +28,7 @@ they differ in which rows are computed at each iteration:
 
 Kernels: ``deepspeed`` (dense on the host: DeepSpeed's ``cpu_adam`` op over the whole shard, SIMD +
 OpenMP; its first use JIT-compiles it), ``rowwise`` (sparse on the host:
-``megatron_ext_kernels/row_adam_cpu.py``, catch-up and step fused, in place, per touched row) and
+``kernels/row_adam_cpu.py``, catch-up and step fused, in place, per touched row) and
 ``torch`` (vectorised torch ops: device shards, and the fallback where nothing compiles).
 """
 
@@ -163,7 +163,7 @@ class RowAdamW(LazyView):
             raise ValueError("the deepspeed kernel is for the dense optimizer")
         # Device-resident shards (--stem-table-placement gpu with vocab sharding, the GPU tier)
         # step with the torch kernel where they are. Sparse on the host: the in-place row-wise
-        # kernel (megatron_ext_kernels/row_adam_cpu.py); dense: DeepSpeed's over the shard.
+        # kernel (kernels/row_adam_cpu.py); dense: DeepSpeed's over the shard.
         self.rowwise = None
         if mode == "sparse" and on_host and kernel in ("auto", "rowwise"):
             self.rowwise = row_adam_cpu.load()
@@ -422,7 +422,7 @@ class RowClock:
         return window
 
     def kernel_state(self, u: int) -> tuple:
-        """What the compiled row kernels (``megatron_ext_kernels/row_adam_cpu.py``) compute
+        """What the compiled row kernels (``kernels/row_adam_cpu.py``) compute
         ``coefficients`` from, for rows brought to ``u``: ``(D_j, F_u(s) for s in
         [u - n + 1, u], G_s, base, H, u, b1, b2, eps)``, the series as float64 tensors."""
         self._check_upto(u)

@@ -220,7 +220,7 @@ class PinnedStaging:
 def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
                 chunk: int = 1024, lazy: Optional[LazyRows] = None, i: int = 0) -> None:
     """``out[:] = shard[index]`` cast to ``out``'s dtype, for fp32 host shards: the compiled
-    gather (``megatron_ext_kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks
+    gather (``kernels/row_adam_cpu.py``) when it builds, else torch ops in chunks
     of rows. ``lazy`` (the shard is its ``i``-th): the rows as of the clock's iteration, read
     without writing them where the kernel can (``LazyRows.read_into``), else settled first."""
     if lazy is not None:
