@@ -15,7 +15,7 @@ from megatron_ext.models.token_ids import FetchedRows, TokenContext, split_conte
 def _context(ids, rows, layer=3):
     unique, inverse = torch.unique(ids, return_inverse=True)
     leaf = rows[unique].clone().requires_grad_(True)
-    return TokenContext.of(ids, FetchedRows(inverse, {layer: leaf})), leaf
+    return TokenContext(ids, FetchedRows(inverse, {layer: leaf})), leaf
 
 
 def test_detach_keeps_the_rows_and_other_ops_give_plain_tensors():

@@ -83,10 +83,6 @@ class TokenContext(torch.Tensor):
         context.fetched = fetched
         return context
 
-    @staticmethod
-    def of(ids: torch.Tensor, fetched: Optional[FetchedRows] = None) -> "TokenContext":
-        return TokenContext(ids, fetched)
-
     # The operations that give the same context again (the ids unchanged, so the same rows).
     _KEEP = (torch.ops.aten.detach.default, torch.ops.aten.alias.default,
              torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -182,7 +178,7 @@ class TokenIdsMixin:
                 "a model with managed STEM tables ran without its micro-batch's rows: the "
                 "forward step fetches them (the family's take_batch) and passes token_rows")
         self.check_token_ids(input_ids, token_ids_checked)
-        return TokenContext.of(input_ids.t().contiguous(), token_rows)
+        return TokenContext(input_ids.t().contiguous(), token_rows)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None):

@@ -179,10 +179,6 @@ class StemMLP(MegatronModule):
             raise RuntimeError("the STEM table of this layer was already handed over")
         return table
 
-    def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``U[t]`` of an ordinary table for ids ``[s, b]`` -> ``[s, b, F / tp]``."""
-        return lookup_rows(self.table, token_ids)
-
     def _table_and_index(self, context) -> Tuple[torch.Tensor, torch.Tensor]:
         """What the lookup gathers from: the table parameter and the ids, or a managed table's
         unique rows of this micro-batch (fetched by the runtime, in ``context``) and each

@@ -3,8 +3,8 @@
 trainer's session after the training (``training/session.py``).
 
 It owns what lives as long as the training: the host worker that every chunk's managed tables
-share (``stem/runtime/worker.py``), the tables of each model chunk (built by the model through
-``token_tables``), the table optimizer chained onto Megatron's, and the GPU tier's token counts.
+share (``stem/runtime/worker.py``), the table optimizer chained onto Megatron's, and the GPU
+tier's token counts; it builds each model chunk's tables (``token_tables``), which the model keeps.
 ``close`` waits for the worker's last host work and ends its thread; nothing of the training is
 left in the process after it.
 """
@@ -22,11 +22,11 @@ from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.token_ids import wrapped_attr
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.mlp import StemMLP
+from megatron_ext.stem.runtime.hot_rows import choose_hot_mask
 from megatron_ext.stem.runtime.optimizer import StemTablesOptimizer, wrap_optimizer
 from megatron_ext.stem.runtime.read_ahead import take_batch
 from megatron_ext.stem.runtime.report import dump_tables, host_memory_report, report_stats
 from megatron_ext.stem.runtime.tables import LayerTable, StemTables
-from megatron_ext.stem.runtime.hot_rows import choose_hot_mask
 from megatron_ext.stem.runtime.worker import DEFAULT_SWITCH_INTERVAL_S, HostWorker
 
 
@@ -36,7 +36,6 @@ class StemRun(FamilyRun):
         self.host_tokens = stem.managed_tables  # the tables route the tokens' host copy
         switch_ms = getattr(args, "stem_gil_switch_ms", 1e3 * DEFAULT_SWITCH_INTERVAL_S)
         self.worker = HostWorker(switch_ms / 1e3)  # its thread starts with the first host work
-        self.tables: List[StemTables] = []  # of each model chunk with managed tables
         self.optimizers: List[StemTablesOptimizer] = []
         self.token_counts: dict = {}  # the GPU tier's counts of the training blend (tiers.py)
 
@@ -64,11 +63,9 @@ class StemRun(FamilyRun):
                                        stem.tier_count_tokens, self.token_counts)
             print_rank_0(f"> STEM GPU tier: {int(hot.sum())} of {args.padded_vocab_size} "
                          f"rows (--stem-gpu-tier {stem.gpu_tier}): {how}")
-        tables = StemTables(layers, stem, args.padded_vocab_size,
-                            parallel_state.get_data_parallel_group(), self.worker, hot_mask=hot,
-                            host_group=_host_data_parallel_group())
-        self.tables.append(tables)
-        return tables
+        return StemTables(layers, stem, args.padded_vocab_size,
+                          parallel_state.get_data_parallel_group(), self.worker, hot_mask=hot,
+                          host_group=_host_data_parallel_group())
 
     # -- each micro-batch ---------------------------------------------------------------------
     def take_batch(self, model, read_batch):
@@ -101,11 +98,10 @@ class StemRun(FamilyRun):
 
     def close(self) -> None:
         """The worker's last host work waited for (its failure raised) and its thread ended;
-        the tables and optimizers let go."""
+        the optimizers let go."""
         try:
             self.worker.close()
         finally:
-            self.tables.clear()
             self.optimizers.clear()
 
 
