@@ -270,6 +270,114 @@ def run(placement: str, a) -> dict:
 
 ORDER = ("step: bookkeeping", "step: GPU tier", "step: host tier", "read: GPU tier settle",
          "read: host tier", "read: rest")
+GRAD_ORDER = ("grads: split", "grads: staging to host", "step: bookkeeping", "step: GPU tier",
+              "step: host tier")
+
+
+class _Staging:
+    """``store.PinnedStaging`` with its buffer on the count device: the copies into it stand for
+    the device-to-host copies (one ``cudaMemcpyAsync`` each), counted as device ops."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def view(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def record(self) -> None:
+        pass
+
+    def take_event(self):
+        return None
+
+
+class _NoCuda:
+    """``transfer.stage_to_host``'s CUDA streams and events as no-ops (the count runs without a
+    GPU); ``record_stream`` (no kernel, no copy) is not counted."""
+
+    class _Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    class _Stream:
+        def wait_event(self, event):
+            pass
+
+    def __enter__(self):
+        import contextlib
+
+        self.saved = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream,
+                      torch.Tensor.record_stream)
+        torch.cuda.Event = self._Event
+        torch.cuda.current_stream = lambda *a, **k: self._Stream()
+        torch.cuda.stream = lambda s: contextlib.nullcontext()
+        torch.Tensor.record_stream = lambda self_, s: None
+        return self
+
+    def __exit__(self, *exc):
+        (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream,
+         torch.Tensor.record_stream) = self.saved
+
+
+def split_table(shards, rows, per_layer, first):
+    """What ``StemTablesOptimizer._grads_to_shards`` does with a tiered chunk's gradients before
+    their copy to the host: each layer's split by tier."""
+    from megatron_ext.stem.runtime.tiers import split_grads
+
+    return [split_grads(s, rows, g, first) for s, g in zip(shards, per_layer)]
+
+
+def grad_phases(a, layers: int) -> dict:
+    """The ops of one step's gradient path after backward for a tiered chunk of ``layers``
+    layers, the GPU tier on the count device: the split by tier (``grads: split``), the host
+    tier's gradients staged to the host (``grads: staging to host``), then the whole owed table
+    step run to its end (``step: GPU tier``, ``step: host tier``, and its bookkeeping: the chunks'
+    choice of rows and their gradients). The gradients come as ``StemTables.collect_grads``
+    leaves them: the chunk's touched rows (host) and a column block per layer of one
+    ``[rows, layers * width]`` tensor on the device (``exchange.push``)."""
+    from megatron_ext.stem.runtime.transfer import stage_to_host
+
+    b = argparse.Namespace(**vars(a))
+    b.tables, b.warmup_steps = layers, 1
+    scenario = Scenario("tiered", b, torch.device(a.count_device))
+    store, g = scenario.store, scenario.g
+    rows = draw(scenario.weights, a.step_rows, g)
+    read = draw(scenario.weights, a.read_rows, g)
+    summed = torch.empty(rows.numel(), layers * a.width, device=a.count_device)
+    per_layer = list(torch.split(summed, [a.width] * layers, dim=1))
+    counter = OpCounter("grads: split", a.count_device)
+    scenario.counter[0] = counter
+    with counter:
+        split = split_table(store.shards, rows, per_layer, read)
+        counter.phases.append("grads: staging to host")
+        with _NoCuda():
+            stage_to_host([tg.cold for _, tg in split], _Staging(a.count_device),
+                          _NoCuda._Stream(),
+                          [tg.cold_first for _, tg in split])
+        counter.phases.pop()
+    # The host tier steps gradients on the host (the staged copies; random, outside the count).
+    for _, tg in split:
+        tg.cold = torch.randn(tg.cold.shape, generator=g) * 1e-3
+    plan = scenario.adam.begin_step(scenario.hyper)
+    with counter:
+        counter.phases.append("step: bookkeeping")
+        scenario.steps.step_table(scenario.table, scenario.adam, plan, split, None)
+        owed = store.owed_step
+        chunks = 0
+        while not owed.run_chunk():
+            chunks += 1
+        counter.phases.pop()
+    scenario.counter[0] = None
+    return {"ops": {p: dict(c) for p, c in counter.kinds.items()},
+            "would_sync_on_device": dict(counter.syncs),
+            "by_op": {p: dict(c.most_common()) for p, c in counter.counts.items()},
+            "chunks": chunks + 1}
 
 
 def main() -> None:
@@ -289,13 +397,15 @@ def main() -> None:
                    help="where the GPU tier lives for the times")
     p.add_argument("--count-device", default="meta",
                    help="where the GPU tier lives for the op count (meta: no data, no memory)")
+    p.add_argument("--grad-layers", default="2,4",
+                   help="layer counts of the gradient path's count (tiered; empty: none)")
     p.add_argument("--verbose", action="store_true", help="also print the ops per phase")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     a = p.parse_args()
     print(f"{a.tables} tables x {a.rows} rows x {a.width}, {a.read_rows} rows read, "
           f"{a.step_rows} owed by the step; {os.cpu_count()} cores, torch {torch.__version__}")
     summary = {}
-    for placement in a.placements.split(","):
+    for placement in [p for p in a.placements.split(",") if p]:
         r = run(placement, a)
         summary[placement] = r
         total = r["total"]
@@ -311,6 +421,17 @@ def main() -> None:
                       f"{r['would_sync_on_device'].get(phase, 0)}")
                 if a.verbose:
                     print("      " + ", ".join(f"{k} {v}" for k, v in r["by_op"][phase].items()))
+    for layers in [int(x) for x in a.grad_layers.split(",") if x]:
+        r = grad_phases(a, layers)
+        summary[f"grads_{layers}_layers"] = r
+        print(f"gradient path, tiered, {layers} layers (the owed step in {r['chunks']} chunks):")
+        for phase in GRAD_ORDER:
+            k = r["ops"].get(phase, {})
+            print(f"  {phase:24s} device {k.get('device', 0):4d} (+{k.get('device view', 0)} "
+                  f"views), host {k.get('host', 0):4d}, would sync on the device "
+                  f"{r['would_sync_on_device'].get(phase, 0)}")
+            if a.verbose and phase in r["by_op"]:
+                print("      " + ", ".join(f"{k} {v}" for k, v in r["by_op"][phase].items()))
     report_json(summary, a.json)
 
 
