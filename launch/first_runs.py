@@ -21,6 +21,8 @@ the pairs' ratios against their goals.
    A run gets SIGTERM ``--run-seconds`` after its start (start-up included) and, with
    Megatron's ``--exit-signal-handler``, ends after that iteration: as many iterations as fit,
    whatever the device's speed (Megatron's ``--exit-duration-in-mins`` counts whole minutes).
+   Its ``--train-iters`` is what the device could not outrun (``iteration_cap``): Megatron
+   indexes that many iterations' samples before the first step;
    ``--iters N`` trains N iterations instead (tests: a count that does not depend on the
    machine's load);
 3. reads each run report (``training/run_report.py``) with ``scaling.metrics_from_report`` and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -105,8 +108,40 @@ def schedule_flags(preset: str, iters: int) -> List[str]:
             "--train-iters", str(iters)]
 
 
+# A run stopped by --run-seconds still needs a --train-iters: Megatron builds its dataset's
+# sample and shuffle indices for train-iters x global batch samples before the first step. An
+# arbitrary large count is not free: 10,000,000 iterations of 4 x 4096 tokens over the 2^24-token
+# zipf corpus took 55.9 s and 4.5 GB to index on the development machine (2026-11-28; 1,000,000:
+# 3.0 s), time inside the run's --run-seconds. So the count is what the device could at most
+# train in --run-seconds: at its peak FLOP/s (100% MFU) for the model's FLOPs per token, doubled
+# for FLOPs the count leaves out. Where no peak is known, this one (above any single device's
+# dense bf16 today).
+FALLBACK_PEAK_TFLOPS = 5000.0
+CAP_MARGIN = 2.0
+
+
+def iteration_cap(name: str, vocab: int, global_batch: int, run_seconds: float,
+                  peak_tflops: Optional[float]) -> int:
+    """Iterations a ``--run-seconds`` run of ``name`` cannot outrun (its ``--train-iters``, less
+    warm-up): ``CAP_MARGIN`` x the iterations of ``global_batch`` sequences that ``run_seconds``
+    at ``peak_tflops`` (100% MFU) allow, at the model's training FLOPs per token
+    (``planning/model_shape.py``); at least 1."""
+    from megatron_ext.planning.model_shape import training_flops_per_token
+
+    preset, flags = RUNS[name]
+    # The shape of the flags: what only a family's parsed config knows keeps its default there
+    # (STEM's layers count as dense ones, StructMoE's D'ff as the preset's); Sigma's top-k at
+    # its least (1 expert per token), a count that can only be low: the cap only higher.
+    shape = scaling.model_shape(preset, flags, vocab)
+    topks = shape.topks or (1,) * shape.num_layers
+    per_token = training_flops_per_token(shape, topks=topks).total
+    per_iter = per_token * global_batch * shape.seq_length
+    peak = (peak_tflops or FALLBACK_PEAK_TFLOPS) * 1e12
+    return max(1, math.ceil(CAP_MARGIN * run_seconds * peak / per_iter))
+
+
 def run_command(name: str, opts, data: Dict[str, object], run_dir: str, report: str,
-                cuda: bool) -> List[str]:
+                cuda: bool, peak_tflops: Optional[float] = None) -> List[str]:
     preset, flags = RUNS[name]
     vocab = scaling.preset_vocab(preset, None)
     if data["vocab"] > vocab:
@@ -118,8 +153,10 @@ def run_command(name: str, opts, data: Dict[str, object], run_dir: str, report: 
                               data_path=[data["prefix"]], tokenizer_type="HuggingFaceTokenizer",
                               tokenizer_model=data["tokenizer"], out=opts.out, vocab_size=None)
     # Every flag after the harness's own wins (argparse keeps the last value).
-    iters = opts.iters + opts.warmup_iters if opts.iters else 10_000_000
-    extra = [*flags, "--global-batch-size", str(opts.global_batch_size or mbs),
+    gbs = opts.global_batch_size or mbs
+    iters = opts.warmup_iters + (opts.iters or iteration_cap(name, vocab, gbs, opts.run_seconds,
+                                                             peak_tflops))
+    extra = [*flags, "--global-batch-size", str(gbs),
              "--make-vocab-size-divisible-by", str(vocab), "--split", "98,2,0",
              "--ext-data-manifest", data["manifest"],
              *schedule_flags(preset, iters),
@@ -417,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.path.exists(report_path):
             os.unlink(report_path)  # a stale report must not pass for this run's
         try:
-            cmd = run_command(name, opts, data, run_dir, report_path, cuda)
+            cmd = run_command(name, opts, data, run_dir, report_path, cuda, peak)
         except ValueError as exc:
             rows[name] = failed_row(name, "refused", str(exc))
             continue

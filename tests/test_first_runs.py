@@ -5,6 +5,7 @@ GPU runner's reader), the plot and the markdown written. The training itself run
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -108,6 +109,34 @@ def test_gpu_commands_name_the_corpus_the_vocabulary_and_the_stop():
     assert "--exit-signal-handler" in flags and last("--global-batch-size") == "4"
     with pytest.raises(ValueError, match="--corpus-vocab=200000"):
         fr.run_command("dense_1b", opts, dict(data, vocab=200000), "/tmp/x", "/tmp/r", True)
+
+
+def test_a_timed_run_asks_megatron_for_no_more_iterations_than_the_device_can_train():
+    """--train-iters of a --run-seconds run is CAP_MARGIN x what the device's peak FLOP/s allow
+    in that time: Megatron indexes train-iters x global batch samples before the first step
+    (10,000,000 iterations: 56 s and 4.5 GB on the development machine, inside the run's time)."""
+    from megatron_ext.planning.model_shape import training_flops_per_token
+
+    opts = fr.parse_args(["--out", "/tmp/x", "--run-seconds", "90"])
+    data = {"prefix": "/d/corpus", "tokenizer": "/d/tok", "vocab": 8192, "tokens": 1,
+            "manifest": "/d/manifest.json"}
+    for name, peak in (("dense_1b", 989.4), ("sigma_moe_tiny_6l", 989.4), ("stem_1b", None)):
+        cmd = fr.run_command(name, opts, data, "/tmp/x/r", "/tmp/x/r.json", True, peak)
+        iters = int(cmd[len(cmd) - cmd[::-1].index("--train-iters")])
+        cap = iters - opts.warmup_iters
+        preset, flags = fr.RUNS[name]
+        shape = fr.scaling.model_shape(preset, flags, fr.scaling.preset_vocab(preset, None))
+        gbs = fr.scaling.global_batch_size(preset, [*flags, "--global-batch-size", "4"])
+        flops = training_flops_per_token(shape, topks=shape.topks or (1,) * shape.num_layers)
+        seconds_at_peak = cap * gbs * shape.seq_length * flops.total / ((peak or 5000.0) * 1e12)
+        assert 2 * 90 <= seconds_at_peak < 2 * 90 + seconds_at_peak / cap, (name, cap)
+        assert iters * gbs < 500_000, (name, iters)  # an index of seconds, not minutes
+    # dense_1b by hand: 16 layers of H 2048, 32 heads over 8 KV groups (head 64), F 8192 SwiGLU,
+    # vocabulary 128,256 (untied output), sequence 4096, causal core counted in full
+    h, f, kv, s, v, layers = 2048, 8192, 8 * 64, 4096, 128256, 16
+    per_token = layers * (6 * (h * h + 2 * h * kv + h * h) + 6 * h * f * 3 + 12 * s * h) + 6 * h * v
+    hand = math.ceil(2 * 90 * 989.4e12 / (per_token * 4 * s))
+    assert fr.iteration_cap("dense_1b", 128256, 4, 90.0, 989.4) == hand
 
 
 # ---------------------------------------------------------------------------------------------
