@@ -69,7 +69,7 @@ class StemRun(FamilyRun):
 
     # -- each micro-batch ---------------------------------------------------------------------
     def take_batch(self, model, read_batch):
-        return take_batch(model, read_batch, self.args, self.stem)
+        return take_batch(model, read_batch, self.args)
 
     def bind_tokens(self, model, tokens) -> dict:
         """A forward outside the trainer: the rows of ``tokens`` fetched from their owners, as

@@ -68,7 +68,7 @@ def _ids(batch: tuple) -> torch.Tensor:
     return batch[5] if len(batch) > 5 and batch[5] is not None else batch[0]
 
 
-def take_batch(model, read_batch: Callable[[], tuple], args, stem) -> Tuple[tuple, dict]:
+def take_batch(model, read_batch: Callable[[], tuple], args) -> Tuple[tuple, dict]:
     """The micro-batch the chunk ``model`` runs now and the model's keyword arguments for it.
     With managed tables on this stage, its rows (``token_rows``; with prefetch, the next
     micro-batch read and its rows' fetch started). The

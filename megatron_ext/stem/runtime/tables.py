@@ -47,11 +47,10 @@ from megatron_ext.models.token_ids import FetchedRows
 from megatron_ext.stem.runtime import checkpoint
 from megatron_ext.stem.runtime.binding import RowBinding
 from megatron_ext.stem.runtime.exchange import ReplicatedExchange, Route, VocabExchange
-from megatron_ext.stem.runtime.ownership import RowOwnership
+from megatron_ext.stem.runtime.ownership import RowOwnership, TieredOwnership
+from megatron_ext.stem.runtime.read_ahead import TableReadAhead
 from megatron_ext.stem.runtime.store import TableStore
 from megatron_ext.stem.runtime.transfer import to_device
-from megatron_ext.stem.runtime.ownership import TieredOwnership
-from megatron_ext.stem.runtime.read_ahead import TableReadAhead
 from megatron_ext.stem.runtime.worker import HostWorker
 
 
@@ -80,9 +79,9 @@ class Fetch:
 
 class StemTables:
     """The managed tables of one model chunk. ``stem``: the table options (``placement``,
-    ``sharding``, ``ownership``, ``prefetch``, ``host_huge_pages``: the fields of the model
-    side's ``StemConfig``, read here without importing it); ``worker``: the training's host
-    worker (``StemRun``)."""
+    ``sharding``, ``ownership``, ``prefetch``, ``host_huge_pages``, ``host_read``: the fields of
+    the model side's ``StemConfig``, read here without importing it); ``worker``: the
+    training's host worker (``StemRun``)."""
 
     def __init__(self, layers: Sequence[LayerTable], stem, vocab_size: int,
                  dp_group, worker: HostWorker, device: Optional[torch.device] = None,
@@ -113,7 +112,8 @@ class StemTables:
             self.owned_ids = torch.arange(vocab_size)
         self.store = TableStore([layer.initial for layer in self.layers],
                                 self.owned_ids, stem.placement, self.device, num_hot,
-                                huge_pages=stem.host_huge_pages)
+                                huge_pages=stem.host_huge_pages,
+                                host_read=getattr(stem, "host_read", "staged"))
         for layer in self.layers:
             layer.initial = None  # the store holds the values now
         self.binding = RowBinding([layer.layer_number for layer in self.layers])
