@@ -19,6 +19,7 @@ DEFAULT_TIER_COUNT_TOKENS = 1 << 27
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/runtime/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/runtime/row_adam.py
 KERNELS = ("auto", "triton", "torch")       # kernels/stem_gate.py
+HOST_READS = ("staged", "direct")           # stem/runtime/store.py, kernels/host_rows.py
 
 
 @dataclass
@@ -61,6 +62,10 @@ class StemConfig:
     kernel: str = "auto"
     # Host-resident rows (shards and moments) on transparent huge pages (stem/runtime/host_memory.py).
     host_huge_pages: bool = True
+    # How host rows reach the GPU: ``staged`` (gathered on the CPU into pinned staging, then
+    # copied) or ``direct`` (a GPU kernel reads them from page-locked host shards); staged
+    # until a GPU run measures both (benchmarks/stem_host_read.py).
+    host_read: str = "staged"
 
     @property
     def managed_tables(self) -> bool:
@@ -82,7 +87,8 @@ class StemConfig:
                                      ("--stem-table-sharding", self.sharding, SHARDINGS),
                                      ("--stem-row-ownership", self.ownership, OWNERSHIPS),
                                      ("--stem-optimizer", self.optimizer, OPTIMIZERS),
-                                     ("--stem-kernel", self.kernel, KERNELS)):
+                                     ("--stem-kernel", self.kernel, KERNELS),
+                                     ("--stem-host-read", self.host_read, HOST_READS)):
             if value not in allowed:
                 raise ValueError(f"{flag}={value!r}: allowed values are {', '.join(allowed)}")
         if self.tier_count_tokens < 0:
@@ -92,6 +98,10 @@ class StemConfig:
             raise ValueError("--stem-table-placement tiered: both tiers are sharded by "
                              "vocabulary over the data-parallel ranks; pass "
                              "--stem-table-sharding vocab")
+        if self.host_read == "direct" and self.placement == "gpu":
+            raise ValueError("--stem-host-read direct reads host rows, and "
+                             "--stem-table-placement gpu keeps none: use --stem-table-placement "
+                             "cpu or tiered, or --stem-host-read staged")
         if self.layers is not None:
             layers = list(self.layers)
             if not layers:

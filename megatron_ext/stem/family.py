@@ -30,6 +30,7 @@ from megatron_ext.stem.runtime.checkpoint import (
 )
 from megatron_ext.stem.config import (
     DEFAULT_TIER_COUNT_TOKENS,
+    HOST_READS,
     INITS,
     KERNELS,
     OPTIMIZERS,
@@ -42,6 +43,7 @@ from megatron_ext.stem.config import (
     parse_layers,
 )
 from megatron_ext.stem.runtime.hot_rows import parse_tier_size
+from megatron_ext.stem.runtime.store import check_host_read
 from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.specs import decoder_block_spec
 from megatron_ext.stem.runtime.ownership import RowOwnership
@@ -112,6 +114,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="host-resident table rows and their Adam moments on transparent huge "
                            "pages (madvise; fewer TLB misses for the scattered row reads and "
                            "steps; needs the kernel's THP mode madvise or always)")
+    stem.add_argument("--stem-host-read", choices=HOST_READS, default="staged",
+                      help="cpu/tiered tables: how host rows reach the GPU; staged: gathered on "
+                           "the CPU into pinned staging, then copied; direct: a GPU kernel "
+                           "reads them from the host shards, registered page-locked at start-up "
+                           "(kernels/host_rows.py; needs CUDA); staged until a GPU run measures "
+                           "both (docs/stem.md)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
                       help="lookup-and-gate: triton = the fused kernel "
                            "(kernels/stem_gate.py; no [vocab, d_ff] gradient "
@@ -130,7 +138,8 @@ def config_from_args(args) -> StemConfig:
                       optimizer=args.stem_optimizer, prefetch=args.stem_prefetch,
                       kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier,
                       tier_count_tokens=args.stem_tier_count_tokens,
-                      host_huge_pages=args.stem_host_huge_pages)
+                      host_huge_pages=args.stem_host_huge_pages,
+                      host_read=getattr(args, "stem_host_read", "staged"))
 
 
 def stem_config(args) -> Optional[StemConfig]:
@@ -166,6 +175,7 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
                          "have no biases)")
 
     stem_gate.resolve(stem.kernel)  # --stem-kernel triton where it cannot run
+    check_host_read(stem.host_read, stem.placement, torch.cuda.is_available())
     if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
         raise ValueError("--recompute-modules mlp is not supported with STEM layers; use "
                          "--recompute-granularity full")

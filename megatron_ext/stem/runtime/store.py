@@ -15,11 +15,14 @@ Reads and writes of the shards are host work: they run on the process's worker t
 idle.
 
 Reading rows (``gather_rows``): from host shards to a GPU the rows are gathered and cast straight
-into a reusable pinned buffer (``PinnedStaging``) and moved by one asynchronous copy.
+into a reusable pinned buffer (``PinnedStaging``) and moved by one asynchronous copy (the staged
+read, ``--stem-host-read staged``); or, with ``--stem-host-read direct``, a GPU kernel reads them
+from the host shards themselves, made page-locked in place for it (``kernels/host_rows.py``).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import List, Optional, Sequence
 
@@ -31,7 +34,10 @@ from megatron_ext.stem.runtime.row_adam import LazyRows
 from megatron_ext.stem.runtime.row_adam import TieredLazyRows, stacked
 from megatron_ext.stem.runtime.tiers import TieredShard, full_tensor, write_back
 from megatron_ext.stem.runtime.transfer import to_device
-from megatron_ext_kernels import row_adam_cpu
+from megatron_ext_kernels import host_rows, row_adam_cpu
+from megatron_ext_kernels._triton_runtime import interpreted
+
+HOST_READS = ("staged", "direct")
 
 
 class WholeTable:
@@ -55,11 +61,21 @@ class TableStore:
     host memory, ``tiered`` the first ``num_hot`` local rows on ``device`` and the rest in host
     memory.
     ``huge_pages``: host shards and their moments on transparent huge pages
-    (``host_memory.py``, ``--stem-host-huge-pages``)."""
+    (``host_memory.py``, ``--stem-host-huge-pages``). ``host_read``: how host rows reach the
+    GPU, ``staged`` (gathered on the CPU into pinned staging, then copied) or ``direct`` (read
+    by a GPU kernel from the shards, which are made page-locked for it; without CUDA only
+    under Triton's interpreter, the CPU twin of the tests)."""
 
     def __init__(self, tables, owned_ids: torch.Tensor, placement: str, device: torch.device,
-                 num_hot: Optional[int] = None, huge_pages: bool = True):
+                 num_hot: Optional[int] = None, huge_pages: bool = True,
+                 host_read: str = "staged"):
         cuda = torch.cuda.is_available()
+        check_host_read(host_read, placement, cuda)
+        self.host_read = host_read
+        # direct: the finalizers that unregister the host shards registered for the GPU's
+        # reads (cudaHostRegister), run when the store is collected.
+        self._registered: list = []
+        self._direct_done = None  # the last direct read's end (an event of its stream)
         self.shards: List = []
         self.huge_pages = huge_pages
         # Host shards are ordinary (pageable) memory, on huge pages: only the CPU reads and
@@ -100,6 +116,11 @@ class TableStore:
                 shard = self._device_rows(values[rows], stack, layer_number, device)
             else:  # host memory (cpu placement; gpu placement without CUDA)
                 shard = host_memory.index_select(values, rows, torch.float32, huge_pages)
+            if host_read == "direct" and cuda:  # before the optimizer state binds the shards
+                if isinstance(shard, TieredShard):
+                    shard.cold = self._addressable(shard.cold)
+                else:
+                    shard = self._addressable(shard)
             del values
             self.shards.append(shard)
             layer_number += 1
@@ -110,6 +131,23 @@ class TableStore:
         # The part of a sparse table step still to run (``schedule.OwedStep``): rows a
         # read needs are stepped first. Set and cleared by the optimizer; used on the worker.
         self.owed_step = None
+
+    def _addressable(self, t: torch.Tensor) -> torch.Tensor:
+        """Host rows ``t`` where a GPU kernel can read them: a mapping of their own
+        (``host_memory.empty``: page-aligned, whole pages) registered in place for as long as the
+        store lives, kept on huge pages; a smaller tensor, which may share pages with other heap
+        memory (registering a page twice fails), copied into pinned memory (at most
+        ``MIN_MAPPED_BYTES``, where the pinned allocator's rounding to a power of two costs
+        little)."""
+        if t.numel() == 0:
+            return t
+        if t.data_ptr() % mmap.PAGESIZE == 0 and \
+                t.numel() * t.element_size() >= host_memory.MIN_MAPPED_BYTES:
+            handle = host_rows.register(t, self)
+            if handle is not None:
+                self._registered.append(handle)
+            return t
+        return t.pin_memory()
 
     @staticmethod
     def _device_rows(rows: torch.Tensor, stack: Optional[torch.Tensor], k: int,
@@ -154,11 +192,23 @@ class TableStore:
         if self.owed_step is not None:  # first: the step brings its rows up to date itself
             with record_function("stem/step-rows-read"):
                 self.owed_step.settle(local_rows)
-        return gather_rows(self.shards, local_rows, device, dtype, self.staging, lazy=self.lazy)
+        rows = gather_rows(self.shards, local_rows, device, dtype, self.staging, lazy=self.lazy,
+                           read=self.host_read)
+        if self.host_read == "direct" and rows.is_cuda:
+            # The kernel reads the host rows when the GPU runs it, after this returns. A row it
+            # reads is written next by the table step that its gradient makes, which waits for
+            # that gradient on the host, so after the kernel; later reads of this step write
+            # only rows still owing, not this read's. ``read`` (checkpoints, dumps) waits.
+            self._direct_done = torch.cuda.Event()
+            self._direct_done.record(torch.cuda.current_stream())
+        return rows
 
     def read(self, i: int) -> torch.Tensor:
         """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a
         host copy of a tiered one's two halves."""
+        if self._direct_done is not None:  # a direct read still queued reads the host rows
+            self._direct_done.synchronize()
+            self._direct_done = None
         if self.owed_step is not None:
             self.owed_step.finish()
         self.lazy.settle_all()
@@ -167,6 +217,22 @@ class TableStore:
     def write(self, i: int, whole: torch.Tensor) -> None:
         """After ``whole = read(i)`` was written in place: a tiered shard takes it back."""
         write_back(self.shards[i], whole)
+
+
+def check_host_read(host_read: str, placement: str, cuda: bool) -> None:
+    """Refuse a host read that cannot work here (``--stem-host-read``), in one line."""
+    if host_read not in HOST_READS:
+        raise ValueError(f"--stem-host-read={host_read!r}: allowed values are "
+                         f"{', '.join(HOST_READS)}")
+    if host_read != "direct":
+        return
+    if placement == "gpu":
+        raise ValueError("--stem-host-read direct reads host rows, and --stem-table-placement "
+                         "gpu keeps none: use --stem-table-placement cpu or tiered, or "
+                         "--stem-host-read staged")
+    if not cuda and not interpreted():
+        raise ValueError("--stem-host-read direct needs a CUDA device (a GPU kernel reads the "
+                         "host rows); use --stem-host-read staged")
 
 
 def planned_host_bytes(placement: str, num_owned: int, num_hot: Optional[int],
@@ -242,14 +308,16 @@ def host_gather(shard: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
 
 def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: torch.device,
                 dtype: torch.dtype, staging: PinnedStaging | None = None,
-                chunk: int = 1024, lazy: Optional[LazyRows] = None) -> torch.Tensor:
+                chunk: int = 1024, lazy: Optional[LazyRows] = None,
+                read: str = "staged") -> torch.Tensor:
     """``cat([shard[index] for shard in shards], dim=1)`` as ``dtype`` on ``device``. From host
     shards to a GPU the rows are gathered (and cast) straight into ``staging``'s pinned buffer,
     one block per shard, in chunks of rows (no large temporaries), then moved in one
-    asynchronous copy and laid out side by side on the GPU. ``lazy``: the shards' ``LazyRows``
+    asynchronous copy and laid out side by side on the GPU; with ``read`` ``direct`` a GPU
+    kernel reads them from the shards (``_gather_direct``). ``lazy``: the shards' ``LazyRows``
     (the sparse optimizer's state): the rows are read as of its clock's iteration."""
     if shards and isinstance(shards[0], TieredShard):
-        return _gather_tiered(shards, index, device, dtype, staging, lazy)
+        return _gather_tiered(shards, index, device, dtype, staging, lazy, read)
     widths = [s.shape[1] for s in shards]
     n = index.numel()
     on_host = all(s.device.type == "cpu" for s in shards)
@@ -266,6 +334,8 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
             return rows.view(n, -1)
         return torch.cat([s[to_device(index, s.device)] for s in shards], dim=1).to(
             device=device, dtype=dtype)
+    if read == "direct":
+        return _gather_direct(shards, index, device, dtype, lazy, staging)
     if staging is None or device.type != "cuda":  # host rows to host memory
         parts = [torch.empty(n, w, dtype=dtype) for w in widths]
         for i, (s, part) in enumerate(zip(shards, parts)):
@@ -286,11 +356,82 @@ def gather_rows(shards: Sequence[torch.Tensor], index: torch.Tensor, device: tor
     return torch.cat(parts, dim=1)
 
 
+def _gather_direct(shards: Sequence[torch.Tensor], index: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype, lazy: Optional[LazyRows] = None,
+                   staging: PinnedStaging | None = None, out: Optional[torch.Tensor] = None,
+                   positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gather_rows`` of host shards read by a GPU kernel (``kernels/host_rows.py``; on the
+    CPU, under Triton's interpreter), into each shard's column block of the result, queued on
+    the current stream. Rows current at the clock's iteration are read from the shard itself.
+    Rows that owe the sparse optimizer's catch-up are read as the staged read reads them, as of
+    now without writing them (``LazyRows.read_into``), into ``staging``'s pinned buffer, which
+    the kernel then reads: settling them in place instead would give the same read but not the
+    same table afterwards (a catch-up over iterations a..c then c..d rounds otherwise than one
+    over a..d), and costs the CPU three row writes where the staged read makes one. Without the
+    compiled read (``read_into`` declines) they are settled in place first, as the staged read
+    then does. So the result and the tables are the staged read's, bit for bit.
+    ``out``/``positions`` (host): write row ``j`` to ``out[positions[j]]`` (the host tier's rows
+    of a tiered read) instead of a new tensor."""
+    widths = [s.shape[1] for s in shards]
+    index = index.to(torch.long).contiguous()
+    n = index.numel()
+    if out is None:
+        out = torch.empty(n, sum(widths), dtype=dtype, device=device)
+    where = torch.arange(n) if positions is None else positions.to(torch.long)
+    owing = [_owing(lazy, i, index) for i in range(len(shards))]
+    late = [int(o.sum()) if o is not None else 0 for o in owing]
+    flat = None
+    if sum(late):
+        total = sum(k * w for k, w in zip(late, widths))
+        flat = staging.view(total, dtype) if staging is not None and device.type == "cuda" \
+            else torch.empty(total, dtype=dtype)
+    moved = {}  # (rows, positions) on the device per mask: layers mostly owe the same rows
+
+    def on_device(mask: Optional[torch.Tensor]):
+        key = None if mask is None else mask.numpy().tobytes()
+        if key not in moved:
+            rows, pos = (index, where) if mask is None else (index[mask], where[mask])
+            moved[key] = (to_device(rows, device), to_device(pos, device))
+        return moved[key]
+
+    offset = column = 0
+    for i, (s, w, o, k) in enumerate(zip(shards, widths, owing, late)):
+        block = out[:, column: column + w]
+        if k:
+            part = flat[offset: offset + k * w].view(k, w)
+            if lazy.read_into(i, index[o], part):
+                _, pos = on_device(o)
+                host_rows.gather_host_rows(part, to_device(torch.arange(k), device), block,
+                                           positions=pos)
+                offset += k * w
+                o = ~o
+            else:  # no compiled read: settled in place, as host_gather does
+                lazy.settle(i, index[o])
+                o = None
+        rows, pos = on_device(o)
+        if rows.numel():
+            host_rows.gather_host_rows(s, rows, block, positions=pos)
+        column += w
+    if flat is not None and staging is not None and device.type == "cuda":
+        staging.record()  # the kernel has read the buffer when this event is reached
+    return out
+
+
+def _owing(lazy: Optional[LazyRows], i: int, index: torch.Tensor) -> Optional[torch.Tensor]:
+    """Which of ``index`` (host) shard ``i`` of ``lazy`` holds as of an earlier iteration than
+    its clock's (a host bool mask), or None where no row can owe."""
+    if lazy is None or lazy.exp_avg is None or lazy.clock.step == lazy.clock.base:
+        return None
+    late = lazy.last[i][index] < lazy.clock.step
+    return late if bool(late.any()) else None
+
+
 def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: torch.device,
                    dtype: torch.dtype, staging: PinnedStaging | None,
-                   lazy: Optional[TieredLazyRows] = None) -> torch.Tensor:
+                   lazy: Optional[TieredLazyRows] = None, read: str = "staged") -> torch.Tensor:
     """``gather_rows`` of tiered shards: the GPU tier's rows are read where they are, the host
-    tier's through the host-shard path (pinned staging to a GPU); ``lazy``: the shards'
+    tier's through the host-shard path (pinned staging to a GPU, or the direct read, which
+    writes them into their places of the result itself); ``lazy``: the shards'
     ``TieredLazyRows``, each tier reading its own rows."""
     widths = [s.shape[1] for s in shards]
     hot_pos, hot_rows, cold_pos, cold_rows = shards[0].split(index)
@@ -299,13 +440,16 @@ def _gather_tiered(shards: Sequence[TieredShard], index: torch.Tensor, device: t
             (cold_pos, cold_rows, "cold", lazy.cold if lazy is not None else None, staging)):
         if pos.numel() == index.numel():  # every row in one tier: read in place of ``out``
             return gather_rows([getattr(s, tier) for s in shards], rows, device, dtype,
-                               tier_staging, lazy=tier_lazy)
+                               tier_staging, lazy=tier_lazy, read=read)
     out = torch.empty(index.numel(), sum(widths), dtype=dtype, device=device)
     if hot_pos.numel():
         out[to_device(hot_pos, device)] = gather_rows(
             [s.hot for s in shards], hot_rows, device, dtype,
             lazy=lazy.hot if lazy is not None else None)
-    if cold_pos.numel():
+    if cold_pos.numel() and read == "direct":
+        _gather_direct([s.cold for s in shards], cold_rows, device, dtype,
+                       lazy.cold if lazy is not None else None, staging, out, cold_pos)
+    elif cold_pos.numel():
         out[to_device(cold_pos, device)] = gather_rows(
             [s.cold for s in shards], cold_rows, device, dtype, staging,
             lazy=lazy.cold if lazy is not None else None)
