@@ -327,10 +327,10 @@ class _NoCuda:
 
 def split_table(shards, rows, per_layer, first):
     """What ``StemTablesOptimizer._grads_to_shards`` does with a tiered chunk's gradients before
-    their copy to the host: each layer's split by tier."""
-    from megatron_ext.stem.runtime.tiers import split_grads
+    their copy to the host: the split by tier of every layer (``tiers.split_layers``)."""
+    from megatron_ext.stem.runtime.tiers import split_layers
 
-    return [split_grads(s, rows, g, first) for s, g in zip(shards, per_layer)]
+    return split_layers(shards, rows, per_layer, first)
 
 
 def grad_phases(a, layers: int) -> dict:

@@ -41,7 +41,7 @@ from megatron_ext.stem.runtime.row_adam import AdamHyper, RowAdamW
 from megatron_ext.stem.runtime.store import PinnedStaging
 from megatron_ext.stem.runtime.schedule import TableSteps
 from megatron_ext.stem.runtime.row_adam import TieredRowAdamW
-from megatron_ext.stem.runtime.tiers import split_grads
+from megatron_ext.stem.runtime.tiers import split_layers
 from megatron_ext.stem.runtime.transfer import Arrival, stage_to_host
 from megatron_ext.stem.runtime.worker import mark
 from megatron_ext_kernels import row_adam_cpu
@@ -187,8 +187,9 @@ class StemTablesOptimizer(ChainedOptimizer):
             per_table = []
             for t, per in zip(self.tables, self._grads):
                 first = t.deferred.route.requested if t.deferred is not None else None
-                per_table.append([split_grads(s, rows, g, first)
-                                  for s, (rows, g) in zip(t.store.shards, per)])
+                # Every layer at once: they share the chunk's rows (``prepare_grads``)
+                per_table.append(split_layers(t.store.shards, per[0][0], [g for _, g in per],
+                                              first) if per else [])
             cold = [tg for per in per_table for _, tg in per if tg.cold.is_cuda]
             if not cold:  # no CUDA: every tier is on the host
                 return per_table, None

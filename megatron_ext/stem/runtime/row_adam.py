@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.stem.runtime import host_memory
-from megatron_ext.stem.runtime.tiers import TierGrads, TieredShard, split_grads
+from megatron_ext.stem.runtime.tiers import TierGrads, TieredShard, layer_stack, split_grads
 from megatron_ext.stem.runtime.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu
 from megatron_ext_kernels._build_dir import build_environment
@@ -248,16 +248,22 @@ class RowAdamW(LazyView):
         state = lazy.stacks()
         if state is None:
             return False
-        rows = [r.cpu().to(torch.long) for _, r, _ in items]  # the per-row state is on the host
-        if rows[0].numel() == 0 or any(r.shape != rows[0].shape or not torch.equal(r, rows[0])
-                                       for r in rows[1:]):
+        # The per-row state is on the host, and so are the rows (host tensors: comparing them
+        # waits for nothing); layers given one tensor of rows (``tiers.split_layers``, the table
+        # step's chunks) are not compared at all.
+        rows = [r.cpu().to(torch.long) for _, r, _ in items]
+        if rows[0].numel() == 0 or any(r is not rows[0] and (
+                r.shape != rows[0].shape or not torch.equal(r, rows[0])) for r in rows[1:]):
             return False
         shards, exp_avg, exp_avg_sq, last, touched = state
         rows = rows[0]
         dev = shards.device
         factors = lazy.clock.coefficients(last[:, rows], touched[:, rows], plan.step - 1)
         index = to_device(rows, dev)
-        g = torch.stack([grad.to(dev, torch.float32) for _, _, grad in items])
+        grads = [grad for _, _, grad in items]
+        g = layer_stack(grads)  # the layers' gradients as one tensor's: read in place
+        if g is None or g.device != dev or g.dtype != torch.float32:
+            g = torch.stack([grad.to(dev, torch.float32) for grad in grads])
         p, m, v = catch_up_rows(shards.index_select(1, index), exp_avg.index_select(1, index),
                                 exp_avg_sq.index_select(1, index), *factor_columns(factors, dev))
         _torch_adamw(p, g, m, v, plan.hyper, plan.step)
@@ -785,20 +791,28 @@ class TieredRowAdamW(LazyView):
         """``step_rows`` for each ``(i, rows, rows_grad)`` of ``items``; each tier steps its rows
         of all of them in one call (``RowAdamW.step_shards``: the GPU tier's layers together)."""
         per_tier = ([], [])
+        locals_ = {}  # each tier's local rows, once for the layers that share their rows
         for i, rows, rows_grad in items:
             shard = self.shards[i]
             if not isinstance(rows_grad, TierGrads):
                 rows, rows_grad = split_grads(shard, rows, rows_grad)
-            rows, n = rows.cpu().to(torch.long), rows_grad.num_hot
-            for todo, local, grad, tier in ((per_tier[0], rows[:n], rows_grad.hot, shard.hot),
-                                            (per_tier[1], rows[n:] - shard.num_hot,
-                                             rows_grad.cold, shard.cold)):
-                if tier.shape[0] and (local.numel() or self.mode == "dense"):
+            key = (id(rows), rows_grad.num_hot, shard.num_hot, shard.hot.device,
+                   shard.cold.device)
+            if key not in locals_:
+                r, n = rows.cpu().to(torch.long), rows_grad.num_hot
+                hot_local, cold_local = r[:n], r[n:] - shard.num_hot
+                if self.mode == "dense":
                     # Dense zero-fills a tier-sized gradient on the tier's device and writes the
-                    # rows there (their indices go along); sparse keeps its per-row last steps on
-                    # the host and takes host indices.
-                    if self.mode == "dense":
-                        local = to_device(local, tier.device)
+                    # rows there (their indices go along); sparse keeps its per-row last steps
+                    # on the host and takes host indices.
+                    hot_local = to_device(hot_local, shard.hot.device)
+                    cold_local = to_device(cold_local, shard.cold.device)
+                locals_[key] = (rows, hot_local, cold_local)  # rows: kept alive for its id
+            _, hot_local, cold_local = locals_[key]
+            for todo, local, grad, tier in ((per_tier[0], hot_local, rows_grad.hot, shard.hot),
+                                            (per_tier[1], cold_local, rows_grad.cold,
+                                             shard.cold)):
+                if tier.shape[0] and (local.numel() or self.mode == "dense"):
                     todo.append((i, local, grad.to(tier.device)))
         for opt, todo in zip((self.hot, self.cold), per_tier):
             if todo:

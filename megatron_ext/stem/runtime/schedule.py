@@ -10,12 +10,12 @@ each iteration's final row gradients.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import record_function
 
-from megatron_ext.stem.runtime.tiers import TierGrads, grad_tensors, take_rows
+from megatron_ext.stem.runtime.tiers import TierGrads, grad_tensors, take_layers
 
 
 class OwedStep:
@@ -29,18 +29,26 @@ class OwedStep:
     step), so the numbers are those of one step of every row. Used on the worker thread only."""
 
     CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 rows: a few milliseconds of CPU AdamW
+    # The GPU tier's rows per chunk (``queued``): 128 MiB of fp32 rows, each of the step's ten or
+    # so temporaries on the GPU that size.
+    QUEUED_ELEMENTS = 1 << 25
 
-    def __init__(self, step: Callable, rows: Sequence[torch.Tensor], widths: Sequence[int]):
+    def __init__(self, step: Callable, rows: Sequence[torch.Tensor], widths: Sequence[int],
+                 queued: Optional[Sequence[int]] = None):
         self._step = step
         self.rows = list(rows)
         self.widths = list(widths)
+        # The leading positions of each shard whose step the host only queues (the GPU tier's
+        # rows: their step is a few kernel launches whatever their number): the first chunk takes
+        # them all, outside the budget, so the GPU tier steps in one go, not once per chunk.
+        self.queued = list(queued) if queued is not None else [0] * len(self.rows)
         # The layers of a chunk step the same rows (the same tokens touch them): those share one
         # tensor of rows and of positions left, so a read looks its rows up once, not per layer
-        # (``_per_rows``).
+        # (``_per_rows``; ``tiers.split_layers`` gives them one tensor already).
         for i in range(1, len(self.rows)):
             r, first = self.rows[i], self.rows[0]
-            if r.shape == first.shape and r.device.type == first.device.type == "cpu" and \
-                    torch.equal(r, first):
+            if r is not first and r.shape == first.shape and \
+                    r.device.type == first.device.type == "cpu" and torch.equal(r, first):
                 self.rows[i] = first
         left = {}
         self.left = [left.setdefault(id(r), torch.arange(r.numel())) for r in self.rows]
@@ -82,16 +90,26 @@ class OwedStep:
         """Step the next chunk of rows; True once every row is stepped."""
         # Shards that share their rows and positions left take the same positions (their
         # widths summed against the budget), so they keep sharing them.
-        widths = {}
-        for rows, left, width in zip(self.rows, self.left, self.widths):
+        widths, queued = {}, {}
+        for rows, left, width, q in zip(self.rows, self.left, self.widths, self.queued):
             key = (id(rows), id(left))
             widths[key] = widths.get(key, 0) + width
+            queued[key] = min(queued.get(key, q), q)  # shards sharing positions take the same
         budget, taken = self.CHUNK_ELEMENTS, False
 
         def split(rows, left):
             nonlocal budget, taken
-            width = widths[(id(rows), id(left))]
-            n = min(left.numel(), max(budget // max(width, 1), 0))
+            key = (id(rows), id(left))
+            width = widths[key]
+            # Positions left ascend (a read's settle keeps their order): the queued ones lead,
+            # within their own budget (the GPU memory of the step's temporaries).
+            free = int(torch.searchsorted(left, queued[key])) if queued[key] else 0
+            if free:
+                n = min(free, max(self.QUEUED_ELEMENTS // max(width, 1), 1))
+                if n < free:
+                    taken = True
+                    return left[:n], left[n:]
+            n = free + min(left.numel() - free, max(budget // max(width, 1), 0))
             if n == 0 and left.numel() and not taken:
                 n = 1  # progress whatever the width
             taken = taken or n > 0
@@ -116,6 +134,24 @@ class OwedStep:
         """(seconds of the whole step, seconds of it that reads waited for), as the table
         step's tasks report them."""
         return self.seconds, self.seconds_in_reads
+
+
+def _groups(keys: Sequence) -> List[List[int]]:
+    """The indices of ``keys`` grouped by equal key, in order of first appearance."""
+    groups = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _within_first(grads: Sequence, positions: torch.Tensor) -> bool:
+    """Whether the rows at ``positions`` of every one of ``grads`` need no host gradient beyond
+    those copied first (``TierGrads.within_first``), asked once where they all split alike."""
+    if not all(isinstance(g, TierGrads) for g in grads):
+        return False
+    if all(g.num_hot == grads[0].num_hot and g.cold_first == grads[0].cold_first for g in grads):
+        return grads[0].within_first(positions)
+    return all(g.within_first(positions) for g in grads)
 
 
 class TableSteps:
@@ -159,20 +195,29 @@ class TableSteps:
             """Step the rows at ``positions`` (per shard; None: all) of ``grads``."""
             start = time.perf_counter()
             with record_function("stem/table-step"):
+                if positions is not None:  # layers whose rows and positions are the same
+                    groups = _groups([(id(r), id(p)) for (r, _), p in zip(grads, positions)])
+                else:
+                    groups = _groups([id(r) for r, _ in grads])
                 if arrived is not None:  # the gradients are read only after their copy landed
                     # (those of the rows the next step's first micro-batch reads land first)
+                    # (asked once for layers that split alike: the same positions, same answer)
                     first = positions is not None and all(
-                        isinstance(g, TierGrads) and g.within_first(p)
-                        for (_, g), p in zip(grads, positions))
+                        _within_first([grads[i][1] for i in group], positions[group[0]])
+                        for group in groups)
                     with record_function("stem/wait-grads"):
                         (arrived.synchronize_first if first else arrived.synchronize)()
                     grad_wait[0] += time.perf_counter() - start
                 items = []
-                for i, (rows, grad) in enumerate(grads):
-                    if positions is not None:
-                        rows, grad = take_rows(rows, grad, positions[i])
+                for layers in groups:
+                    rows = grads[layers[0]][0]
+                    layer_grads = [grads[i][1] for i in layers]
+                    if positions is not None:  # layers sharing rows and positions: looked up
+                        # once, each tier's gradients taken together (tiers.take_layers)
+                        rows, layer_grads = take_layers(rows, layer_grads, positions[layers[0]])
                     if rows.numel() or self.mode != "sparse":
-                        items.append((i, rows, grad))
+                        items.extend((i, rows, g) for i, g in zip(layers, layer_grads))
+                items.sort(key=lambda item: item[0])
                 step_shards = getattr(adam, "step_shards", None)
                 if step_shards is not None:  # the layers together where it can (row_adam)
                     step_shards(items, plan)
@@ -199,7 +244,10 @@ class TableSteps:
             self.tasks.append((t, self.worker.submit(whole, after=made), grad_wait))
             t.release(fetch, after=made)
             return
-        owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths)
+        # The GPU tier's rows lead each tiered gradient's; on a GPU their step is only queued.
+        queued = [g.num_hot if isinstance(g, TierGrads) and g.hot.device.type != "cpu" else 0
+                  for _, g in grads]
+        owed = OwedStep(step, [rows for rows, _ in grads], t.store.widths, queued)
         # The worker is idle for this store: the step drained it.
         owed.store, t.store.owed_step = t.store, owed
         t.release(fetch, after=made)

@@ -21,7 +21,7 @@ and a run resumes across ordinary, gpu, cpu and tiered placement.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -138,6 +138,82 @@ def split_grads(shard: "TieredShard", rows: torch.Tensor, grad: torch.Tensor,
                            grad.index_select(0, to_device(cold_pos, grad.device)), cold_first)
 
 
+def split_layers(shards: Sequence["TieredShard"], rows: torch.Tensor,
+                 grads: Sequence[torch.Tensor], first: Optional[torch.Tensor] = None) -> list:
+    """``[split_grads(shard, rows, grad, first) for ...]`` over the layers of one chunk, the same
+    bits, in one pass where the layers split alike (one store's shards: the same GPU-tier rows)
+    and their gradients are one tensor's layers (``layer_stack``: each layer's column block of
+    the ``[rows, layers * width]`` gradient that ``exchange.push`` sums): the positions of the
+    tiers' rows are found once on the host (every layer has the same ``rows``), and each tier's
+    gradients of every layer are taken with one op on the gradients' device, layer first, or
+    viewed where the positions are a run (the GPU tier's rows of sorted ``rows``: a prefix); no
+    op waits for the device. The layers share one tensor of rows (the table step looks a read's
+    rows up once for all of them, ``schedule.OwedStep``)."""
+    stack = layer_stack(grads)
+    if stack is None or len({s.num_hot for s in shards}) != 1:
+        return [split_grads(s, rows, g, first) for s, g in zip(shards, grads)]
+    shard = shards[0]
+    hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
+    cold_first = 0
+    if first is not None and cold_rows.numel():
+        needed = torch.isin(cold_rows + shard.num_hot, first.cpu())
+        cold_first = int(needed.sum())
+        if 0 < cold_first < needed.numel():  # the rows ``first`` reads lead the host rows
+            order = torch.argsort(~needed, stable=True)
+            cold_pos, cold_rows = cold_pos[order], cold_rows[order]
+    rows = torch.cat([hot_rows, cold_rows + shard.num_hot])
+    hot = select_rows(stack, hot_pos, dim=1).unbind(0)
+    # The host tier's are copied, each layer's rows contiguous: what the copy to the host
+    # (``transfer.stage_to_host``: one contiguous copy per part) and the row kernel take.
+    cold = (stack.index_select(1, to_device(cold_pos, stack.device)) if cold_pos.numel()
+            else stack.narrow(1, 0, 0)).unbind(0)
+    return [(rows, TierGrads(h, c, cold_first)) for h, c in zip(hot, cold)]
+
+
+def layer_stack(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A view ``T`` of ``tensors``' memory with ``T[k]`` the values of ``tensors[k]``, where they
+    are two or more equal-shaped views of one tensor at evenly spaced offsets (each layer's
+    column block of one gradient, the layers of a stack that ``unbind`` split); else None. For
+    reading: unlike ``row_adam.stacked``, the layers may interleave (column blocks do)."""
+    if len(tensors) < 2 or any(not isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    first = tensors[0]
+    base = first._base
+    if base is None:
+        return None
+    step = tensors[1].storage_offset() - first.storage_offset()
+    if step <= 0:
+        return None
+    for k, t in enumerate(tensors):
+        if t._base is not base or t.shape != first.shape or t.stride() != first.stride() or \
+                t.dtype != first.dtype or t.storage_offset() != first.storage_offset() + k * step:
+            return None
+    return first.as_strided((len(tensors),) + tuple(first.shape), (step,) + first.stride(),
+                            first.storage_offset())
+
+
+def take_layers(rows: torch.Tensor, grads: Sequence, keep: torch.Tensor) -> tuple:
+    """``take_rows(rows, grad, keep)`` for layers that share ``rows`` and ``keep``:
+    ``(rows[keep], [each layer's gradients of them])``, the same values; the positions looked up
+    once, and each tier's gradients of every layer taken with one op (or viewed) where they are
+    one tensor's layers (``split_layers``' and the host staging's are)."""
+    if len(grads) < 2 or not all(isinstance(g, TierGrads) for g in grads) or \
+            len({g.num_hot for g in grads}) != 1:
+        return rows[keep], [take_rows(rows, g, keep)[1] for g in grads]
+    keep = torch.sort(keep.cpu()).values
+    split = int(torch.searchsorted(keep, grads[0].num_hot))
+    hot, cold = keep[:split], keep[split:] - grads[0].num_hot
+    return rows[keep], [TierGrads(h, c) for h, c in zip(
+        _select_layers([g.hot for g in grads], hot), _select_layers([g.cold for g in grads], cold))]
+
+
+def _select_layers(tensors: Sequence[torch.Tensor], positions: torch.Tensor) -> list:
+    stack = layer_stack(tensors)
+    if stack is None:
+        return [select_rows(t, positions) for t in tensors]
+    return list(select_rows(stack, positions, dim=1).unbind(0))
+
+
 def take_rows(rows: torch.Tensor, grad, keep: torch.Tensor) -> tuple:
     """``rows[keep]`` and their gradients (a tensor, or a tiered shard's ``TierGrads``)."""
     if isinstance(grad, TierGrads):
@@ -145,18 +221,20 @@ def take_rows(rows: torch.Tensor, grad, keep: torch.Tensor) -> tuple:
     return rows[keep], select_rows(grad, keep)
 
 
-def select_rows(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``t.index_select(0, positions)``, the same values; a view of ``t`` when ``positions``
-    (host) are a run of consecutive rows. The table step takes its gradients in chunks of
-    consecutive positions until a read has stepped rows out of the middle: a view spares each
+def select_rows(t: torch.Tensor, positions: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``t.index_select(dim, positions)``, the same values; a view of ``t`` when ``positions``
+    (host) are a run of consecutive rows, or none. The table step takes its gradients in chunks
+    of consecutive positions until a read has stepped rows out of the middle: a view spares each
     chunk a copy into fresh memory (16 MiB at the 1B shape, about 3 ms of page faults and copying
     on the worker on the GPU machine of 2026-11-27)."""
     n = positions.numel()
-    if n and positions.device.type == "cpu":
+    if n == 0:  # no copy of positions to the device for nothing
+        return t.narrow(dim, 0, 0)
+    if positions.device.type == "cpu":
         first, last = int(positions[0]), int(positions[-1])
         if last - first + 1 == n and (n == 1 or bool((positions.diff() == 1).all())):
-            return t[first: last + 1]
-    return t.index_select(0, to_device(positions, t.device))
+            return t.narrow(dim, first, n)
+    return t.index_select(dim, to_device(positions, t.device))
 
 
 def grad_tensors(grad) -> tuple:
