@@ -301,6 +301,25 @@ def _rows_host_gather(path: str) -> List[Row]:
                  f"{ms['owing, catch-up in place + gather bf16']:.2f} ms")]
 
 
+def _rows_host_read(path: str) -> List[Row]:
+    """``benchmarks/stem_host_read.py``: the direct read over the staged one in each run (no
+    goal: the number decides ``--stem-host-read``'s default), and the shard's registration."""
+    s = _load(path)
+    staged, direct = (statistics.median(s["ms"][k]) for k in ("staged", "direct"))
+    rows = [_per_run("host_read", f"direct read of host rows (GPU kernel over the bus) vs staged "
+                     f"(CPU gather + copy), {s['rows']} rows x {s['width']} fp32 -> "
+                     f"{s['dtype']}", s["ratios_per_run"], None, "x", None, "lower",
+                     note=f"medians staged {staged:.3f} ms, direct {direct:.3f} ms; "
+                          f"{s['device']}")]
+    if s.get("register_ms") is not None:
+        rows.append(Row("host_read", "cudaHostRegister of a host shard (start-up, per shard)",
+                        s["register_ms"], "ms",
+                        note=f"{s['shard_bytes'] / 2**30:.2f} GiB, "
+                             f"{(s.get('shard_bytes_on_huge_pages') or 0) / 2**30:.2f} GiB "
+                             "of it on huge pages"))
+    return rows
+
+
 def _rows_worker_schedule(path: str) -> List[Row]:
     s = _load(path)
     chunks = s["owed step, chunks"]
@@ -493,6 +512,12 @@ def plan() -> List[Step]:
         Step("host_gather", "host rows gathered and cast to the wire dtype, this host",
              [PY, "benchmarks/stem_host_gather.py", "--json", f"{RES}/host_gather.json"],
              120, "host_gather.json", _rows_host_gather),
+        # --stem-host-read: the store's staged read against the GPU kernel reading the
+        # registered host shard, at the 1B shape (a 50304 x 5632 fp32 shard, 3420 Zipf rows).
+        Step("host_read", "host rows to the GPU: staged (CPU gather + copy) vs direct (GPU "
+             "kernel over the bus), 1B shape, two runs",
+             [PY, "benchmarks/stem_host_read.py", "--json", f"{RES}/host_read.json"],
+             120, "host_read.json", _rows_host_read),
         Step("stem_worker_schedule", "host worker: the table step in chunks vs as one task",
              [PY, "benchmarks/stem_worker_schedule.py", "--rows", "16032", "--width", "8192",
               "--compute-ms", "100", "--json", f"{RES}/stem_worker_schedule.json"],

@@ -31,6 +31,7 @@ def test_print_only_names_every_benchmark(tmp_path):
     for needle in ("benchmarks/stem_mlp.py", "benchmarks/structmoe_kernel.py",
                    "benchmarks/structmoe_step.py", "benchmarks/sigma_step.py",
                    "benchmarks/stem_placement.py", "benchmarks/stem_host_gather.py",
+                   "benchmarks/stem_host_read.py",
                    "launch/scaling.py --preset stem_350m",
                    "launch/scaling.py --preset dense_350m", "scripts/isolated_pytest.py",
                    "tests/test_kernel_stem_gate.py", "--repeats 2"):
@@ -225,6 +226,14 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert pages.value == 1.18 and "500 MiB of the shard on huge pages" in pages.note
     read = by["read of rows owing a catch-up, as of now vs catch-up in place then gather (bf16)"]
     assert read.value == 0.81 and "2.50 vs 3.10 ms" in read.note
+    (tmp_path / "hr.json").write_text(json.dumps({
+        "device": "NVIDIA H100", "rows": 3420, "width": 5632, "dtype": "bf16",
+        "ms": {"staged": [4.0, 4.4], "direct": [2.0, 3.3]}, "ratios_per_run": [0.5, 0.75],
+        "register_ms": 250.0, "shard_bytes": 2**30, "shard_bytes_on_huge_pages": 2**29}))
+    read, register = gpu_evidence._rows_host_read(str(tmp_path / "hr.json"))
+    assert read.value == 0.75 and read.goal is None and not read.incomplete  # the worse run
+    assert "medians staged 4.200 ms, direct 2.650 ms; NVIDIA H100" in read.note
+    assert register.value == 250.0 and "1.00 GiB, 0.50 GiB of it on huge pages" in register.note
 
 
 def test_family_goals_are_judged_on_the_worse_of_alternating_runs(tmp_path):

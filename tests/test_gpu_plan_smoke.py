@@ -45,6 +45,9 @@ TINY = {
     "stem_placement_cpu": None,
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
+    # The direct read under Triton's interpreter on the CPU (conftest sets it without CUDA).
+    "host_read": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2",
+                  "--warmup", "1"],
     # launch/first_runs.py: the CPU pair, a tiny corpus, fixed iterations (the time budget's
     # check needs CUDA).
     "first_runs": ["--runs", "dense_cpu,stem_cpu", "--iters", "3", "--warmup-iters", "1",
