@@ -54,6 +54,10 @@ class SigmaRouter(TopKRouter):
                                                       device=dev), persistent=False)
         self.last_stats: Optional[BatchStats] = None  # the finished global batch (for logs)
         self._forwards = 0  # training forwards since the last end of a global batch
+        # This rank's tokens of those forwards, counted on the host (every forward's count is a
+        # shape) and written into sigma_acc once per step (take_tokens) instead of an add per
+        # forward.
+        self._tokens = 0
 
     def set_topk(self, topk: int) -> None:
         self.topk = topk
@@ -73,20 +77,22 @@ class SigmaRouter(TopKRouter):
         e = self.num_experts
         n_local = logits.shape[0]
         self._forwards += 1
+        self._tokens += n_local
         scores = torch.softmax(logits, dim=-1)  # P of Eq. 1 (per token)
         lbl = self.sigma.lbl
         acc = self.sigma_acc
+        # In-place adds into views of the accumulator: ``acc[a:b] += v`` would add and then copy
+        # the sum back onto itself (Python's setitem), a second kernel per statistic.
         with torch.no_grad():
-            acc[:e] += routing_map.sum(dim=0).to(acc.dtype)
-            acc[e:2 * e] += scores.sum(dim=0)
-            acc[3 * e + 1] += n_local
+            acc[:e].add_(routing_map.sum(dim=0))
+            acc[e:2 * e].add_(scores.sum(dim=0))
         q = None
         if lbl == "top1":
             q = torch.softmax(logits / self.sigma.top1_temperature, dim=-1)  # Eq. 3
             qmax = q.max(dim=-1).values  # Eq. 4
             with torch.no_grad():
-                acc[2 * e:3 * e] += q.sum(dim=0)
-                acc[3 * e] += qmax.sum()
+                acc[2 * e:3 * e].add_(q.sum(dim=0))
+                acc[3 * e].add_(qmax.sum())
         if lbl == "none" or self.sigma.lbl_coeff == 0:
             return probs
         # This rank's share of the global-batch loss, normalized by its own share of the tokens
@@ -102,6 +108,13 @@ class SigmaRouter(TopKRouter):
         return MoEAuxLossAutoScaler.apply(probs, self.sigma.lbl_coeff * term)
 
     # -- end of a global batch -------------------------------------------------------------------
+    def take_tokens(self) -> None:
+        """Add the tokens counted on the host since the last call into ``sigma_acc`` (before
+        its all-reduce)."""
+        if self._tokens:
+            self.sigma_acc[3 * self.num_experts + 1].add_(float(self._tokens))
+            self._tokens = 0
+
     def end_global_batch(self, reduced: Optional[torch.Tensor] = None) -> Optional[BatchStats]:
         """All-reduce this step's sums over TP x DP x CP (unless ``reduced`` holds them already),
         keep the global statistics as next step's gradient weights and for the logs, and clear
@@ -109,6 +122,7 @@ class SigmaRouter(TopKRouter):
         on every rank."""
         acc = self.sigma_acc
         if reduced is None:
+            self.take_tokens()
             reduced = acc.clone()
             if self.tp_dp_cp_group is not None and self.tp_dp_cp_group.size() > 1:
                 torch.distributed.all_reduce(reduced, group=self.tp_dp_cp_group)
@@ -136,6 +150,8 @@ def end_global_batch(model_chunks) -> Dict[int, BatchStats]:
     if any(r.tp_dp_cp_group is not group for r in routers):
         reduced = [None] * len(routers)
     else:
+        for router in routers:
+            router.take_tokens()
         flat = torch.cat([r.sigma_acc for r in routers])
         if group is not None and group.size() > 1:
             torch.distributed.all_reduce(flat, group=group)

@@ -17,11 +17,12 @@ for models with ``config.num_moe_experts`` (StructMoE is a dense model to Megatr
 
 from __future__ import annotations
 
+import weakref
 from typing import List
 
 import torch
 from megatron.core.num_microbatches_calculator import get_num_microbatches
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_logging import MetricEntry, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     switch_load_balancing_loss_func,
@@ -52,6 +53,38 @@ def switch_loss(routing: Routing) -> torch.Tensor:
         topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=1.0)
 
 
+# tracker -> (grid, entries): the routing fractions of every expert and block as one [L, blocks]
+# tensor whose rows are the tracker's entries. Upstream's ``tracker.record`` takes one scalar per
+# call (two kernels: ``values[i] += v`` is an add and a copy back); recording L fractions that way
+# cost 2 L kernel launches per layer and micro-batch (32 at L = 16, more than the routed path's
+# own forward), one add into a column of the grid costs one.
+_GRIDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fraction_grid(tracker, num_experts: int, num_blocks: int, device) -> torch.Tensor:
+    """``[L, num_blocks]``, row ``l`` being the values of the tracker's entry
+    ``fraction_name(l)``; made anew (keeping recorded values) when an entry was replaced or
+    dropped (the tracker's ``clear`` zeroes the rows in place, its reduction all-reduces them)."""
+    names = [fraction_name(l) for l in range(num_experts)]
+    held = _GRIDS.get(tracker)
+    metrics = tracker.metrics
+    if held is not None:
+        grid, entries = held
+        if grid.shape == (num_experts, num_blocks) and all(
+                metrics.get(n) is e for n, e in zip(names, entries)):
+            return grid
+    grid = torch.zeros(num_experts, num_blocks, device=device)
+    entries = []
+    for l, name in enumerate(names):
+        old = metrics.get(name)
+        if old is not None and old.values.shape == (num_blocks,):
+            grid[l].copy_(old.values)
+        metrics[name] = MetricEntry(values=grid[l])
+        entries.append(metrics[name])
+    _GRIDS[tracker] = (grid, tuple(entries))
+    return grid
+
+
 def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, block: int,
                       num_blocks: int) -> torch.Tensor:
     """Attach ``coeff x loss`` to ``update``'s backward and record the loss (unscaled, as upstream
@@ -65,9 +98,9 @@ def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, bloc
     if block is not None:
         tracker.record(LOSS_NAME, loss, block, num_blocks)
         n, k = routing.indices.shape
-        fractions = routing.tokens_per_expert().float() / (n * k)
-        for expert, value in enumerate(fractions):
-            tracker.record(fraction_name(expert), value, block, num_blocks)
+        grid = _fraction_grid(tracker, routing.probs.shape[-1], num_blocks, loss.device)
+        # f_l = count_l / (n k), added as the tracker's record() would add each one.
+        grid.select(1, block - 1).add_(routing.tokens_per_expert(), alpha=1.0 / (n * k))
     if coeff > 0:
         update = MoEAuxLossAutoScaler.apply(update, coeff * loss)
     return update

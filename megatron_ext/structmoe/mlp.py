@@ -44,7 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.structmoe.balance import attach_and_record
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
-from megatron_ext.structmoe.routed import resolve_backend, route_codes_stages
+from megatron_ext.structmoe.routed import expand_into_stage, resolve_backend, route_codes_stages
 
 
 def small_init(fan_in: int):
@@ -122,6 +122,7 @@ class StructMoEMLP(MegatronModule):
         self.backend = resolve_backend(structmoe.backend)
         # A fused backend (triton) computes the routing with the codes; the others run route().
         self.route_codes_fn, self.expand_fn = route_codes_stages(self.backend)
+        self.expand_into_fn = expand_into_stage(self.backend)
         # The MLP block (1-based, global) under which the router metrics are recorded.
         self.mlp_block = mlp_block
         self.layer_number = mlp_block
@@ -149,8 +150,11 @@ class StructMoEMLP(MegatronModule):
                    tp_group=pg_collection.tp, name=name, mlp_block=mlp_block,
                    num_mlp_blocks=num_mlp_blocks)
 
-    def routed_update(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``R(x)`` for this rank's D' shard, laid out like ``linear_fc1``'s output."""
+    def routed_update(self, hidden_states: torch.Tensor,
+                      into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``R(x)`` for this rank's D' shard, laid out like ``linear_fc1``'s output; with
+        ``into`` (that output), ``into + R(x)``, added in place by the expand GEMM where the
+        backend can (dense-masked, triton)."""
         x = hidden_states
         if self.config.sequence_parallel and self.tp_size > 1:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
@@ -160,22 +164,27 @@ class StructMoEMLP(MegatronModule):
         routing, codes = self.route_codes_fn(x2d, self.router, self.lore_a, self.smoe.topk)
         if self.tp_size > 1:
             codes = copy_to_tensor_model_parallel_region(codes, group=self.tp_group)
-        update = self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)
+        if into is None:
+            update = self.expand_fn(codes, self.lore_b, routing).view(s, b, -1)
+        else:
+            update = self.expand_into_fn(into, codes, self.lore_b, routing)
         return attach_and_record(update, routing, self.smoe.aux_loss_coeff, self.layer_number,
                                  self.num_mlp_blocks) if self.training else update
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         base, _ = self.linear_fc1(hidden_states)
-        update = self.routed_update(hidden_states).to(base.dtype)
         act = self.activation_func
+        if not self.gated and self.smoe.fusion == "additive":
+            # Eq. 6's x W1' + R(x) in one pass: the update is added into fc1's output (no
+            # [tokens, D'] update tensor, no separate add).
+            return self.linear_fc2(act(self.routed_update(hidden_states, into=base)))
+        update = self.routed_update(hidden_states).to(base.dtype)
         if self.gated:
             gate, up = torch.chunk(base, 2, dim=-1)
             if self.smoe.fusion == "additive":
                 inner = act(gate + update) * up
             else:
                 inner = act(gate) * up * (1.0 + update)
-        elif self.smoe.fusion == "additive":
-            inner = act(base + update)
         else:
             inner = act(base) * (1.0 + update)
         return self.linear_fc2(inner)

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
 from megatron_ext_kernels.structmoe_routed import available, fused_route_codes
 
 
@@ -45,8 +47,12 @@ class Routing:
     def tokens_per_expert(self) -> torch.Tensor:
         """``[L]`` routing slots given to each expert, computed once per routing."""
         if self._counts is None:
-            self._counts = torch.bincount(self.indices.reshape(-1),
-                                          minlength=self.probs.shape[-1])
+            # A scatter-add of ones, not torch.bincount: bincount reads the largest index on the
+            # host to size its output (a host sync per layer on CUDA); here the size is L.
+            flat = self.indices.reshape(-1)
+            self._counts = torch.zeros(self.probs.shape[-1], dtype=torch.int64,
+                                       device=flat.device).scatter_add_(0, flat,
+                                                                        torch.ones_like(flat))
         return self._counts
 
     def dispatch(self) -> "Dispatch":
@@ -71,8 +77,12 @@ class Dispatch:
 
 
 def route(x: torch.Tensor, w_router: torch.Tensor, topk: int) -> Routing:
-    """Softmax router in fp32 with top-k selection."""
-    logits = x.float() @ w_router.float().t()
+    """Softmax router in fp32 with top-k selection. The logits come from upstream's
+    ``router_gating_linear`` (what ``TopKRouter`` uses with ``--moe-router-dtype fp32``): it
+    saves ``x`` and ``W_R`` in their own dtype for the backward instead of their fp32 copies
+    (``x.float()``, ``[N, H]`` fp32 per layer, for bf16 training), and with Transformer Engine
+    it computes fp32 logits from bf16 operands in one GEMM."""
+    logits = router_gating_linear(x, w_router, None, torch.float32)
     probs = torch.softmax(logits, dim=-1)
     weights, indices = torch.topk(probs, topk, dim=-1)
     return Routing(probs=probs, indices=indices, weights=weights)
@@ -126,6 +136,59 @@ def dense_masked_codes(x: torch.Tensor, a: torch.Tensor, routing: Routing) -> to
 def dense_masked_expand(codes: torch.Tensor, b: torch.Tensor, routing: Routing) -> torch.Tensor:
     """One GEMM against the stacked ``B``."""
     return codes @ b.reshape(-1, b.shape[-1])                               # [N, D]
+
+
+class _AddCodesTimesB(torch.autograd.Function):
+    """``out += codes @ B_cat`` in place: one GEMM with ``beta = 1`` (cuBLAS reads ``out`` in its
+    epilogue) instead of an ``[N, D]`` update tensor and an add that reads it back. In place
+    inside a Function (``mark_dirty``), so that a view of ``out`` taken to make it 2-D does not
+    make autograd copy the gradient of ``out`` (``CopySlices``) in the backward."""
+
+    @staticmethod
+    def forward(ctx, out, codes, b2d):
+        out.view(-1, out.shape[-1]).addmm_(codes, b2d)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(codes, b2d)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        codes, b2d = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_codes = g @ b2d.t() if ctx.needs_input_grad[1] else None
+        grad_b = codes.t() @ g if ctx.needs_input_grad[2] else None
+        return grad, grad_codes, grad_b
+
+
+def dense_masked_expand_into(out: torch.Tensor, codes: torch.Tensor, b: torch.Tensor,
+                             routing: Routing) -> torch.Tensor:
+    """``out + dense_masked_expand(codes, b)``, added into ``out`` (``[..., D]``, its rows the
+    tokens of ``codes``) by the GEMM itself where the dtypes agree and ``out`` is 2-D-viewable."""
+    b2d = b.reshape(-1, b.shape[-1])
+    if out.dtype == codes.dtype == b2d.dtype and _rows_viewable(out):
+        return _AddCodesTimesB.apply(out, codes, b2d)
+    return out + (codes @ b2d).view(out.shape).to(out.dtype)
+
+
+def _rows_viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def expand_into_stage(backend: str):
+    """``expand_into(out, codes, b, routing) -> out + expand(codes, b, routing)``: dense-masked's
+    (and the fused triton backend's, whose expand it is) adds in the GEMM; the others add."""
+    if backend in ("dense-masked", "triton"):
+        return dense_masked_expand_into
+    expand = (FUSED_BACKENDS.get(backend) or backend_stages(backend))[1]
+
+    def expand_into(out, codes, b, routing):
+        return out + expand(codes, b, routing).view(out.shape).to(out.dtype)
+
+    return expand_into
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
