@@ -29,6 +29,9 @@ Variants (one process, NCCL on a GPU):
   optimizer state, stepped there; the other rows as ``cpu`` (the issue's goal: at most 1.03x
   ``gpu``).
 * ``tiered-20`` (name it in ``--variants``) -- the same with the hottest 20% on the GPU.
+* ``tiered-direct`` (name it in ``--variants``) -- ``tiered`` with the host rows read by a GPU
+  kernel from the registered host shards (``--stem-host-read direct``, ``kernels/host_rows.py``)
+  instead of the CPU gather into pinned staging and its copy.
 * ``gpu-sparse`` -- every row in the GPU tier (``--stem-gpu-tier 100%``): the host variants'
   sparse row-wise AdamW, on the GPU, with no host rows. ``gpu`` steps whole tables with
   Megatron's dense Adam every step, which at the 1B shape costs more than the host variants'
@@ -99,6 +102,10 @@ VARIANTS = {
     # 19 host rows on the next step's critical path (34) and 2,285 host rows to step (3,075).
     "tiered-20": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
                   "--stem-optimizer", "sparse", "--stem-gpu-tier", "20%"],
+    # tiered with the host tier's rows read by the GPU kernel over the bus (--stem-host-read).
+    "tiered-direct": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+                      "--stem-optimizer", "sparse", "--stem-gpu-tier", "10%",
+                      "--stem-host-read", "direct"],
     # Every row in the GPU tier: the sparse optimizer's semantics with no host rows, the
     # like-for-like baseline of the host tiers (gpu steps whole tables with Megatron's dense Adam).
     "gpu-sparse": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",

@@ -427,7 +427,7 @@ GPU_TEST_FILES = [
     "tests/test_kernel_stem_gate.py", "tests/test_kernel_structmoe.py",
     "tests/test_stem_lookup.py", "tests/test_stem_tables_prefetch.py", "tests/test_compat.py",
     "tests/test_te_backend.py", "tests/test_stem_mlp.py", "tests/test_structmoe_routed.py",
-    "tests/test_stem_row_adam.py", "tests/test_stem_tiers.py",
+    "tests/test_stem_row_adam.py", "tests/test_stem_tiers.py", "tests/test_host_rows.py",
 ]
 
 
@@ -441,6 +441,8 @@ STEM_GPU_TESTS = [
     "tests/test_stem_tiers.py::test_host_tier_gradients_leave_the_gpu_beside_the_current_stream",
     "tests/test_stem_tiers.py::test_first_rows_of_the_host_tier_gradients_land_first",
     "tests/test_stem_layers.py::test_block_context_of_host_checked_ids_does_not_wait_for_the_gpu",
+    "tests/test_host_rows.py::test_gpu_reads_a_registered_huge_page_shard_and_refuses_a_pageable_one",
+    "tests/test_host_rows.py::test_gpu_store_registers_its_host_shards",
 ]
 
 
