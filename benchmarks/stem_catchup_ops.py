@@ -361,9 +361,11 @@ def grad_phases(a, layers: int) -> dict:
                           _NoCuda._Stream(),
                           [tg.cold_first for _, tg in split])
         counter.phases.pop()
-    # The host tier steps gradients on the host (the staged copies; random, outside the count).
-    for _, tg in split:
-        tg.cold = torch.randn(tg.cold.shape, generator=g) * 1e-3
+    # The host tier steps gradients on the host (the staged copies: layers of one pinned buffer;
+    # random, outside the count).
+    staged = torch.randn((layers,) + tuple(split[0][1].cold.shape), generator=g) * 1e-3
+    for (_, tg), cold in zip(split, staged.unbind(0)):
+        tg.cold = cold
     plan = scenario.adam.begin_step(scenario.hyper)
     with counter:
         counter.phases.append("step: bookkeeping")

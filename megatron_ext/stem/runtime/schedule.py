@@ -51,7 +51,10 @@ class OwedStep:
                     r.device.type == first.device.type == "cpu" and torch.equal(r, first):
                 self.rows[i] = first
         left = {}
-        self.left = [left.setdefault(id(r), torch.arange(r.numel())) for r in self.rows]
+        for r in self.rows:
+            if id(r) not in left:
+                left[id(r)] = torch.arange(r.numel())
+        self.left = [left[id(r)] for r in self.rows]
         self.seconds = 0.0            # every part's step time
         self.seconds_in_reads = 0.0   # the parts reads waited for (on a read's path)
         self.store = None             # the store that keeps it, until it is done
