@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RunSetup, add_profile_args, add_run_args, alternate, medians,  # noqa: E402
                     profile_sides, run_ratios, timed, wrap_ddp)
 
+from megatron_ext.tools import host_syncs  # noqa: E402
+
 
 def build(args, dtype, router: str):
     from megatron.core.models.gpt import GPTModel
@@ -128,6 +130,12 @@ def main() -> None:
                       run.profile_steps, {"benchmark": "sigma_step", "device": device_name,
                                           **shape})
         return
+    # One step of each under the op recorder and CUDA's sync check (megatron_ext/tools/
+    # host_syncs.py): kernels launched per step and host syncs, beside the profile's.
+    census = {}
+    for name, m in models.items():
+        census[name] = host_syncs.census(step_fn(name, m))
+        m.zero_grad_buffer()
     run_ms = alternate({name: (lambda name=name, m=m: timed(step_fn(name, m),
                                                              m.zero_grad_buffer, reps, warmup))
                         for name, m in models.items()}, run.repeats)
@@ -159,13 +167,18 @@ def main() -> None:
         # Per run (ABBA order) and their median: the goal is judged per run.
         "ratio_runs": ratio_runs, "ratio_sigma_vs_upstream": ratio,
         "router_ms": router_ms, "router_ms_runs": router_runs,
+        # Per model: kernels per step, syncs the recorder flags, syncs CUDA reports (GPU).
+        "census": census,
     }
     print(f"Sigma vs upstream router (aux_loss) step (forward + loss + backward) | "
           f"{summary['device']} {dtype_name} | {args.layers} layers, H={args.hidden}, "
           f"{args.experts} experts of {args.expert_ffn}, top-{args.topk}, {summary['tokens']} "
           f"tokens")
     for name, ms in summary["step_ms"].items():
-        print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}")
+        c = census[name]
+        syncs = (f", CUDA syncs {len(c['cuda_syncs'])}" if c["cuda_syncs"] is not None else "")
+        print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}  | kernels/step "
+              f"{c['kernels']}, flagged syncs {len(c['would_sync'])}{syncs}")
     print(f"  ratio sigma / upstream: {ratio:.4f} ({100 * (ratio - 1):+.2f}%; runs "
           + " / ".join(f"{r:.4f}" for r in ratio_runs) + "; goal <= +2% in every run)")
     print(f"  one router alone (forward + backward): sigma {router_ms['sigma']:.3f} ms, upstream "

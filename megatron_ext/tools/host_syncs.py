@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -181,3 +182,32 @@ def forward_backward(fn, *, grad_fn=None) -> tuple["Recorder", "Recorder"]:
     with Recorder() as bwd:
         loss.backward()
     return fwd, bwd
+
+
+def cuda_syncs(fn) -> Optional[list[str]]:
+    """Run ``fn()`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and return where each
+    synchronisation CUDA reported was called from (``file:line``); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [f"{os.path.relpath(w.filename, _HERE)}:{w.lineno}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def census(fn) -> dict:
+    """One call of ``fn`` (a training step) recorded, then one under CUDA's sync check (on a
+    GPU): ``kernels`` (computing aten ops launched), ``would_sync`` (what the recorder flags,
+    with where), ``cuda_syncs`` (what CUDA reported, None on the CPU). For the benchmarks' JSON:
+    the op count beside the GPU profile's kernel count, the syncs beside its idle gaps."""
+    with Recorder() as rec:
+        fn()
+    return {"kernels": sum(rec.kernels.values()),
+            "would_sync": [str(s) for s in rec.syncs], "cuda_syncs": cuda_syncs(fn)}
