@@ -116,10 +116,17 @@ def second_step(module, x):
 
 @pytest.fixture
 def aux_scale():
+    """The aux-loss scale set; afterwards the router metrics these layers recorded are dropped
+    (the tracker is global and an entry keeps the layer count of its first record)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_ext.structmoe.balance import tracked_names
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0]))
     yield
+    for name in tracked_names(16):
+        get_moe_metrics_tracker().metrics.pop(name, None)
 
 
 BACKENDS = ["dense-masked", "grouped", "triton"]

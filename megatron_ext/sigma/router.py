@@ -81,31 +81,35 @@ class SigmaRouter(TopKRouter):
         scores = torch.softmax(logits, dim=-1)  # P of Eq. 1 (per token)
         lbl = self.sigma.lbl
         acc = self.sigma_acc
+        # Each per-token sum once: the accumulator takes it detached, the loss term uses it.
         # In-place adds into views of the accumulator: ``acc[a:b] += v`` would add and then copy
         # the sum back onto itself (Python's setitem), a second kernel per statistic.
+        p_sum = scores.sum(dim=0)
         with torch.no_grad():
             acc[:e].add_(routing_map.sum(dim=0))
-            acc[e:2 * e].add_(scores.sum(dim=0))
-        q = None
+            acc[e:2 * e].add_(p_sum.detach())
         if lbl == "top1":
             q = torch.softmax(logits / self.sigma.top1_temperature, dim=-1)  # Eq. 3
-            qmax = q.max(dim=-1).values  # Eq. 4
+            q_sum = q.sum(dim=0)
+            qmax_sum = q.max(dim=-1).values.sum()  # Eq. 4
             with torch.no_grad():
-                acc[2 * e:3 * e].add_(q.sum(dim=0))
-                acc[3 * e].add_(qmax.sum())
+                acc[2 * e:3 * e].add_(q_sum.detach())
+                acc[3 * e].add_(qmax_sum.detach())
         if lbl == "none" or self.sigma.lbl_coeff == 0:
             return probs
         # This rank's share of the global-batch loss, normalized by its own share of the tokens
         # (n_local tokens of one of tp_cp_size sequence shards): summed over TP/CP shards and
         # averaged over micro-batches and DP ranks (as Megatron does with every gradient) it gives
-        # the gradient of the loss over the whole global batch.
-        denom = n_local * self.tp_cp_group.size()
+        # the gradient of the loss over the whole global batch. The coefficient and the
+        # normalization are folded into the [N_E] weights (one small multiply, no scalar ops on
+        # the loss).
+        scale = self.sigma.lbl_coeff / (n_local * self.tp_cp_group.size())
         if lbl == "global":
-            term = torch.sum(e * self.sigma_prev_f * scores.sum(dim=0)) / denom  # N_E f'_i P_i
+            loss = torch.dot(self.sigma_prev_f * (e * scale), p_sum)  # N_E f'_i P_i
         else:
             coef = coefficients(self.sigma_prev_f, self.sigma_prev_fhat, self.sigma_prev_pbar)
-            term = (torch.sum(coef.w_fhat * q.sum(dim=0)) + coef.w_pbar * qmax.sum()) / denom
-        return MoEAuxLossAutoScaler.apply(probs, self.sigma.lbl_coeff * term)
+            loss = (torch.dot(coef.w_fhat, q_sum) + coef.w_pbar * qmax_sum) * scale
+        return MoEAuxLossAutoScaler.apply(probs, loss)
 
     # -- end of a global batch -------------------------------------------------------------------
     def take_tokens(self) -> None:

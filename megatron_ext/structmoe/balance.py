@@ -96,7 +96,10 @@ def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, bloc
     loss = switch_loss(routing)
     tracker = get_moe_metrics_tracker()
     if block is not None:
-        tracker.record(LOSS_NAME, loss, block, num_blocks)
+        # What tracker.record(LOSS_NAME, loss, block, num_blocks) adds, in one kernel (record's
+        # ``values[i] += v`` adds, then copies the sum back).
+        tracker.ensure_initialized(LOSS_NAME, num_blocks, loss.device)
+        tracker.metrics[LOSS_NAME].values.select(0, block - 1).add_(loss.detach())
         n, k = routing.indices.shape
         grid = _fraction_grid(tracker, routing.probs.shape[-1], num_blocks, loss.device)
         # f_l = count_l / (n k), added as the tracker's record() would add each one.
