@@ -143,20 +143,20 @@ def draw(weights, n, g):
 def step_grads(store, rows, first, g, width):
     """The row gradients of one step as the optimizer hands them to ``step_table`` (tiered:
     split by tier, the rows ``first`` reads first among the host rows)."""
-    from megatron_ext.stem.runtime.tiers import split_grads
+    from megatron_ext.stem.runtime.tiers import split_layers
 
-    grads = []
-    for shard in store.shards:
-        grad = torch.randn(rows.numel(), width, generator=g) * 1e-3
-        if store.placement == "tiered":
-            # The GPU tier's part on its device, the host tier's on the host (as the
-            # optimizer's copy to the host leaves them).
-            local, split = split_grads(shard, rows, grad, first)
-            split.hot = split.hot.to(shard.hot.device)
-            grads.append((local, split))
-        else:
-            grads.append((rows, grad))
-    return grads
+    layers = len(store.shards)
+    summed = torch.randn(rows.numel(), layers * width, generator=g) * 1e-3
+    per_layer = list(torch.split(summed, width, dim=1))  # as exchange.push leaves them
+    if store.placement != "tiered":
+        return [(rows, grad) for grad in per_layer]
+    # Split as the optimizer splits them; the GPU tier's part on its device (layers of one
+    # tensor), the host tier's on the host (as the optimizer's copy to the host leaves them).
+    split = split_layers(store.shards, rows, per_layer, first)
+    hot = torch.stack([tg.hot for _, tg in split]).to(store.shards[0].hot.device)
+    for (_, tg), h in zip(split, hot.unbind(0)):
+        tg.hot = h
+    return split
 
 
 class Scenario:
@@ -266,6 +266,50 @@ def run(placement: str, a) -> dict:
             "read_ms": 1e3 * statistics.median(wall),
             "read_cpu_ms": 1e3 * statistics.median(cpu),
             "read_ms_all": [round(1e3 * t, 3) for t in wall]}
+
+
+def grad_times(a, layers: int) -> dict:
+    """Milliseconds of the gradient path with the GPU tier on ``--device`` (medians of
+    ``--grad-reps``, the device synchronised after each part): ``split_ms`` the split by tier
+    and, on a GPU, the host tier's gradients queued for their copy to the host
+    (``transfer.stage_to_host``): the training thread's part; ``step_ms`` the whole owed table
+    step (the worker's: the GPU tier's launches and the host tier's rows), its copies waited for."""
+    from megatron_ext.stem.runtime.store import PinnedStaging
+    from megatron_ext.stem.runtime.transfer import stage_to_host
+
+    device = torch.device(a.device)
+    b = argparse.Namespace(**vars(a))
+    b.tables, b.warmup_steps = layers, 1
+    scenario = Scenario("tiered", b, device)
+    store, g = scenario.store, scenario.g
+    staging = PinnedStaging() if device.type == "cuda" else None
+    stream = torch.cuda.Stream() if device.type == "cuda" else None
+    split_ms, step_ms = [], []
+    for _ in range(a.grad_reps):
+        rows = draw(scenario.weights, a.step_rows, g)
+        read = draw(scenario.weights, a.read_rows, g)
+        summed = (torch.randn(rows.numel(), layers * a.width, generator=g) * 1e-3).to(device)
+        sync()
+        start = time.perf_counter()
+        split = split_table(store.shards, rows, list(torch.split(summed, a.width, dim=1)), read)
+        arrived = None
+        if staging is not None:
+            views, arrived = stage_to_host([tg.cold for _, tg in split], staging, stream,
+                                           [tg.cold_first for _, tg in split])
+            for (_, tg), view in zip(split, views):
+                tg.cold = view
+        sync()
+        mid = time.perf_counter()
+        scenario.steps.step_table(scenario.table, scenario.adam,
+                                  scenario.adam.begin_step(scenario.hyper), split, arrived)
+        scenario.finish()
+        sync()
+        split_ms.append(1e3 * (mid - start))
+        step_ms.append(1e3 * (time.perf_counter() - mid))
+        del split, summed
+    return {"device": str(device), "split_ms": statistics.median(split_ms),
+            "step_ms": statistics.median(step_ms), "split_ms_all": split_ms,
+            "step_ms_all": step_ms}
 
 
 ORDER = ("step: bookkeeping", "step: GPU tier", "step: host tier", "read: GPU tier settle",
@@ -401,6 +445,8 @@ def main() -> None:
                    help="where the GPU tier lives for the op count (meta: no data, no memory)")
     p.add_argument("--grad-layers", default="2,4",
                    help="layer counts of the gradient path's count (tiered; empty: none)")
+    p.add_argument("--grad-reps", type=int, default=5,
+                   help="timed repetitions of the gradient path on --device (0: ops only)")
     p.add_argument("--verbose", action="store_true", help="also print the ops per phase")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     a = p.parse_args()
@@ -425,8 +471,14 @@ def main() -> None:
                     print("      " + ", ".join(f"{k} {v}" for k, v in r["by_op"][phase].items()))
     for layers in [int(x) for x in a.grad_layers.split(",") if x]:
         r = grad_phases(a, layers)
+        if a.grad_reps > 0:
+            r["times"] = grad_times(a, layers)
         summary[f"grads_{layers}_layers"] = r
         print(f"gradient path, tiered, {layers} layers (the owed step in {r['chunks']} chunks):")
+        if "times" in r:
+            t = r["times"]
+            print(f"  on {t['device']}: split (and staging) {t['split_ms']:.2f} ms, owed step "
+                  f"{t['step_ms']:.2f} ms (medians of {a.grad_reps})")
         for phase in GRAD_ORDER:
             k = r["ops"].get(phase, {})
             print(f"  {phase:24s} device {k.get('device', 0):4d} (+{k.get('device view', 0)} "

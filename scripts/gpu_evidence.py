@@ -329,6 +329,40 @@ def _rows_worker_schedule(path: str) -> List[Row]:
                 f"micro-batch; {chunks['vs_compute']:.3f}x the compute")]
 
 
+def _rows_catchup_ops(path: str) -> List[Row]:
+    """``benchmarks/stem_catchup_ops.py``: the tiered read with a table step owed, and the
+    gradient path after backward per layer count (the split and staging on the training thread,
+    the owed step on the worker), GPU tier on the GPU; the ops per phase (counted on ``meta``)
+    in the notes. No goals: what issue 50's fewer launches are worth."""
+    s = _load(path)
+    rows = []
+    if "tiered" in s:
+        t = s["tiered"]
+        rows.append(Row("stem_catchup_ops", "tiered read with the table step owed (micro-batch 0)",
+                        t["read_ms"], "ms", better="lower",
+                        note=f"{t['total'].get('device', 0)} GPU-tier ops, "
+                             f"{t['total'].get('host', 0)} host ops"))
+    for key in sorted(k for k in s if k.startswith("grads_")):
+        r, layers = s[key], key.split("_")[1]
+        ops = r["ops"]
+
+        def dev(phase):
+            return ops.get(phase, {}).get("device", 0)
+
+        if "times" not in r:
+            continue
+        t = r["times"]
+        rows.append(Row("stem_catchup_ops", f"{layers} layers: gradients split and staged",
+                        t["split_ms"], "ms", better="lower",
+                        note=f"{dev('grads: split')} + {dev('grads: staging to host')} device "
+                             f"ops; {t['device']}"))
+        rows.append(Row("stem_catchup_ops", f"{layers} layers: the owed table step",
+                        t["step_ms"], "ms", better="lower",
+                        note=f"{dev('step: GPU tier')} GPU-tier ops in {r['chunks']} chunks; "
+                             f"{t['device']}"))
+    return rows
+
+
 def _scaling_row(path: str) -> Dict[str, str]:
     with open(path) as f:
         rows = [r for r in csv.DictReader(f)]
@@ -524,6 +558,14 @@ def plan() -> List[Step]:
              [PY, "benchmarks/stem_worker_schedule.py", "--rows", "16032", "--width", "8192",
               "--compute-ms", "100", "--json", f"{RES}/stem_worker_schedule.json"],
              180, "stem_worker_schedule.json", _rows_worker_schedule),
+        # Issue 50, capability 5: a read with the table step owed and the gradient path after
+        # backward (split by tier, staged, the owed step) at 2 and 4 layers, GPU tier on the
+        # GPU; their launches counted on the meta device (2026-11-28, CPU: 140 GPU-tier ops
+        # for the owed step at 2 layers, 986 before).
+        Step("stem_catchup_ops", "STEM tiered: a read with the step owed and the gradient "
+             "path (2, 4 layers), times and ops",
+             [PY, "benchmarks/stem_catchup_ops.py", "--json", f"{RES}/stem_catchup_ops.json"],
+             240, "stem_catchup_ops.json", _rows_catchup_ops),
     ]
     # Micro-batches of 2: without Transformer Engine attention is unfused (the [b, heads, s, s]
     # scores in memory); 8 ran out of an H100's 80 GB on 2026-11-24.
