@@ -66,59 +66,107 @@ def stem_gate_fwd(fc1_ptr, tab_ptr, idx_ptr, out_ptr, n_tokens, n_cols,
 
 
 @triton.jit
-def stem_gate_bwd(grad_ptr, fc1_ptr, tab_ptr, order_ptr, sorted_ptr, starts_ptr,
-                  dfc1_ptr, dst_ptr, n_tokens, n_cols,
-                  stride_grad, stride_fc1, stride_tab, stride_dfc1, stride_dst,
-                  VARIANT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    """Programs stride over the segments of equal ids in sorted order, for one block of BLOCK_F
-    columns each: program ``p`` takes segments ``p, p + P, p + 2P, ...`` (``P`` programs along
-    axis 0, a few per SM, so that the grid does not depend on the number of distinct ids, which
-    only the device knows).
+def _segment_sum(start_a, sum_a, start_b, sum_b):
+    """Combine of a segmented inclusive scan: ``start`` marks the first element of a segment, so
+    the running sum restarts there (associative, as ``tl.associative_scan`` requires)."""
+    return start_a | start_b, tl.where(start_b != 0, sum_b, sum_a + sum_b)
 
-    Segment ``s`` covers sorted positions ``starts[s] .. starts[s+1]``; ``starts[s] == n_tokens``
-    past the last distinct id. For each segment the program loads the table row once, walks the
-    segment's tokens BLOCK_T at a time, writes each token's ``linear_fc1`` gradient, sums the row
-    gradients of the segment in fp32 and adds the sum to ``dst[id]``. Every id has exactly one
-    segment, so no two programs touch the same ``dst`` row: no atomics, and the summation order
-    is fixed (bitwise reproducible)."""
+
+@triton.jit
+def stem_gate_bwd(grad_ptr, fc1_ptr, tab_ptr, order_ptr, sorted_ptr, dfc1_ptr, dst_ptr,
+                  part_ptr, n_tokens, n_cols,
+                  stride_grad, stride_fc1, stride_tab, stride_dfc1, stride_dst,
+                  VARIANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
+    """One program per (CHUNK sorted positions, BLOCK_F columns): the same work for every
+    program, however the ids are distributed.
+
+    The program writes its tokens' ``linear_fc1`` gradients, then sums their row gradients per
+    run of equal ids with a segmented scan over the chunk (in registers, fp32). A run that lies
+    wholly inside the chunk is added to ``dst[id]`` here: no other program touches that row. A run
+    that crosses the chunk's left edge leaves its sum in ``part[2 chunk]``, one that crosses the
+    right edge (and starts in the chunk) in ``part[2 chunk + 1]``; ``stem_gate_bwd_carry`` adds
+    those up in chunk order. No atomics: the result does not depend on scheduling."""
+    chunk = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     cmask = cols < n_cols
-    seg = tl.program_id(0)
-    start = tl.load(starts_ptr + seg)
-    while start < n_tokens:
-        end = tl.load(starts_ptr + seg + 1)
-        row = tl.load(sorted_ptr + start).to(tl.int64)
-        t = tl.load(tab_ptr + row * stride_tab + cols, mask=cmask, other=0.0)
-        t = _rounded(t.to(tl.float32), grad_ptr.dtype.element_ty).to(tl.float32)[None, :]
-        acc = tl.zeros([BLOCK_F], dtype=tl.float32)
-        for first in range(start, end, BLOCK_T):
-            pos = first + tl.arange(0, BLOCK_T)
-            pmask = pos < end
-            tokens = tl.load(order_ptr + pos, mask=pmask, other=0).to(tl.int64)
-            mask = pmask[:, None] & cmask[None, :]
-            go = tl.load(grad_ptr + tokens[:, None] * stride_grad + cols[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            fc1 = fc1_ptr + tokens[:, None] * stride_fc1 + cols[None, :]
-            dfc1 = dfc1_ptr + tokens[:, None] * stride_dfc1 + cols[None, :]
-            a = tl.load(fc1, mask=mask, other=0.0).to(tl.float32)
-            if VARIANT == 0:
-                silu_a, dsilu_a = _silu_and_grad(a)
-                tl.store(dfc1, _rounded(go * t * dsilu_a, dfc1_ptr.dtype.element_ty), mask=mask)
-                rows = go * silu_a
-            elif VARIANT == 1:
-                silu_t, dsilu_t = _silu_and_grad(t)
-                tl.store(dfc1, _rounded(go * silu_t, dfc1_ptr.dtype.element_ty), mask=mask)
-                rows = go * a * dsilu_t
-            else:
-                u = tl.load(fc1 + n_cols, mask=mask, other=0.0).to(tl.float32)
-                silu_a, dsilu_a = _silu_and_grad(a)
-                tl.store(dfc1, _rounded(go * (u + t) * dsilu_a, dfc1_ptr.dtype.element_ty),
-                         mask=mask)
-                rows = go * silu_a
-                tl.store(dfc1 + n_cols, _rounded(rows, dfc1_ptr.dtype.element_ty), mask=mask)
-            acc += tl.sum(rows, axis=0)
-        dst = dst_ptr + row * stride_dst + cols
-        total = tl.load(dst, mask=cmask, other=0.0).to(tl.float32) + acc
+    lo = chunk * CHUNK
+    last = tl.minimum(lo + CHUNK, n_tokens) - 1
+    pos = lo + tl.arange(0, CHUNK)
+    pmask = pos < n_tokens
+    row = tl.load(sorted_ptr + pos, mask=pmask, other=-1)
+    prev = tl.load(sorted_ptr + pos - 1, mask=pmask & (pos > 0), other=-1)
+    nxt = tl.load(sorted_ptr + pos + 1, mask=pos + 1 < n_tokens, other=-1)
+    before = tl.load(sorted_ptr + lo - 1, mask=lo > 0, other=-1)
+    tokens = tl.load(order_ptr + pos, mask=pmask, other=0).to(tl.int64)
+    row64 = row.to(tl.int64)
+    mask = pmask[:, None] & cmask[None, :]
+    t = tl.load(tab_ptr + row64[:, None] * stride_tab + cols[None, :], mask=mask, other=0.0)
+    t = _rounded(t.to(tl.float32), grad_ptr.dtype.element_ty).to(tl.float32)
+    go = tl.load(grad_ptr + tokens[:, None] * stride_grad + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    fc1 = fc1_ptr + tokens[:, None] * stride_fc1 + cols[None, :]
+    dfc1 = dfc1_ptr + tokens[:, None] * stride_dfc1 + cols[None, :]
+    a = tl.load(fc1, mask=mask, other=0.0).to(tl.float32)
+    if VARIANT == 0:
+        silu_a, dsilu_a = _silu_and_grad(a)
+        tl.store(dfc1, _rounded(go * t * dsilu_a, dfc1_ptr.dtype.element_ty), mask=mask)
+        rows = go * silu_a
+    elif VARIANT == 1:
+        silu_t, dsilu_t = _silu_and_grad(t)
+        tl.store(dfc1, _rounded(go * silu_t, dfc1_ptr.dtype.element_ty), mask=mask)
+        rows = go * a * dsilu_t
+    else:
+        u = tl.load(fc1 + n_cols, mask=mask, other=0.0).to(tl.float32)
+        silu_a, dsilu_a = _silu_and_grad(a)
+        tl.store(dfc1, _rounded(go * (u + t) * dsilu_a, dfc1_ptr.dtype.element_ty), mask=mask)
+        rows = go * silu_a
+        tl.store(dfc1 + n_cols, _rounded(rows, dfc1_ptr.dtype.element_ty), mask=mask)
+    # Runs of equal ids inside the chunk: a run starts where the id changes or at the chunk's
+    # first position, and its sum is complete at its last position in the chunk.
+    starts = ((row != prev) | (pos == lo)).to(tl.int32)
+    _, sums = tl.associative_scan((tl.broadcast_to(starts[:, None], (CHUNK, BLOCK_F)), rows), 0,
+                                  _segment_sum)
+    ends = pmask & ((row != nxt) | (pos == last))
+    left = row == before                 # the run began in an earlier chunk
+    right = (pos == last) & (row == nxt)  # the run goes on in the next chunk
+    whole = ends & ~left & ~right
+    dst = dst_ptr + row64[:, None] * stride_dst + cols[None, :]
+    wmask = whole[:, None] & cmask[None, :]
+    total = tl.load(dst, mask=wmask, other=0.0).to(tl.float32) + sums
+    tl.store(dst, _rounded(total, dst_ptr.dtype.element_ty), mask=wmask)
+    slot = 2 * chunk.to(tl.int64) + tl.where(left, 0, 1)
+    pmask2 = (ends & (left | right))[:, None] & cmask[None, :]
+    tl.store(part_ptr + slot[:, None] * n_cols + cols[None, :], sums, mask=pmask2)
+
+
+@triton.jit
+def stem_gate_bwd_carry(sorted_ptr, part_ptr, dst_ptr, n_tokens, n_cols, n_chunks, stride_dst,
+                        CHUNK: tl.constexpr, SPAN: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The runs that cross chunk edges, each added to ``dst`` by the program of the chunk where
+    it starts: its partial sum there (``part[2 c + 1]``), then those of the chunks it covers
+    (``part[2 c' ]``), SPAN chunks at a time, in chunk order."""
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cmask = cols < n_cols
+    last = tl.minimum(chunk * CHUNK + CHUNK, n_tokens) - 1
+    row = tl.load(sorted_ptr + last)
+    nxt = tl.load(sorted_ptr + last + 1, mask=last + 1 < n_tokens, other=-1)
+    before = tl.load(sorted_ptr + chunk * CHUNK - 1, mask=chunk > 0, other=-1)
+    if (nxt == row) & (before != row):
+        total = tl.load(part_ptr + (2 * chunk.to(tl.int64) + 1) * n_cols + cols, mask=cmask,
+                        other=0.0)
+        first = chunk + 1
+        more = True
+        while more:
+            cs = first + tl.arange(0, SPAN)
+            inside = cs < n_chunks
+            ids = tl.load(sorted_ptr + cs.to(tl.int64) * CHUNK, mask=inside, other=-1)
+            covered = inside & (ids == row)
+            p = tl.load(part_ptr + (2 * cs.to(tl.int64))[:, None] * n_cols + cols[None, :],
+                        mask=covered[:, None] & cmask[None, :], other=0.0)
+            total += tl.sum(p, axis=0)
+            more = tl.sum(covered.to(tl.int32), axis=0) == SPAN
+            first += SPAN
+        dst = dst_ptr + row.to(tl.int64) * stride_dst + cols
+        total += tl.load(dst, mask=cmask, other=0.0).to(tl.float32)
         tl.store(dst, _rounded(total, dst_ptr.dtype.element_ty), mask=cmask)
-        seg += tl.num_programs(0)
-        start = tl.load(starts_ptr + seg, mask=seg < n_tokens, other=n_tokens)

@@ -68,11 +68,11 @@ def make(variant, dtype, n_tokens, n_cols, vocab, ids=None, seed=0, table_dtype=
     return fc1.to(DEVICE), table.to(DEVICE), ids.to(DEVICE), grad.to(DEVICE)
 
 
-def run_fused(fc1, table, ids, grad, variant, shape=None):
+def run_fused(fc1, table, ids, grad, variant, shape=None, tile=None):
     fc1 = fc1.clone().requires_grad_(True)
     table = table.clone().requires_grad_(True)
     x, i = (fc1, ids) if shape is None else (fc1.view(*shape, -1), ids.view(*shape))
-    out = sg.stem_gate(x, table, i, variant)
+    out = sg.stem_gate(x, table, i, variant, bwd_tile=tile)
     out.backward(grad.view(out.shape))
     return out.reshape(-1, out.shape[-1]), fc1.grad, table.grad
 
@@ -94,11 +94,14 @@ def assert_matches_fp64(variant, fc1, table, ids, grad, out, dfc1, dtable):
 
 
 SHAPES = [
-    # n_tokens, n_cols, vocab, ids
-    (37, 24, 11, None),                              # random ids with repeats, F < one block
-    (1, 24, 11, None),                               # one token
-    (40, 20, 50, torch.full((40,), 7)),              # every token the same row (> BLOCK_T tokens)
-    (6, 1030, 9, torch.tensor([3, 0, 3, 8, 3, 0])),  # F spans two column blocks, ragged tail
+    # n_tokens, n_cols, vocab, ids, backward tile (None: the default, sg.BWD_TILE)
+    (37, 24, 11, None, None),                       # random ids with repeats, F < one block
+    (1, 24, 11, None, None),                        # one token
+    (40, 20, 50, torch.full((40,), 7), None),       # every token the same row, three chunks
+    # F spans two forward column blocks with a ragged tail (three backward ones of 512); chunks
+    # of one position: every run of two or more tokens is summed by the carry pass alone (and
+    # the interpreter's scan, (chunk - 1) x width steps per program, costs nothing).
+    (6, 1030, 9, torch.tensor([3, 0, 3, 8, 3, 0]), sg.BwdTile(1, 512, 4)),
 ]
 
 
@@ -106,14 +109,65 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", range(len(SHAPES)), ids=["random", "one", "same", "wide"])
 def test_fused_matches_fp64_reference(variant, dtype, shape):
-    n, cols, vocab, ids = SHAPES[shape]
+    n, cols, vocab, ids, tile = SHAPES[shape]
     fc1, table, ids, grad = make(variant, dtype, n, cols, vocab, ids)
-    out, dfc1, dtable = run_fused(fc1, table, ids, grad, variant)
+    out, dfc1, dtable = run_fused(fc1, table, ids, grad, variant, tile=tile)
     assert out.dtype == dtype and dfc1.dtype == dtype and dtable.dtype == dtype
     assert_matches_fp64(variant, fc1, table, ids, grad, out, dfc1, dtable)
     untouched = torch.ones(vocab, dtype=torch.bool, device=ids.device)
     untouched[ids] = False
     assert (dtable[untouched] == 0).all()
+
+
+# The skew tests' backward tile: chunks of 4 positions, column blocks of 8. Small, because the
+# interpreter runs a segmented scan element by element (``tl.associative_scan`` with a combine
+# function of our own), and because small chunks put many chunk edges in few tokens; the
+# default tile runs in the tests above.
+SKEW_TILE = sg.BwdTile(chunk=4, block_f=8, num_warps=1)
+SKEW_COLS = 12  # two column blocks, the second ragged
+SKEW_TOKENS = SKEW_TILE.chunk * (sg.SPAN + 4) + 3  # a run can cover more than SPAN + 1 chunks
+
+
+def skewed_ids(kind: str, n: int, vocab: int) -> torch.Tensor:
+    """Ids that load the backward's chunks unevenly, shuffled (the kernel sorts them):
+
+    * ``most``: 90% of the tokens on one row, the others random: a run across many chunk
+      edges, short runs before and after it;
+    * ``one``: every token on one row: one run longer than the carry pass adds in one step;
+    * ``distinct``: no row twice: no run crosses an edge;
+    * ``edges``: runs of 3, 9, 20, 1 and the rest of the tokens in sorted order: runs that end
+      inside a chunk and on a chunk's edge, start on an edge, and cover whole chunks."""
+    g = torch.Generator().manual_seed(7)
+    if kind == "most":
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        ids[torch.randperm(n, generator=g)[: n * 9 // 10]] = vocab // 2
+        return ids
+    if kind == "one":
+        return torch.full((n,), 3)
+    if kind == "distinct":
+        return torch.randperm(vocab, generator=g)[:n]
+    runs = [(0, 3), (2, 9), (4, 20), (9, 1), (7, n - 33)]
+    ids = torch.cat([torch.full((k,), row) for row, k in runs])
+    return ids[torch.randperm(n, generator=g)]
+
+
+@pytest.mark.parametrize("variant", ["up", "gate", "dagger"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["most", "one", "distinct", "edges"])
+def test_skewed_ids_match_fp64_reference_and_repeat_bitwise(variant, dtype, kind):
+    """However the tokens fall on rows, the backward's chunks and its carry pass give the fp64
+    reference's gradients (the tolerance above), and the same bits in a second call."""
+    n, vocab = SKEW_TOKENS, 2 * SKEW_TOKENS
+    fc1, table, ids, grad = make(variant, dtype, n, SKEW_COLS, vocab,
+                                 ids=skewed_ids(kind, n, vocab), seed=2)
+    first = run_fused(fc1, table, ids, grad, variant, tile=SKEW_TILE)
+    assert_matches_fp64(variant, fc1, table, ids, grad, *first)
+    untouched = torch.ones(vocab, dtype=torch.bool, device=ids.device)
+    untouched[ids] = False
+    assert (first[2][untouched] == 0).all()
+    second = run_fused(fc1, table, ids, grad, variant, tile=SKEW_TILE)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("variant", ["up", "gate", "dagger"])
@@ -175,7 +229,7 @@ def test_managed_rows_and_inverse():
 
 
 def test_backward_is_bitwise_reproducible():
-    fc1, table, ids, grad = make("up", torch.bfloat16, 64, 48, 6, seed=5)
+    fc1, table, ids, grad = make("up", torch.bfloat16, 64, 16, 6, seed=5)
     first = run_fused(fc1, table, ids, grad, "up")
     second = run_fused(fc1, table, ids, grad, "up")
     for a, b in zip(first, second):
@@ -236,7 +290,7 @@ def test_stem_mlp_with_the_kernel_equals_the_pytorch_path(mcore_single_rank, var
 def test_compiles_for_the_gpu_without_spills():
     """The GPU build, checked offline (no device needed): every variant in bf16, and dagger in
     fp32 at a TP-split width, compile for A100 and H100 (sm_80, sm_90) with the launch options
-    ``stem_gate`` uses, without register spills. In a fresh process: this one's Triton may run
+    ``stem_gate`` uses (the forward, the backward and its carry pass), without register spills. In a fresh process: this one's Triton may run
     the interpreter."""
     import json
     import subprocess
@@ -255,7 +309,9 @@ def test_compiles_for_the_gpu_without_spills():
     for report in reports:
         for name, use in report.items():
             assert use["local"] == 0, f"{name} spills registers: {use}"
-            assert use["registers"] <= 128, f"{name}: {use}"  # 2 blocks of 8 warps per SM
+            # At least three programs fit an SM's 64K registers, so that one program's loads
+            # overlap another's arithmetic and stores.
+            assert use["registers"] * 32 * use["num_warps"] * 3 <= 65536, f"{name}: {use}"
 
 
 @pytest.mark.gpu
