@@ -268,7 +268,7 @@ def run(placement: str, a) -> dict:
             "read_ms_all": [round(1e3 * t, 3) for t in wall]}
 
 
-def grad_times(a, layers: int) -> dict:
+def grad_times(a, layers: int, kernel: str = "torch") -> dict:
     """Milliseconds of the gradient path with the GPU tier on ``--device`` (medians of
     ``--grad-reps``, the device synchronised after each part): ``split_ms`` the split by tier
     and, on a GPU, the host tier's gradients queued for their copy to the host
@@ -281,6 +281,7 @@ def grad_times(a, layers: int) -> dict:
     b = argparse.Namespace(**vars(a))
     b.tables, b.warmup_steps = layers, 1
     scenario = Scenario("tiered", b, device)
+    scenario.adam.hot.gpu_kernel = kernel  # the GPU tier's step: torch ops or one Triton kernel
     store, g = scenario.store, scenario.g
     staging = PinnedStaging() if device.type == "cuda" else None
     stream = torch.cuda.Stream() if device.type == "cuda" else None
@@ -307,7 +308,7 @@ def grad_times(a, layers: int) -> dict:
         split_ms.append(1e3 * (mid - start))
         step_ms.append(1e3 * (time.perf_counter() - mid))
         del split, summed
-    return {"device": str(device), "split_ms": statistics.median(split_ms),
+    return {"device": str(device), "kernel": kernel, "split_ms": statistics.median(split_ms),
             "step_ms": statistics.median(step_ms), "split_ms_all": split_ms,
             "step_ms_all": step_ms}
 
@@ -447,6 +448,9 @@ def main() -> None:
                    help="layer counts of the gradient path's count (tiered; empty: none)")
     p.add_argument("--grad-reps", type=int, default=5,
                    help="timed repetitions of the gradient path on --device (0: ops only)")
+    p.add_argument("--gpu-kernels", default="torch,triton",
+                   help="the GPU tier's step kernels the gradient path is timed with (triton: "
+                        "kernels/row_adam_gpu.py, where it runs: CUDA, or TRITON_INTERPRET=1)")
     p.add_argument("--verbose", action="store_true", help="also print the ops per phase")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     a = p.parse_args()
@@ -472,13 +476,17 @@ def main() -> None:
     for layers in [int(x) for x in a.grad_layers.split(",") if x]:
         r = grad_phases(a, layers)
         if a.grad_reps > 0:
-            r["times"] = grad_times(a, layers)
+            from megatron_ext_kernels import row_adam_gpu
+
+            probe = torch.empty(0, device=a.device)
+            r["times"] = {k: grad_times(a, layers, k) for k in a.gpu_kernels.split(",")
+                          if k == "torch" or (k == "triton" and row_adam_gpu.usable(probe))}
         summary[f"grads_{layers}_layers"] = r
         print(f"gradient path, tiered, {layers} layers (the owed step in {r['chunks']} chunks):")
-        if "times" in r:
-            t = r["times"]
-            print(f"  on {t['device']}: split (and staging) {t['split_ms']:.2f} ms, owed step "
-                  f"{t['step_ms']:.2f} ms (medians of {a.grad_reps})")
+        for k, t in r.get("times", {}).items():
+            print(f"  on {t['device']}, GPU tier's step {k}: split (and staging) "
+                  f"{t['split_ms']:.2f} ms, owed step {t['step_ms']:.2f} ms (medians of "
+                  f"{a.grad_reps})")
         for phase in GRAD_ORDER:
             k = r["ops"].get(phase, {})
             print(f"  {phase:24s} device {k.get('device', 0):4d} (+{k.get('device view', 0)} "

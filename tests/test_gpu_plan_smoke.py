@@ -57,7 +57,7 @@ TINY = {
     "stem_worker_schedule": ["--rows", "512", "--width", "64", "--tokens", "256",
                              "--compute-ms", "2", "--steps", "3", "--skip", "1"],
     "stem_catchup_ops": ["--rows", "600", "--width", "32", "--read-rows", "64",
-                         "--step-rows", "200", "--reps", "2", "--grad-reps", "2",
+                         "--step-rows", "200", "--reps", "2", "--grad-reps", "1",
                          "--warmup-steps", "1"],
 }
 

@@ -47,7 +47,7 @@ import torch
 from megatron_ext.stem.runtime import host_memory
 from megatron_ext.stem.runtime.tiers import TierGrads, TieredShard, layer_stack, split_grads
 from megatron_ext.stem.runtime.transfer import to_device
-from megatron_ext_kernels import row_adam_cpu
+from megatron_ext_kernels import row_adam_cpu, row_adam_gpu
 from megatron_ext_kernels._build_dir import build_environment
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,10 @@ class RowAdamW(LazyView):
         self.huge_pages = huge_pages
         self._dense_grads: List[Optional[torch.Tensor]] = [None] * len(self.shards)
         self.kernel_times = KernelTimes()  # the row kernel's steps (stats)
+        # The sparse step of every layer at once on the GPU (``_step_stacked``): ``torch`` (the
+        # reference ops) or ``triton`` (kernels/row_adam_gpu.py: one kernel, within a few ulp
+        # on the CPU's interpreter, the torch path's bits on a GPU to be measured first).
+        self.gpu_kernel = "torch"
 
     @property
     def kernel(self) -> str:
@@ -264,6 +268,14 @@ class RowAdamW(LazyView):
         g = layer_stack(grads)  # the layers' gradients as one tensor's: read in place
         if g is None or g.device != dev or g.dtype != torch.float32:
             g = torch.stack([grad.to(dev, torch.float32) for grad in grads])
+        if self.gpu_kernel == "triton" and row_adam_gpu.usable(shards):
+            hyper = plan.hyper
+            row_adam_gpu.sparse_adamw_rows(
+                shards, exp_avg, exp_avg_sq, g, index,
+                to_device(torch.stack(factors).to(torch.float32), dev), hyper.lr, hyper.beta1,
+                hyper.beta2, hyper.eps, hyper.weight_decay, plan.step)
+            last[:, rows] = touched[:, rows] = plan.step
+            return True
         p, m, v = catch_up_rows(shards.index_select(1, index), exp_avg.index_select(1, index),
                                 exp_avg_sq.index_select(1, index), *factor_columns(factors, dev))
         _torch_adamw(p, g, m, v, plan.hyper, plan.step)
