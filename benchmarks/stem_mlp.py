@@ -66,9 +66,41 @@ def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype, kernels=("torch
     return dense, stems
 
 
-def gate_alone(table, ids, fc1_out, grad, kernel: str):
+def draw_ids(kind: str, vocab: int, tokens: int, seed: int = 0) -> torch.Tensor:
+    """``tokens`` ids from a generator of their own (the same ids on every machine, and in
+    ``benchmarks/stem_gate_cost.py``). ``zipf``: P(id = k) proportional to 1 / (k + 1), Zipf's law
+    with exponent 1, which word frequencies in text roughly follow (at 8192 tokens of a 50304
+    vocabulary: about 3,400 distinct rows, the most frequent with about 700 tokens); the
+    benchmark's distribution since it was written (until 2026-11-28 drawn from the global
+    generator, so other ids of the same law). ``uniform``: every row equally likely (few repeats:
+    the backward's rows barely overlap)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        return torch.randint(0, vocab, (tokens,), generator=g)
+    if kind != "zipf":
+        raise ValueError(f"ids {kind!r}: zipf or uniform")
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    return torch.multinomial(1.0 / ranks, tokens, replacement=True, generator=g)
+
+
+def parse_tiles(spec: str):
+    """``--gate-tiles``: ``CHUNKxBLOCK_FxWARPS`` comma list -> the fused backward's tiles."""
+    from megatron_ext_kernels.stem_gate import BwdTile
+
+    tiles = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            chunk, block_f, warps = (int(v) for v in item.split("x"))
+        except ValueError:
+            raise SystemExit(f"--gate-tiles={spec!r}: each tile is CHUNKxBLOCK_FxWARPS, "
+                             f"e.g. 16x128x4 (got {item!r})")
+        tiles[item] = BwdTile(chunk, block_f, warps)
+    return tiles
+
+
+def gate_alone(table, ids, fc1_out, grad, kernel: str, tile=None):
     """``(step, reset)`` of the lookup-and-gate by itself: forward + backward, row gradients into
-    ``main_grad``."""
+    ``main_grad``; ``tile``: the fused backward's tile (its default if None)."""
     from megatron_ext_kernels import stem_gate
     from megatron_ext_kernels.stem_lookup import lookup_rows
 
@@ -76,7 +108,7 @@ def gate_alone(table, ids, fc1_out, grad, kernel: str):
 
     def step():
         if kernel == "triton":
-            out = stem_gate.stem_gate(fc1_out, table, ids, "up")
+            out = stem_gate.stem_gate(fc1_out, table, ids, "up", bwd_tile=tile)
         else:
             out = F.silu(fc1_out) * lookup_rows(table, ids)
         out.backward(grad)
@@ -114,6 +146,14 @@ def main() -> None:
                         help="comma list of torch,triton; default: both on a GPU with Triton, "
                              "torch on the CPU (triton there only under TRITON_INTERPRET=1, "
                              "to check this script, not for speed)")
+    parser.add_argument("--gate-ids", default="zipf,uniform",
+                        help="comma list of zipf,uniform: the ids the lookup-and-gate alone is "
+                             "timed on (zipf as the MLPs, gate_<kernel>_ms; uniform as "
+                             "gate_<kernel>_uniform_ms); see draw_ids")
+    parser.add_argument("--gate-tiles", default="16x128x4,16x256x8,32x128x4",
+                        help="fused backward tiles CHUNKxBLOCK_FxWARPS also timed alone on the "
+                             "zipf ids when the fused kernel runs (gate_triton_tile_<tile>_ms); "
+                             "empty: none")
     add_run_args(parser, gpu_reps=20, cpu_reps=3)
     add_profile_args(parser)
     args = parser.parse_args()
@@ -140,15 +180,17 @@ def main() -> None:
     # [s, b, h] with b = 1: the token count is what matters for the GEMMs.
     x = torch.randn(args.tokens, 1, args.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(args.tokens, 1, args.hidden, device=device, dtype=dtype)
-    # Zipf-like ids, as in text: many repeats.
-    ranks = torch.arange(1, args.vocab + 1, dtype=torch.float64)
-    ids = torch.multinomial(1.0 / ranks, args.tokens, replacement=True).view(args.tokens, 1)
-    ids = ids.to(device)
+    # Zipf ids, as in text: many repeats (draw_ids).
+    ids = draw_ids("zipf", args.vocab, args.tokens).view(args.tokens, 1).to(device)
+    gate_ids = [k.strip() for k in args.gate_ids.split(",") if k.strip()]
+    tiles = parse_tiles(args.gate_tiles) if "triton" in kernels else {}
 
     device_name = torch.cuda.get_device_name(0) if gpu else \
         f"cpu ({torch.get_num_threads()} threads)"
+    counts = torch.unique(ids, return_counts=True)[1]
     shape = {"dtype": dtype_name, "hidden": args.hidden, "ffn": args.ffn, "vocab": args.vocab,
-             "tokens": args.tokens, "unique_tokens": int(torch.unique(ids).numel())}
+             "tokens": args.tokens, "ids": "zipf: P(id = k) ~ 1 / (k + 1), seed 0",
+             "unique_tokens": int(counts.numel()), "most_frequent_row_tokens": int(counts.max())}
     sides = {"dense": fwd_bwd(dense, x, grad, None)}
     sides.update({f"stem_{k}": fwd_bwd(m, x, grad, ids) for k, m in stems.items()})
     if run.profile_dir:
@@ -179,11 +221,21 @@ def main() -> None:
     table = next(iter(stems.values())).module.table
     fc1_out = torch.randn(args.tokens, 1, args.ffn, device=device, dtype=dtype)
     grad_gate = torch.randn(args.tokens, 1, args.ffn, device=device, dtype=dtype)
-    alone = alternate({k: (lambda k=k: timed(*gate_alone(table, ids, fc1_out, grad_gate, k),
-                                             reps, warmup)) for k in stems}, run.repeats)
-    for kernel, runs in alone.items():
-        summary[f"gate_{kernel}_ms"] = statistics.median(runs)
-        summary[f"gate_{kernel}_ms_runs"] = runs
+    cases = {}
+    for kind in gate_ids:
+        case_ids = ids if kind == "zipf" else \
+            draw_ids(kind, args.vocab, args.tokens).view(args.tokens, 1).to(device)
+        suffix = "" if kind == "zipf" else f"_{kind}"
+        cases.update({f"{k}{suffix}": (case_ids, k, None) for k in stems})
+    if "zipf" in gate_ids:
+        cases.update({f"triton_tile_{name}": (ids, "triton", tile)
+                      for name, tile in tiles.items()})
+    alone = alternate({name: (lambda c=c: timed(*gate_alone(table, c[0], fc1_out, grad_gate, c[1],
+                                                            c[2]), reps, warmup))
+                       for name, c in cases.items()}, run.repeats)
+    for name, runs in alone.items():
+        summary[f"gate_{name}_ms"] = statistics.median(runs)
+        summary[f"gate_{name}_ms_runs"] = runs
 
     print(f"STEM MLP vs dense SwiGLU, forward+backward | {summary['device']} {dtype_name} | "
           f"d={args.hidden} d_ff={args.ffn} vocab={args.vocab} tokens={args.tokens} "
@@ -197,11 +249,17 @@ def main() -> None:
               + " / ".join(f"{r:.3f}" for r in summary[f"stem_{kernel}_speedup_runs"]) + ")")
     print("  goal: STEM with the fused kernel >= 1.4x dense in every run (ideal 1.5x)"
           + ("" if "triton" in stems else "; the fused kernel needs a GPU, not measured here"))
-    line = "  lookup-and-gate alone, fwd+bwd: " + ", ".join(
-        f"{k} {summary[f'gate_{k}_ms']:.3f} ms" for k in alone)
-    if "triton" in alone:
-        line += f"  (fused {summary['gate_torch_ms'] / summary['gate_triton_ms']:.2f}x faster)"
-    print(line)
+    for kind in gate_ids:
+        suffix = "" if kind == "zipf" else f"_{kind}"
+        line = f"  lookup-and-gate alone, fwd+bwd, {kind} ids: " + ", ".join(
+            f"{k} {summary[f'gate_{k}{suffix}_ms']:.3f} ms" for k in stems)
+        if "triton" in stems:
+            fused, torch_ms = summary[f"gate_triton{suffix}_ms"], summary[f"gate_torch{suffix}_ms"]
+            line += f"  (fused {torch_ms / fused:.2f}x faster; goal <= 0.5 ms)"
+        print(line)
+    if tiles and "zipf" in gate_ids:
+        print("  fused, zipf ids, per backward tile (CHUNKxBLOCK_FxWARPS): " + ", ".join(
+            f"{name} {summary[f'gate_triton_tile_{name}_ms']:.3f} ms" for name in tiles))
     run.write_json(summary)
 
 
