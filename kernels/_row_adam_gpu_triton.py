@@ -12,7 +12,8 @@ Each operation is written as PyTorch's CUDA kernel computes it, rounded where it
 catch-up's ops are separate kernels there (no contraction: the launch passes
 ``enable_fp_fusion=False``), ``add(alpha)``, ``addcmul`` and ``addcdiv`` are single expressions
 that nvcc contracts to one FMA (``tl.fma`` here); square roots and divisions are IEEE-rounded
-(``sqrt_rn``, ``div_rn``), as nvcc's defaults are.
+(``sqrt_rn``, ``div_rn``), as nvcc's defaults are, but a division by a Python scalar, which
+PyTorch's CUDA kernel computes as a product with the scalar's fp32 reciprocal.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def sparse_adamw_rows(p_ptr, m_ptr, v_ptr, g_ptr, index_ptr, f_ptr,
                       n_rows, width,
                       p_layer, p_row, m_layer, m_row, v_layer, v_row, g_layer, g_row,
                       f_kind, f_layer,
-                      decay, beta1, alpha1, beta2, alpha2, bc2_sqrt, eps, step_size,
+                      decay, beta1, alpha1, beta2, alpha2, inv_bc2_sqrt, eps, step_size,
                       BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     layer = pid // n_rows
@@ -58,7 +59,7 @@ def sparse_adamw_rows(p_ptr, m_ptr, v_ptr, g_ptr, index_ptr, f_ptr,
     p = p * decay
     m = tl.fma(g, alpha1, m * beta1)
     v = tl.fma(alpha2 * g, g, v * beta2)
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps  # PyTorch's CUDA x / scalar is x * (1 / scalar)
     p = tl.fma(step_size, tl.div_rn(m, denom), p)
     tl.store(p_at, p, mask=mask)
     tl.store(m_at, m, mask=mask)

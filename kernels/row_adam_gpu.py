@@ -46,6 +46,12 @@ def sparse_adamw_rows_reference(p, m, v, g, index, factors, lr, beta1, beta2, ep
     p[:, index], m[:, index], v[:, index] = pr, mr, vr
 
 
+def _fp32_reciprocal(x: float) -> float:
+    """``1 / x`` as PyTorch's CUDA division by a scalar computes it: in fp32, of ``x`` in fp32."""
+    one = torch.ones((), dtype=torch.float32)
+    return float(one / torch.tensor(x, dtype=torch.float32))
+
+
 def usable(p: torch.Tensor) -> bool:
     """Whether the kernel can step ``p``'s rows here: Triton and a CUDA tensor (or the CPU under
     the interpreter)."""
@@ -75,5 +81,5 @@ def sparse_adamw_rows(p, m, v, g, index, factors, lr, beta1, beta2, eps, weight_
         p.stride(0), p.stride(1), m.stride(0), m.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), factors.stride(0), factors.stride(1),
         1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
-        math.sqrt(1.0 - beta2 ** step), eps, -lr / bc1,
+        _fp32_reciprocal(math.sqrt(1.0 - beta2 ** step)), eps, -lr / bc1,
         BLOCK=BLOCK, enable_fp_fusion=False)
