@@ -6,7 +6,9 @@
 On a GPU with Triton, STEM is measured twice: with the fused lookup-and-gate kernel
 (``--stem-kernel triton``, kernels/stem_gate.py) and with the plain-PyTorch path (``torch``), and the
 lookup-and-gate alone (forward + backward of the gather, SiLU and product, row gradients into
-``main_grad``) is timed for both. Issue goal: STEM with the kernel at least 1.4x faster than dense
+``main_grad``) is timed for both, on the MLPs' Zipf ids and on uniform ones (``--gate-ids``),
+and the fused one at other backward tiles (``--gate-tiles``; docs/benchmarks.md has its cost
+model, ``benchmarks/stem_gate_cost.py``). Issue goal: STEM with the kernel at least 1.4x faster than dense
 (ideal 1.5x). On the CPU only the PyTorch path runs (Triton's interpreter is for tests).
 
 Both sides are the real modules (Megatron-Core's ``MLP`` with SwiGLU, and ``StemMLP``), built with
