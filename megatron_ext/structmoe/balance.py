@@ -17,7 +17,6 @@ for models with ``config.num_moe_experts`` (StructMoE is a dense model to Megatr
 
 from __future__ import annotations
 
-import weakref
 from typing import List
 
 import torch
@@ -53,12 +52,12 @@ def switch_loss(routing: Routing) -> torch.Tensor:
         topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=1.0)
 
 
-# tracker -> (grid, entries): the routing fractions of every expert and block as one [L, blocks]
-# tensor whose rows are the tracker's entries. Upstream's ``tracker.record`` takes one scalar per
+# The routing fractions of every expert and block as one [L, blocks] tensor, the grid, whose rows
+# are the values of the tracker's entries. Upstream's ``tracker.record`` takes one scalar per
 # call (two kernels: ``values[i] += v`` is an add and a copy back); recording L fractions that way
 # cost 2 L kernel launches per layer and micro-batch (32 at L = 16, more than the routed path's
-# own forward), one add into a column of the grid costs one.
-_GRIDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# own forward), one add into a column of the grid costs one. The grid is found again through the
+# entries themselves (each one's values a row view of it), so nothing is held beside the tracker.
 
 
 def _fraction_grid(tracker, num_experts: int, num_blocks: int, device) -> torch.Tensor:
@@ -66,22 +65,20 @@ def _fraction_grid(tracker, num_experts: int, num_blocks: int, device) -> torch.
     ``fraction_name(l)``; made anew (keeping recorded values) when an entry was replaced or
     dropped (the tracker's ``clear`` zeroes the rows in place, its reduction all-reduces them)."""
     names = [fraction_name(l) for l in range(num_experts)]
-    held = _GRIDS.get(tracker)
     metrics = tracker.metrics
-    if held is not None:
-        grid, entries = held
-        if grid.shape == (num_experts, num_blocks) and all(
-                metrics.get(n) is e for n, e in zip(names, entries)):
-            return grid
+    first = metrics.get(names[0])
+    grid = first.values._base if first is not None else None
+    if grid is not None and grid.shape == (num_experts, num_blocks) and all(
+            entry is not None and entry.values._base is grid
+            and entry.values.data_ptr() == row.data_ptr()
+            for entry, row in zip((metrics.get(n) for n in names), grid)):
+        return grid
     grid = torch.zeros(num_experts, num_blocks, device=device)
-    entries = []
     for l, name in enumerate(names):
         old = metrics.get(name)
         if old is not None and old.values.shape == (num_blocks,):
             grid[l].copy_(old.values)
         metrics[name] = MetricEntry(values=grid[l])
-        entries.append(metrics[name])
-    _GRIDS[tracker] = (grid, tuple(entries))
     return grid
 
 
