@@ -462,6 +462,7 @@ GPU_TEST_FILES = [
     "tests/test_stem_lookup.py", "tests/test_stem_tables_prefetch.py", "tests/test_compat.py",
     "tests/test_te_backend.py", "tests/test_stem_mlp.py", "tests/test_structmoe_routed.py",
     "tests/test_stem_row_adam.py", "tests/test_stem_tiers.py", "tests/test_host_rows.py",
+    "tests/test_stem_grad_split.py", "tests/test_row_adam_gpu.py",
 ]
 
 
@@ -477,6 +478,8 @@ STEM_GPU_TESTS = [
     "tests/test_stem_layers.py::test_block_context_of_host_checked_ids_does_not_wait_for_the_gpu",
     "tests/test_host_rows.py::test_gpu_reads_a_registered_huge_page_shard_and_refuses_a_pageable_one",
     "tests/test_host_rows.py::test_gpu_store_registers_its_host_shards",
+    "tests/test_stem_grad_split.py::test_gradient_path_queues_without_waiting_for_the_gpu",
+    "tests/test_row_adam_gpu.py::test_kernel_gives_the_reference_bits_on_the_gpu",
 ]
 
 

@@ -256,3 +256,89 @@ def test_gradient_path_ops_do_not_grow_with_the_layers(monkeypatch):
     assert two["split"]["device"] == four["split"]["device"] <= 2, (two, four)
     assert two["split"]["host"] == four["split"]["host"], (two, four)
     assert 0 < two["step"]["device"] == four["step"]["device"], (two, four)
+
+
+def _queued_path(device: str):
+    """Three iterations of the tiered sparse step on ``device`` as the optimizer runs it on a
+    GPU: the gradient split for every layer at once (``split_layers``), the host tier's part
+    staged to pinned memory (``stage_to_host``, on a GPU), the owed step run to its end (the GPU
+    tier's rows queued first); returns the store and optimizer. On a GPU the split, the staging
+    and the step run under CUDA's sync debug mode "error" (a synchronisation raises) after a
+    first iteration that warms up."""
+    from megatron_ext.stem.runtime.store import PinnedStaging
+    from megatron_ext.stem.runtime.transfer import stage_to_host
+
+    layers = 3
+    store, adam = _store(layers, device)
+    if device == "cuda":
+        adam.hot.rowwise = None  # as _store does on the CPU: the torch path
+    steps, table = TableSteps("sparse", _Worker()), _Table(store)
+    g = torch.Generator().manual_seed(5)
+    staging, stream = (PinnedStaging(), torch.cuda.Stream()) if device == "cuda" else (None, None)
+    if staging is not None:
+        staging.view(1 << 16, torch.float32)  # the pinned block, made once
+    for it in range(3):
+        rows = torch.randperm(ROWS, generator=g)[:18].sort().values
+        summed = torch.randn(rows.numel(), layers * WIDTH, generator=g).to(device)
+        read = torch.randperm(ROWS, generator=g)[:14]
+        plan = adam.begin_step(HYPER)
+        check = device == "cuda" and it > 0  # the first: a warm-up (pinned blocks, kernels)
+        previous = torch.cuda.get_sync_debug_mode() if device == "cuda" else None
+        if check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            split = split_layers(store.shards, rows, list(torch.split(summed, WIDTH, dim=1)),
+                                 read)
+            if device == "cuda":
+                views, arrived = stage_to_host([tg.cold for _, tg in split], staging, stream,
+                                               [tg.cold_first for _, tg in split])
+        finally:
+            if check:
+                torch.cuda.set_sync_debug_mode(previous)
+        if device == "cuda":
+            arrived.synchronize()  # what the worker waits for before the host tier's step
+            for (_, tg), view in zip(split, views):
+                tg.cold = view
+        if check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            steps.step_table(table, adam, plan, split, None)
+            store.owed_step.settle(read)
+            store.owed_step.finish()
+        finally:
+            if check:
+                torch.cuda.set_sync_debug_mode(previous)
+    return store, adam
+
+
+def test_queued_path_on_the_cpu_is_the_reference_path():
+    """The CPU run of the GPU test below (no staging, no sync check) against the per-layer
+    reference: every row's bits (the GPU test compares the GPU's run with this one)."""
+    store, adam = _queued_path("cpu")
+    ref_store, ref_adam = _store(3, stacked=False)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        rows = torch.randperm(ROWS, generator=g)[:18].sort().values
+        summed = torch.randn(rows.numel(), 3 * WIDTH, generator=g)
+        read = torch.randperm(ROWS, generator=g)[:14]
+        plan = ref_adam.begin_step(HYPER)
+        for i, (s, grad) in enumerate(zip(ref_store.shards, torch.split(summed, WIDTH, dim=1))):
+            ref_adam.step_rows(i, *split_grads(s, rows, grad, read), plan)
+    for i in range(3):
+        assert torch.equal(store.shards[i].full(), ref_store.shards[i].full())
+        assert torch.equal(adam.exp_avg_sq[i].full(), ref_adam.exp_avg_sq[i].full())
+        assert torch.equal(store.lazy.last[i], ref_store.lazy.last[i])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gradient_path_queues_without_waiting_for_the_gpu():
+    """On a GPU: the split, the staging and the owed step (reads' and chunks') run without one
+    synchronisation, and give the CPU run's rows and moments (to float tolerance: the GPU's
+    arithmetic) and the same per-row steps."""
+    store, adam = _queued_path("cuda")
+    cpu_store, cpu_adam = _queued_path("cpu")
+    for i in range(3):
+        torch.testing.assert_close(store.shards[i].full(), cpu_store.shards[i].full())
+        torch.testing.assert_close(adam.exp_avg[i].full(), cpu_adam.exp_avg[i].full())
+        torch.testing.assert_close(adam.exp_avg_sq[i].full(), cpu_adam.exp_avg_sq[i].full())
+        assert torch.equal(store.lazy.last[i], cpu_store.lazy.last[i])
