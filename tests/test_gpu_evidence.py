@@ -164,6 +164,13 @@ def test_goals_read_from_benchmark_results(tmp_path):
     assert rows["STEM MLP (triton) speed-up vs dense"].met is True
     assert rows["STEM MLP (torch) speed-up vs dense"].met is None
     assert rows["lookup-and-gate alone, fused vs PyTorch"].value == pytest.approx(4.0)
+    gate = rows["lookup-and-gate alone (fused) fwd+bwd"]  # one run: not judged
+    assert gate.goal == 0.5 and gate.met is False and gate.incomplete
+    s = json.loads((tmp_path / "stem_mlp.json").read_text())
+    for runs, met in (([0.45, 0.49], True), ([0.45, 0.52], False)):  # the worse run decides
+        (tmp_path / "stem_mlp.json").write_text(json.dumps(dict(s, gate_triton_ms_runs=runs)))
+        rows = {r.metric: r for r in gpu_evidence._rows_stem_mlp(str(tmp_path / "stem_mlp.json"))}
+        assert rows["lookup-and-gate alone (fused) fwd+bwd"].met is met
     (tmp_path / "sm.json").write_text(json.dumps({
         "layer_ms": {"dense": 10.0, "triton": 10.5, "grouped": 12.0},
         "overhead_pct": {"triton": 5.0, "grouped": 20.0},
