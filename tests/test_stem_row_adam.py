@@ -516,7 +516,10 @@ def test_row_kernels_release_the_gil():
         def work():
             started.set()
             times["call"] = time.perf_counter()
-            kernel.sparse_adamw_(*args)
+            try:
+                kernel.sparse_adamw_(*args)
+            except BaseException as e:  # re-raised by the test's thread, with its cause
+                times["error"] = e
             times["returned"] = time.perf_counter()
 
         worker = threading.Thread(target=work)
@@ -524,6 +527,8 @@ def test_row_kernels_release_the_gil():
         started.wait()
         resumed = time.perf_counter()
         worker.join()
+        if "error" in times:
+            raise times["error"]
         return resumed - times["call"], times["returned"] - times["call"]
 
     # With the GIL held through the call the main thread can only resume after it returns, so
