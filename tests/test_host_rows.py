@@ -12,7 +12,6 @@ a registered huge-page shard and refuse a pageable one.
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from megatron_ext.stem.runtime.schedule import OwedStep, TableSteps
 from megatron_ext.stem.runtime.store import TableStore
 from megatron_ext.stem.runtime.tiers import split_grads
 from megatron_ext_kernels import host_rows
+from stem_fakes import CallerRunsWorker, StoreTable
 
 pytestmark = pytest.mark.skipif(not host_rows.available(), reason="Triton is not installed")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,28 +89,6 @@ def test_kernel_refuses_what_it_cannot_read(monkeypatch):
 ROWS, WIDTH, HOT = 48, 24, 18
 
 
-class _Worker:
-    """The host worker as ``TableSteps.step_table`` sees it; the owed step is run by the test."""
-
-    def hand_over(self, tensors):
-        list(tensors)
-
-    def submit_background(self, owed, after=None):
-        return None
-
-    def wait(self):
-        return 0.0
-
-
-class _Table:
-    def __init__(self, store):
-        self.store, self.deferred = store, object()
-        self.stats = collections.defaultdict(float)
-
-    def release(self, fetch, after=None):
-        pass
-
-
 class _Run:
     """A store of two layers with its sparse optimizer, stepped as ``TableSteps`` steps it (the
     part the next reads do not need left owed, run in chunks between reads)."""
@@ -122,8 +100,8 @@ class _Run:
                                 num_hot=HOT if placement == "tiered" else None, host_read=read)
         adam = TieredRowAdamW if placement == "tiered" else RowAdamW
         self.adam = adam(self.store.shards, mode="sparse", lazy=self.store.lazy)
-        self.steps = TableSteps("sparse", _Worker())
-        self.table = _Table(self.store)
+        self.steps = TableSteps("sparse", CallerRunsWorker())
+        self.table = StoreTable(self.store)
 
     def owe(self, rows, grads, first):
         if self.store.placement == "tiered":

@@ -3,7 +3,6 @@
 bits as the step and catch-up per layer, and a number of ops (kernel launches on a GPU) that does
 not grow with the layers (``benchmarks/stem_catchup_ops.py`` counts them per phase)."""
 
-import collections
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,31 +13,10 @@ from megatron_ext.stem.runtime.row_adam import (AdamHyper, TieredLazyRows, Tiere
 from megatron_ext.stem.runtime.schedule import OwedStep, TableSteps
 from megatron_ext.stem.runtime.store import TableStore
 from megatron_ext.stem.runtime.tiers import TieredShard, split_grads
+from stem_fakes import CallerRunsWorker, StoreTable
 
 ROWS, WIDTH, HOT = 48, 8, 20
 HYPER = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-
-
-class _Worker:
-    """The host worker as ``TableSteps.step_table`` sees it; the owed step is run by the test."""
-
-    def hand_over(self, tensors):
-        list(tensors)
-
-    def submit_background(self, owed, after=None):
-        return None
-
-    def wait(self):
-        return 0.0
-
-
-class _Table:
-    def __init__(self, store):
-        self.store, self.deferred = store, object()
-        self.stats = collections.defaultdict(float)
-
-    def release(self, fetch, after=None):
-        pass
 
 
 def _tiered_store(layers: int, device: str = "cpu", seed: int = 0) -> TableStore:
@@ -55,8 +33,8 @@ class _Run:
         self.adam = TieredRowAdamW(store.shards, mode="sparse", lazy=store.lazy)
         if store.shards[0].hot.device.type == "cpu":
             self.adam.hot.rowwise, store.lazy.hot._kernel = None, False
-        self.steps = TableSteps("sparse", _Worker())
-        self.table = _Table(store)
+        self.steps = TableSteps("sparse", CallerRunsWorker())
+        self.table = StoreTable(store)
 
     def owe(self, rows, grads, first):
         split = [split_grads(s, r, g, first) for s, r, g in zip(self.store.shards, rows, grads)]
@@ -102,7 +80,7 @@ def test_stacked_gpu_tier_gives_the_bits_of_the_step_per_layer(monkeypatch):
     per_layer.store.lazy = TieredLazyRows(per_layer_shards)
     per_layer.adam = TieredRowAdamW(per_layer_shards, mode="sparse", lazy=per_layer.store.lazy)
     per_layer.adam.hot.rowwise, per_layer.store.lazy.hot._kernel = None, False
-    per_layer.table = _Table(per_layer.store)
+    per_layer.table = StoreTable(per_layer.store)
     assert per_layer.store.lazy.hot.stacks() is None and batched.store.lazy.hot.stacks()
 
     g = torch.Generator().manual_seed(1)

@@ -17,6 +17,7 @@ from megatron_ext.stem.runtime.schedule import OwedStep, TableSteps
 from megatron_ext.stem.runtime.store import TableStore
 from megatron_ext.stem.runtime.tiers import (TieredShard, layer_stack, split_grads, split_layers,
                                              take_layers, take_rows)
+from stem_fakes import CallerRunsWorker, StoreTable
 
 ROWS, WIDTH, HOT = 48, 8, 20
 HYPER = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -123,26 +124,6 @@ def test_owed_step_takes_queued_rows_first_within_their_budget(monkeypatch):
     assert all(p[0] is p[1] for p in taken)
 
 
-class _Worker:
-    def hand_over(self, tensors):
-        list(tensors)
-
-    def submit_background(self, owed, after=None):
-        return None
-
-    def wait(self):
-        return 0.0
-
-
-class _Table:
-    def __init__(self, store):
-        self.store, self.deferred = store, object()
-        self.stats = collections.defaultdict(float)
-
-    def release(self, fetch, after=None):
-        pass
-
-
 def _store(layers: int, device: str = "cpu", stacked: bool = True) -> TableStore:
     g = torch.Generator().manual_seed(0)
     tables = [torch.randn(ROWS, WIDTH, generator=g) for _ in range(layers)]
@@ -170,7 +151,7 @@ def test_gradient_path_gives_the_bits_of_the_path_per_layer(monkeypatch):
                             int((r < HOT).sum()) for r in rows]))
     layers = 3
     store, adam = _store(layers)
-    steps, table = TableSteps("sparse", _Worker()), _Table(store)
+    steps, table = TableSteps("sparse", CallerRunsWorker()), StoreTable(store)
     ref_store, ref_adam = _store(layers, stacked=False)
     g = torch.Generator().manual_seed(2)
     for it in range(5):
@@ -225,7 +206,7 @@ def _gradient_path_ops(layers: int) -> dict:
     """The ops of the split and of the whole owed step (host tier on the host), the GPU tier and
     the gradients on ``meta``."""
     store, adam = _store(layers, "meta")
-    steps, table = TableSteps("sparse", _Worker()), _Table(store)
+    steps, table = TableSteps("sparse", CallerRunsWorker()), StoreTable(store)
     g = torch.Generator().manual_seed(3)
     rows = torch.randperm(ROWS, generator=g)[:30].sort().values
     read = torch.randperm(ROWS, generator=g)[:14]
@@ -272,7 +253,7 @@ def _queued_path(device: str):
     store, adam = _store(layers, device)
     if device == "cuda":
         adam.hot.rowwise = None  # as _store does on the CPU: the torch path
-    steps, table = TableSteps("sparse", _Worker()), _Table(store)
+    steps, table = TableSteps("sparse", CallerRunsWorker()), StoreTable(store)
     g = torch.Generator().manual_seed(5)
     staging, stream = (PinnedStaging(), torch.cuda.Stream()) if device == "cuda" else (None, None)
     if staging is not None:
