@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
 LBLS = ("global", "top1", "none")
+# --sigma-compile: none (eager), router (upstream's routing and the statistics compiled; router.py).
+COMPILE_CHOICES = ("none", "router")
 
 
 def parse_topk_schedule(text: Optional[str]) -> Optional[Tuple[int, ...]]:
@@ -67,6 +69,7 @@ class SigmaConfig:
     top1_temperature: float = 1.0
     topk_schedule: Optional[Tuple[int, ...]] = None  # top-k of the first layers before the switch
     sparsify_at: Optional[Union[int, float]] = None  # fraction of training (float) or step (int)
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_experts is None or self.num_experts < 1:
@@ -81,6 +84,9 @@ class SigmaConfig:
                              "(--num-experts)")
         if self.lbl not in LBLS:
             raise ValueError(f"--sigma-lbl={self.lbl!r}: allowed {', '.join(LBLS)}")
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"--sigma-compile={self.compile!r}: allowed "
+                             f"{', '.join(COMPILE_CHOICES)}")
         if self.lbl_coeff < 0:
             raise ValueError(f"--sigma-lbl-coeff={self.lbl_coeff}: must be >= 0")
         if not self.top1_temperature > 0:

@@ -28,11 +28,14 @@ from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.sigma import monitor
 from megatron_ext.sigma.budget import SigmaBudget
+from megatron_ext.compiled import check_available
+from megatron_ext.sigma.config import COMPILE_CHOICES as SIGMA_COMPILE
 from megatron_ext.sigma.config import LBLS as SIGMA_LBLS
 from megatron_ext.sigma.config import SigmaConfig, parse_sparsify_at, parse_topk_schedule
 from megatron_ext.sigma.layer import release_layers
 from megatron_ext.sigma.monitor import report
 from megatron_ext.sigma.presets import FAMILY_FLAGS
+from megatron_ext.sigma.router import sigma_compile_problem
 from megatron_ext.sigma.schedule import apply_schedule, sigma_layers
 from megatron_ext.sigma.specs import sigma_block_spec, sigma_layer_spec
 
@@ -59,6 +62,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     sigma.add_argument("--sigma-sparsify-at", default=None,
                        help="when every layer switches to --moe-router-topk: a fraction of "
                             "--train-iters (0.9) or a step (1000; steps after it use the target)")
+    sigma.add_argument("--sigma-compile", choices=SIGMA_COMPILE, default="none",
+                       help="router: torch.compile the router's top-k routing with Sigma's "
+                            "statistics and load-balancing loss (docs/sigma.md); none: eager "
+                            "(the default until a GPU run measures it)")
     sigma.add_argument("--sigma-dump-router-grads", default=None, metavar="DIR",
                        help="after each step's gradients are final, rank 0 writes every router's "
                             "weight gradient and global-batch statistics to DIR/step_N.pt "
@@ -71,7 +78,7 @@ def config_from_args(args) -> SigmaConfig:
         ep_size=args.expert_model_parallel_size, lbl=args.sigma_lbl,
         lbl_coeff=args.sigma_lbl_coeff, top1_temperature=args.sigma_top1_lbl_temperature,
         topk_schedule=parse_topk_schedule(args.sigma_topk_schedule),
-        sparsify_at=parse_sparsify_at(args.sigma_sparsify_at))
+        sparsify_at=parse_sparsify_at(args.sigma_sparsify_at), compile=args.sigma_compile)
 
 
 @functools.lru_cache(maxsize=None)  # each distinct line once per process
@@ -126,6 +133,11 @@ def check_args(args) -> None:
         raise ValueError("--sigma-topk-schedule with --moe-token-dispatcher-type flex: the flex "
                          "dispatcher sizes its buffers once for one top-k; use alltoall or "
                          "allgather")
+    if sigma.compile != "none":
+        problem = sigma_compile_problem(sigma.compile, args)
+        if problem is not None:
+            raise ValueError(problem)
+        check_available("--sigma-compile")
     if sigma.lbl != "none" and sigma.lbl_coeff > 0 and args.calculate_per_token_loss:
         raise ValueError("--calculate-per-token-loss with Sigma's load-balancing loss is not "
                          "supported: drop the flag or pass --sigma-lbl none")

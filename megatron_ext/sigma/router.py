@@ -26,11 +26,83 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    topk_routing_with_score_function,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_ext.compiled import compile_region
 from megatron_ext.sigma.config import SigmaConfig
 from megatron_ext.sigma.lbl import BatchStats, acc_size, coefficients
+
+def sigma_statistics(logits, routing_map, acc, prev_f, prev_fhat, prev_pbar, *, lbl: str,
+                     coeff: float, temperature: float, scale: float) -> Optional[torch.Tensor]:
+    """Add this micro-batch's statistics into ``acc`` (lbl.ACC_FIELDS, in place) and return its
+    load-balancing loss term (None without one): the tensor maths of the router's training
+    forward, ``logits`` ``[tokens, N_E]`` in fp32, ``scale`` the coefficient over this rank's
+    share of the tokens (``SigmaRouter._statistics_options``)."""
+    e = logits.shape[-1]
+    scores = torch.softmax(logits, dim=-1)  # P of Eq. 1 (per token)
+    # Each per-token sum once: the accumulator takes it detached, the loss term uses it.
+    # In-place adds into views of the accumulator: ``acc[a:b] += v`` would add and then copy
+    # the sum back onto itself (Python's setitem), a second kernel per statistic.
+    p_sum = scores.sum(dim=0)
+    with torch.no_grad():
+        acc[:e].add_(routing_map.sum(dim=0))
+        acc[e:2 * e].add_(p_sum.detach())
+    if lbl == "top1":
+        q = torch.softmax(logits / temperature, dim=-1)  # Eq. 3
+        q_sum = q.sum(dim=0)
+        qmax_sum = q.max(dim=-1).values.sum()  # Eq. 4
+        with torch.no_grad():
+            acc[2 * e:3 * e].add_(q_sum.detach())
+            acc[3 * e].add_(qmax_sum.detach())
+    if lbl == "none" or coeff == 0:
+        return None
+    # The coefficient and the normalization are folded into the [N_E] weights (one small
+    # multiply, no scalar ops on the loss).
+    if lbl == "global":
+        return torch.dot(prev_f * (e * scale), p_sum)  # N_E f'_i P_i
+    coef = coefficients(prev_f, prev_fhat, prev_pbar)
+    return (torch.dot(coef.w_fhat, q_sum) + coef.w_pbar * qmax_sum) * scale
+
+
+def compiled_routing(logits, acc, prev_f, prev_fhat, prev_pbar, *, topk: int, pre_softmax: bool,
+                     num_groups, group_topk, scaling_factor, score_function: str, lbl: str,
+                     coeff: float, temperature: float, scale: float):
+    """``(probs, routing_map, loss)`` of a training forward: upstream's
+    ``topk_routing_with_score_function`` and :func:`sigma_statistics`, the region
+    ``--sigma-compile router`` compiles (``logits`` ``[tokens, N_E]``)."""
+    probs, routing_map = topk_routing_with_score_function(
+        logits, topk, use_pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
+        scaling_factor=scaling_factor, score_function=score_function)
+    loss = sigma_statistics(logits.float(), routing_map, acc, prev_f, prev_fhat, prev_pbar,
+                            lbl=lbl, coeff=coeff, temperature=temperature, scale=scale)
+    return probs, routing_map, loss
+
+
+def sigma_compile_problem(compile: str, config) -> Optional[str]:
+    """Why ``--sigma-compile`` cannot work with these MoE options (one line), or None. The
+    compiled region is upstream's plain top-k routing; the router's other upstream features run
+    in ``TopKRouter.routing`` only."""
+    if compile == "none":
+        return None
+    # ``config``: the TransformerConfig or Megatron's args (the same names).
+    blockers = [(getattr(config, "moe_z_loss_coeff", None), "--moe-z-loss-coeff"),
+                (getattr(config, "moe_router_enable_expert_bias", False),
+                 "--moe-router-enable-expert-bias"),
+                (getattr(config, "moe_router_fusion", False), "--moe-router-fusion"),
+                (getattr(config, "moe_expert_capacity_factor", None) is not None,
+                 "--moe-expert-capacity-factor"),
+                (getattr(config, "moe_enable_routing_replay", False),
+                 "--moe-enable-routing-replay")]
+    for on, flag in blockers:
+        if on:
+            return (f"--sigma-compile {compile}: the compiled router region is upstream's plain "
+                    f"top-k routing, without {flag}; drop {flag} or pass --sigma-compile none")
+    return None
+
 
 def _buffer_device():
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -58,12 +130,22 @@ class SigmaRouter(TopKRouter):
         # shape) and written into sigma_acc once per step (take_tokens) instead of an add per
         # forward.
         self._tokens = 0
+        # --sigma-compile router: upstream's routing and the statistics as one compiled region
+        # for the training forward (evaluation runs upstream's routing eagerly).
+        problem = sigma_compile_problem(sigma.compile, config)
+        if problem is not None:
+            raise ValueError(problem)
+        self._compiled = (compile_region(compiled_routing) if sigma.compile == "router"
+                          else None)
 
     def set_topk(self, topk: int) -> None:
         self.topk = topk
 
     # -- forward ---------------------------------------------------------------------------------
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        if self._compiled is not None and padding_mask is None and self.training \
+                and torch.is_grad_enabled():
+            return self._routing_compiled(logits)
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.training and torch.is_grad_enabled():
             if padding_mask is not None:
@@ -74,42 +156,44 @@ class SigmaRouter(TopKRouter):
 
     def _accumulate_and_attach(self, logits: torch.Tensor, routing_map: torch.Tensor,
                                probs: torch.Tensor) -> torch.Tensor:
-        e = self.num_experts
-        n_local = logits.shape[0]
+        self._count_forward(logits.shape[0])
+        loss = sigma_statistics(logits, routing_map, self.sigma_acc, self.sigma_prev_f,
+                                self.sigma_prev_fhat, self.sigma_prev_pbar,
+                                **self._statistics_options(logits.shape[0]))
+        return probs if loss is None else MoEAuxLossAutoScaler.apply(probs, loss)
+
+    def _count_forward(self, n_local: int) -> None:
+        # Host counters, outside any compiled region (a compiled region would specialise on them).
         self._forwards += 1
         self._tokens += n_local
-        scores = torch.softmax(logits, dim=-1)  # P of Eq. 1 (per token)
-        lbl = self.sigma.lbl
-        acc = self.sigma_acc
-        # Each per-token sum once: the accumulator takes it detached, the loss term uses it.
-        # In-place adds into views of the accumulator: ``acc[a:b] += v`` would add and then copy
-        # the sum back onto itself (Python's setitem), a second kernel per statistic.
-        p_sum = scores.sum(dim=0)
-        with torch.no_grad():
-            acc[:e].add_(routing_map.sum(dim=0))
-            acc[e:2 * e].add_(p_sum.detach())
-        if lbl == "top1":
-            q = torch.softmax(logits / self.sigma.top1_temperature, dim=-1)  # Eq. 3
-            q_sum = q.sum(dim=0)
-            qmax_sum = q.max(dim=-1).values.sum()  # Eq. 4
-            with torch.no_grad():
-                acc[2 * e:3 * e].add_(q_sum.detach())
-                acc[3 * e].add_(qmax_sum.detach())
-        if lbl == "none" or self.sigma.lbl_coeff == 0:
-            return probs
-        # This rank's share of the global-batch loss, normalized by its own share of the tokens
-        # (n_local tokens of one of tp_cp_size sequence shards): summed over TP/CP shards and
-        # averaged over micro-batches and DP ranks (as Megatron does with every gradient) it gives
-        # the gradient of the loss over the whole global batch. The coefficient and the
-        # normalization are folded into the [N_E] weights (one small multiply, no scalar ops on
-        # the loss).
-        scale = self.sigma.lbl_coeff / (n_local * self.tp_cp_group.size())
-        if lbl == "global":
-            loss = torch.dot(self.sigma_prev_f * (e * scale), p_sum)  # N_E f'_i P_i
-        else:
-            coef = coefficients(self.sigma_prev_f, self.sigma_prev_fhat, self.sigma_prev_pbar)
-            loss = (torch.dot(coef.w_fhat, q_sum) + coef.w_pbar * qmax_sum) * scale
-        return MoEAuxLossAutoScaler.apply(probs, loss)
+
+    def _statistics_options(self, n_local: int) -> dict:
+        """The constants of :func:`sigma_statistics` for this router and micro-batch. This rank's
+        share of the global-batch loss is normalized by its own share of the tokens (n_local
+        tokens of one of tp_cp_size sequence shards): summed over TP/CP shards and averaged over
+        micro-batches and DP ranks (as Megatron does with every gradient) it gives the gradient
+        of the loss over the whole global batch."""
+        return dict(lbl=self.sigma.lbl, coeff=self.sigma.lbl_coeff,
+                    temperature=self.sigma.top1_temperature,
+                    scale=self.sigma.lbl_coeff / (n_local * self.tp_cp_group.size()))
+
+    def _routing_compiled(self, logits: torch.Tensor):
+        """``--sigma-compile router``: upstream's top-k routing (what ``TopKRouter.routing``
+        runs with Sigma's fixed choices: no z-loss, no token dropping, no expert bias, no aux
+        loss of upstream's; ``sigma_compile_problem`` refuses the others) and Sigma's statistics
+        and loss, as one compiled region; the loss is attached outside it."""
+        e = self.num_experts
+        logits2d = logits.view(-1, e)
+        self._count_forward(logits2d.shape[0])
+        c = self.config
+        probs, routing_map, loss = self._compiled(
+            logits2d, self.sigma_acc, self.sigma_prev_f, self.sigma_prev_fhat,
+            self.sigma_prev_pbar, topk=self.topk, pre_softmax=c.moe_router_pre_softmax,
+            num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
+            scaling_factor=c.moe_router_topk_scaling_factor,
+            score_function=self.score_function,
+            **self._statistics_options(logits2d.shape[0]))
+        return probs if loss is None else MoEAuxLossAutoScaler.apply(probs, loss), routing_map
 
     # -- end of a global batch -------------------------------------------------------------------
     def take_tokens(self) -> None:

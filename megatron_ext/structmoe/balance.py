@@ -52,6 +52,21 @@ def switch_loss(routing: Routing) -> torch.Tensor:
         topk=k, num_experts=routing.probs.shape[-1], moe_aux_loss_coeff=1.0)
 
 
+def lbl_statistics(probs: torch.Tensor, indices: torch.Tensor):
+    """``(tokens_per_expert, switch loss)`` of one routing from its probabilities and selected
+    experts: what :func:`switch_loss` and ``Routing.tokens_per_expert`` compute, as one pure
+    function, the region ``--structmoe-compile routed`` compiles (the counts' scatter-add, the
+    probabilities' column sums and the loss's product in a few kernels)."""
+    n, k = indices.shape
+    flat = indices.reshape(-1)
+    counts = torch.zeros(probs.shape[-1], dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    loss = switch_load_balancing_loss_func(
+        probs=probs, tokens_per_expert=counts, total_num_tokens=n, topk=k,
+        num_experts=probs.shape[-1], moe_aux_loss_coeff=1.0)
+    return counts, loss
+
+
 # The routing fractions of every expert and block as one [L, blocks] tensor, the grid, whose rows
 # are the values of the tracker's entries. Upstream's ``tracker.record`` takes one scalar per
 # call (two kernels: ``values[i] += v`` is an add and a copy back); recording L fractions that way
@@ -83,14 +98,21 @@ def _fraction_grid(tracker, num_experts: int, num_blocks: int, device) -> torch.
 
 
 def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, block: int,
-                      num_blocks: int) -> torch.Tensor:
+                      num_blocks: int, statistics=None) -> torch.Tensor:
     """Attach ``coeff x loss`` to ``update``'s backward and record the loss (unscaled, as upstream
     does) and the routing fractions of this MLP block (1-based, of ``num_blocks``: the GPT path's
     layers, the hybrid path's ``-`` symbols) for logging. Only while training with autograd on:
-    evaluation and the no-grad first pass of activation recomputation record nothing."""
+    evaluation and the no-grad first pass of activation recomputation record nothing.
+    ``statistics``: :func:`lbl_statistics` or its compiled version (the loss and the counts in
+    one region); None: :func:`switch_loss` eagerly."""
     if not (torch.is_grad_enabled() and update.requires_grad):
         return update
-    loss = switch_loss(routing)
+    if statistics is None:
+        loss = switch_loss(routing)
+    else:
+        counts, loss = statistics(routing.probs, routing.indices)
+        if routing._counts is None:
+            routing._counts = counts
     tracker = get_moe_metrics_tracker()
     if block is not None:
         # What tracker.record(LOSS_NAME, loss, block, num_blocks) adds, in one kernel (record's

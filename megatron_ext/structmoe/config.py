@@ -25,6 +25,8 @@ from typing import Optional
 FUSIONS = ("additive", "glu")
 BACKENDS = ("auto", "reference", "grouped", "dense-masked", "triton")
 INITS = ("small", "megatron")
+# --structmoe-compile: none (eager), routed (the small ops between the GEMMs compiled; routed.py).
+COMPILE_CHOICES = ("none", "routed")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class StructMoEConfig:
     aux_loss_coeff: float = 0.01
     init: str = "small"
     backend: str = "auto"
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -53,6 +56,9 @@ class StructMoEConfig:
             raise ValueError(f"--structmoe-fusion={self.fusion!r}: allowed {', '.join(FUSIONS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--structmoe-backend={self.backend!r}: allowed {', '.join(BACKENDS)}")
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"--structmoe-compile={self.compile!r}: allowed "
+                             f"{', '.join(COMPILE_CHOICES)}")
         if self.init not in INITS:
             raise ValueError(f"--structmoe-init={self.init!r}: allowed {', '.join(INITS)}")
         if self.aux_loss_coeff < 0:

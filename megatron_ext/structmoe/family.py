@@ -18,11 +18,13 @@ from megatron_ext.models.log import print_rank_0
 from megatron_ext.models.specs import block_spec as build
 from megatron_ext.models.terms import MLPTerms
 from megatron_ext.structmoe.balance import report, set_aux_loss_scale
+from megatron_ext.compiled import check_available
 from megatron_ext.structmoe.config import BACKENDS as SMOE_BACKENDS
+from megatron_ext.structmoe.config import COMPILE_CHOICES as SMOE_COMPILE
 from megatron_ext.structmoe.config import FUSIONS as SMOE_FUSIONS
 from megatron_ext.structmoe.config import INITS as SMOE_INITS
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
-from megatron_ext.structmoe.routed import check_fused_backend
+from megatron_ext.structmoe.routed import check_compile, check_fused_backend, resolve_backend
 from megatron_ext.structmoe.specs import structmoe_layer_spec, structmoe_layers_fn
 
 NAME = "structmoe"
@@ -51,6 +53,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "(torch._grouped_mm), dense-masked, triton (router and codes fused in "
                            "one Triton kernel; CUDA, or TRITON_INTERPRET=1 on CPU); auto: grouped "
                            "on CPU, dense-masked on GPU")
+    smoe.add_argument("--structmoe-compile", choices=SMOE_COMPILE, default="none",
+                      help="routed: torch.compile the routed path's small ops between the GEMMs "
+                           "(router softmax and top-k, dense-masked's gate and masked codes, the "
+                           "load-balancing statistics; docs/structmoe.md); none: eager (the "
+                           "default until a GPU run measures it)")
     smoe.add_argument("--structmoe-aux-loss-coeff", type=float, default=0.01,
                       help="coefficient of the Switch load-balancing loss on the router (0: off; "
                            "routing fractions are logged either way)")
@@ -68,7 +75,8 @@ def config_from_args(args) -> StructMoEConfig:
         topk=args.structmoe_topk, fusion=args.structmoe_fusion,
         param_matched=param_matched,
         ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
-        backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff)
+        backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff,
+        compile=args.structmoe_compile)
 
 
 def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
@@ -78,6 +86,11 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
                          "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
 
     check_fused_backend(smoe.backend)  # --structmoe-backend triton where it cannot run
+    if smoe.compile != "none":
+        problem = check_compile(resolve_backend(smoe.backend), smoe.compile)
+        if problem is not None:
+            raise ValueError(problem)
+        check_available("--structmoe-compile")
 
 
 # What changes a StructMoE model on resume (models/saved_settings.py): the shapes of its

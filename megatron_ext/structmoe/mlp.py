@@ -41,8 +41,9 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.compiled import compile_region
 from megatron_ext.models.sharding import mlp_sharded_state_dict
-from megatron_ext.structmoe.balance import attach_and_record
+from megatron_ext.structmoe.balance import attach_and_record, lbl_statistics
 from megatron_ext.structmoe.config import StructMoEConfig, layer_budget
 from megatron_ext.structmoe.routed import expand_into_stage, resolve_backend, route_codes_stages
 
@@ -121,7 +122,10 @@ class StructMoEMLP(MegatronModule):
             setattr(p, "partition_stride", 1)
         self.backend = resolve_backend(structmoe.backend)
         # A fused backend (triton) computes the routing with the codes; the others run route().
-        self.route_codes_fn, self.expand_fn = route_codes_stages(self.backend)
+        self.route_codes_fn, self.expand_fn = route_codes_stages(self.backend, structmoe.compile)
+        # --structmoe-compile routed: the load-balancing statistics compiled too (balance.py).
+        self.lbl_statistics_fn = (compile_region(lbl_statistics) if structmoe.compile == "routed"
+                                  else None)
         self.expand_into_fn = expand_into_stage(self.backend)
         # The MLP block (1-based, global) under which the router metrics are recorded.
         self.mlp_block = mlp_block
@@ -169,7 +173,8 @@ class StructMoEMLP(MegatronModule):
         else:
             update = self.expand_into_fn(into, codes, self.lore_b, routing)
         return attach_and_record(update, routing, self.smoe.aux_loss_coeff, self.layer_number,
-                                 self.num_mlp_blocks) if self.training else update
+                                 self.num_mlp_blocks, self.lbl_statistics_fn) \
+            if self.training else update
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         base, _ = self.linear_fc1(hidden_states)

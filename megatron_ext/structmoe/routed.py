@@ -32,6 +32,9 @@ import torch
 
 from megatron.core.transformer.moe.moe_utils import router_gating_linear
 
+from megatron_ext.compiled import compile_region
+from megatron_ext.structmoe.config import COMPILE_CHOICES
+
 from megatron_ext_kernels.structmoe_routed import available, fused_route_codes
 
 
@@ -76,15 +79,23 @@ class Dispatch:
         return cls(order=order, tokens=order // k, offsets=offsets)
 
 
-def route(x: torch.Tensor, w_router: torch.Tensor, topk: int) -> Routing:
+def route_head(logits: torch.Tensor, topk: int):
+    """``(probs, weights, indices)`` of the fp32 logits: softmax, then top-k of the scores."""
+    probs = torch.softmax(logits, dim=-1)
+    weights, indices = torch.topk(probs, topk, dim=-1)
+    return probs, weights, indices
+
+
+def route(x: torch.Tensor, w_router: torch.Tensor, topk: int, head=route_head) -> Routing:
     """Softmax router in fp32 with top-k selection. The logits come from upstream's
     ``router_gating_linear`` (what ``TopKRouter`` uses with ``--moe-router-dtype fp32``): it
     saves ``x`` and ``W_R`` in their own dtype for the backward instead of their fp32 copies
     (``x.float()``, ``[N, H]`` fp32 per layer, for bf16 training), and with Transformer Engine
-    it computes fp32 logits from bf16 operands in one GEMM."""
+    it computes fp32 logits from bf16 operands in one GEMM. ``head``: :func:`route_head`, or
+    its compiled version (``--structmoe-compile routed``); the logits' GEMM, upstream's autograd
+    Function, stays outside it."""
     logits = router_gating_linear(x, w_router, None, torch.float32)
-    probs = torch.softmax(logits, dim=-1)
-    weights, indices = torch.topk(probs, topk, dim=-1)
+    probs, weights, indices = head(logits, topk)
     return Routing(probs=probs, indices=indices, weights=weights)
 
 
@@ -125,12 +136,26 @@ def reference_expand(codes: torch.Tensor, b: torch.Tensor, routing: Routing) -> 
 
 def dense_masked_codes(x: torch.Tensor, a: torch.Tensor, routing: Routing) -> torch.Tensor:
     """One GEMM against all experts' ``A``; all but the selected experts' columns zeroed."""
+    return masked_codes(x, a, routing.indices, routing.weights)
+
+
+def masked_codes(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_masked_codes` of a routing's ``indices`` and ``weights``."""
     n_experts, hidden, rank = a.shape
     u = x @ a.permute(1, 0, 2).reshape(hidden, n_experts * rank)          # [N, L r]
-    gate = torch.zeros(x.shape[0], n_experts, dtype=routing.weights.dtype, device=x.device)
-    gate = gate.scatter(1, routing.indices, routing.weights)                # [N, L]
+    gate = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype, device=x.device)
+    gate = gate.scatter(1, indices, weights)                                # [N, L]
     return (u.view(-1, n_experts, rank) * gate.to(u.dtype).unsqueeze(-1)).reshape(
         -1, n_experts * rank)
+
+
+def dense_masked_route_tail(logits: torch.Tensor, x: torch.Tensor, a: torch.Tensor, topk: int):
+    """Dense-masked from the router's logits on: ``(probs, weights, indices, codes)``, the region
+    ``--structmoe-compile routed`` compiles (softmax, top-k, the gate's scatter, the A GEMM and
+    the masked product, and their backward)."""
+    probs, weights, indices = route_head(logits, topk)
+    return probs, weights, indices, masked_codes(x, a, indices, weights)
 
 
 def dense_masked_expand(codes: torch.Tensor, b: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -277,19 +302,48 @@ def backend_stages(backend: str):
                          f"{', '.join(BACKENDS)}{fused}") from None
 
 
-def route_codes_stages(backend: str):
+def route_codes_stages(backend: str, compile: str = "none"):
     """``(route_codes, expand)`` of any backend, ``route_codes(x, w_router, a, topk) ->
-    (Routing, codes)``: a fused backend's own, or ``route()`` followed by the backend's codes."""
+    (Routing, codes)``: a fused backend's own, or ``route()`` followed by the backend's codes.
+    ``compile="routed"`` (``--structmoe-compile``): the small ops between the GEMMs compiled
+    (:func:`megatron_ext.compiled.compile_region`): dense-masked's whole tail after the router's
+    logits, the other backends' router head (their gathers and grouped GEMMs stay eager)."""
     if backend in FUSED_BACKENDS:
         check_fused_backend(backend)
+        if compile != "none":
+            raise ValueError(check_compile(backend, compile))
         return FUSED_BACKENDS[backend]
     codes_fn, expand_fn = backend_stages(backend)
+    if compile == "none":
+        head = route_head
+    elif backend == "dense-masked":
+        tail = compile_region(dense_masked_route_tail)
+
+        def route_codes(x, w_router, a, topk):
+            logits = router_gating_linear(x, w_router, None, torch.float32)
+            probs, weights, indices, codes = tail(logits, x, a, topk)
+            return Routing(probs=probs, indices=indices, weights=weights), codes
+
+        return route_codes, expand_fn
+    else:
+        head = compile_region(route_head)
 
     def route_codes(x, w_router, a, topk):
-        routing = route(x, w_router, topk)
+        routing = route(x, w_router, topk, head)
         return routing, codes_fn(x, a, routing)
 
     return route_codes, expand_fn
+
+
+def check_compile(backend: str, compile: str) -> Optional[str]:
+    """Why ``--structmoe-compile`` cannot work with this backend (one line), or None."""
+    if compile not in COMPILE_CHOICES:
+        return f"--structmoe-compile={compile!r}: allowed {', '.join(COMPILE_CHOICES)}"
+    if compile != "none" and backend in FUSED_BACKENDS:
+        return (f"--structmoe-compile {compile}: --structmoe-backend {backend} already fuses the "
+                "router and codes in its own kernel; use --structmoe-backend dense-masked or "
+                "grouped, or --structmoe-compile none")
+    return None
 
 
 def routed(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, routing: Routing,
