@@ -32,6 +32,9 @@ Variants (one process, NCCL on a GPU):
 * ``tiered-direct`` (name it in ``--variants``) -- ``tiered`` with the host rows read by a GPU
   kernel from the registered host shards (``--stem-host-read direct``, ``kernels/host_rows.py``)
   instead of the CPU gather into pinned staging and its copy.
+* ``tiered-gpu-step``, ``gpu-sparse-gpu-step`` (name them in ``--variants``) -- ``tiered`` and
+  ``gpu-sparse`` with the GPU tier's sparse step in one Triton kernel (``--stem-gpu-step triton``,
+  ``kernels/row_adam_gpu.py``) instead of torch ops.
 * ``gpu-sparse`` -- every row in the GPU tier (``--stem-gpu-tier 100%``): the host variants'
   sparse row-wise AdamW, on the GPU, with no host rows. ``gpu`` steps whole tables with
   Megatron's dense Adam every step, which at the 1B shape costs more than the host variants'
@@ -106,6 +109,13 @@ VARIANTS = {
     "tiered-direct": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
                       "--stem-optimizer", "sparse", "--stem-gpu-tier", "10%",
                       "--stem-host-read", "direct"],
+    # tiered and gpu-sparse with the GPU tier's step in one kernel (--stem-gpu-step triton).
+    "tiered-gpu-step": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+                        "--stem-optimizer", "sparse", "--stem-gpu-tier", "10%",
+                        "--stem-gpu-step", "triton"],
+    "gpu-sparse-gpu-step": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+                            "--stem-optimizer", "sparse", "--stem-gpu-tier", "100%",
+                            "--stem-gpu-step", "triton"],
     # Every row in the GPU tier: the sparse optimizer's semantics with no host rows, the
     # like-for-like baseline of the host tiers (gpu steps whole tables with Megatron's dense Adam).
     "gpu-sparse": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",

@@ -51,6 +51,13 @@ SIGMA = ["--model-family", "sigma", "--num-experts", "4", "--moe-ffn-hidden-size
       "vocab", "--stem-gpu-tier", "ten"], "--stem-gpu-tier: GPU tier size 'ten'"),
     (["--model-family", "stem", "--stem-table-placement", "tiered", "--stem-table-sharding",
       "vocab", "--stem-tier-count-tokens", "-1"], "--stem-tier-count-tokens=-1: must be >= 0"),
+    (["--model-family", "stem", "--stem-table-placement", "tiered", "--stem-table-sharding",
+      "vocab", "--stem-gpu-step", "triton"],
+     "--stem-gpu-step triton steps the sparse optimizer's rows on the GPU: it needs "
+     "--stem-optimizer sparse"),
+    (["--model-family", "stem", "--stem-table-placement", "cpu", "--stem-table-sharding",
+      "vocab", "--stem-optimizer", "sparse", "--stem-gpu-step", "triton"],
+     "--stem-table-placement tiered or gpu"),
 ])
 def test_bad_extension_flags(extra, match):
     from megatron_ext.training.arguments import validate_extension_args
@@ -67,6 +74,11 @@ def test_stem_kernel_refused_without_cuda(monkeypatch):
     with pytest.raises(ValueError, match="--stem-kernel=triton needs Triton with a CUDA device"):
         validate_extension_args(parse(["--model-family", "stem", "--stem-kernel", "triton"]))
     validate_extension_args(parse(["--model-family", "stem", "--stem-kernel", "torch"]))
+    tiered = ["--model-family", "stem", "--stem-table-placement", "tiered",
+              "--stem-table-sharding", "vocab", "--stem-optimizer", "sparse"]
+    with pytest.raises(ValueError, match="--stem-gpu-step triton needs Triton and a CUDA device"):
+        validate_extension_args(parse(tiered + ["--stem-gpu-step", "triton"]))
+    validate_extension_args(parse(tiered + ["--stem-gpu-step", "torch"]))
 
 
 def test_structmoe_width_flags():

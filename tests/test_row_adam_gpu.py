@@ -112,3 +112,22 @@ def test_row_adam_steps_the_gpu_tier_with_the_kernel():
             differ = differ or not torch.equal(x, y)
         assert torch.equal(a_store.shards[i].cold, b_store.shards[i].cold)
     assert differ
+
+
+def test_the_flag_chooses_the_step_of_the_rows_on_the_gpu():
+    """``--stem-gpu-step`` (``optimizer.choose_gpu_step``) sets the step of the rows on the GPU:
+    the GPU tier's of tiered tables, the table optimizer's own of managed gpu tables; host rows
+    keep theirs."""
+    from megatron_ext.stem.runtime.optimizer import choose_gpu_step
+    from megatron_ext.stem.runtime.row_adam import RowAdamW, TieredRowAdamW
+    from megatron_ext.stem.runtime.store import TableStore
+
+    tables = [torch.randn(48, 8) for _ in range(2)]
+    tiered = TableStore(tables, torch.arange(48), "tiered", torch.device("cpu"), num_hot=20)
+    gpu = TableStore(tables, torch.arange(48), "gpu", torch.device("cpu"))
+    adams = [TieredRowAdamW(tiered.shards, mode="sparse", lazy=tiered.lazy),
+             RowAdamW(gpu.shards, mode="sparse", lazy=gpu.lazy)]
+    assert [adams[0].hot.gpu_kernel, adams[1].gpu_kernel] == ["torch", "torch"]  # the default
+    choose_gpu_step(adams, "triton")
+    assert [adams[0].hot.gpu_kernel, adams[0].cold.gpu_kernel, adams[1].gpu_kernel] == [
+        "triton", "torch", "triton"]

@@ -179,3 +179,15 @@ def test_variants_that_time_out_are_rows_and_the_benchmark_fails(tmp_path):
     assert rows["gpu tables, step"].met is False
     tiered = rows["tiered tables, step vs gpu tables"]
     assert tiered.value is None and tiered.met is False and "timeout" in tiered.note
+
+
+def test_every_variant_is_a_stem_configuration_the_flags_accept():
+    """Each variant's flags parse with the plugin's flags and give a valid STEM configuration
+    (what needs CUDA, as --stem-gpu-step triton, is refused later, on the device's side)."""
+    from tests_helpers import parse_tiny_args
+
+    from megatron_ext.stem.family import config_from_args
+
+    for name, flags in placement.VARIANTS.items():
+        config = config_from_args(parse_tiny_args(["--model-family", "stem", *flags]))
+        assert config.gpu_step == ("triton" if name.endswith("gpu-step") else "torch"), name

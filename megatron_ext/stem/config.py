@@ -19,7 +19,9 @@ DEFAULT_TIER_COUNT_TOKENS = 1 << 27
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/runtime/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/runtime/row_adam.py
 KERNELS = ("auto", "triton", "torch")       # kernels/stem_gate.py
+COMPILES = ("none", "gate")                 # stem/mlp.py gate_product, megatron_ext/compiled.py
 HOST_READS = ("staged", "direct")           # stem/runtime/store.py, kernels/host_rows.py
+GPU_STEPS = ("torch", "triton")             # stem/runtime/row_adam.py, kernels/row_adam_gpu.py
 
 
 @dataclass
@@ -60,12 +62,19 @@ class StemConfig:
     # The lookup-and-gate: ``triton`` the fused kernel (kernels/stem_gate.py), ``torch`` its
     # plain-PyTorch reference, ``auto`` the PyTorch path (faster on an H100: stem_gate.resolve).
     kernel: str = "auto"
+    # The PyTorch path's ops after the gather (cast, activation, product): ``gate`` compiled
+    # (torch.compile), ``none`` eager; none until a GPU run measures both (benchmarks/stem_mlp.py).
+    compile: str = "none"
     # Host-resident rows (shards and moments) on transparent huge pages (stem/runtime/host_memory.py).
     host_huge_pages: bool = True
     # How host rows reach the GPU: ``staged`` (gathered on the CPU into pinned staging, then
     # copied) or ``direct`` (a GPU kernel reads them from page-locked host shards); staged
     # until a GPU run measures both (benchmarks/stem_host_read.py).
     host_read: str = "staged"
+    # The sparse optimizer's step of the rows on the GPU (tiered's GPU tier, gpu placement):
+    # ``torch`` (about 28 ops per chunk of rows) or ``triton`` (one kernel,
+    # kernels/row_adam_gpu.py); torch until a GPU run measures both.
+    gpu_step: str = "torch"
 
     @property
     def managed_tables(self) -> bool:
@@ -88,7 +97,9 @@ class StemConfig:
                                      ("--stem-row-ownership", self.ownership, OWNERSHIPS),
                                      ("--stem-optimizer", self.optimizer, OPTIMIZERS),
                                      ("--stem-kernel", self.kernel, KERNELS),
-                                     ("--stem-host-read", self.host_read, HOST_READS)):
+                                     ("--stem-compile", self.compile, COMPILES),
+                                     ("--stem-host-read", self.host_read, HOST_READS),
+                                     ("--stem-gpu-step", self.gpu_step, GPU_STEPS)):
             if value not in allowed:
                 raise ValueError(f"{flag}={value!r}: allowed values are {', '.join(allowed)}")
         if self.tier_count_tokens < 0:
@@ -98,6 +109,11 @@ class StemConfig:
             raise ValueError("--stem-table-placement tiered: both tiers are sharded by "
                              "vocabulary over the data-parallel ranks; pass "
                              "--stem-table-sharding vocab")
+        if self.gpu_step == "triton" and (self.optimizer != "sparse"
+                                          or self.placement == "cpu"):
+            raise ValueError("--stem-gpu-step triton steps the sparse optimizer's rows on the "
+                             "GPU: it needs --stem-optimizer sparse and --stem-table-placement "
+                             "tiered or gpu (managed); or pass --stem-gpu-step torch")
         if self.host_read == "direct" and self.placement == "gpu":
             raise ValueError("--stem-host-read direct reads host rows, and "
                              "--stem-table-placement gpu keeps none: use --stem-table-placement "

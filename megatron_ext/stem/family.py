@@ -28,8 +28,11 @@ from megatron_ext.stem.runtime.checkpoint import (
     check_table_shapes,
     saved_tables,
 )
+from megatron_ext.compiled import check_available
 from megatron_ext.stem.config import (
+    COMPILES,
     DEFAULT_TIER_COUNT_TOKENS,
+    GPU_STEPS,
     HOST_READS,
     INITS,
     KERNELS,
@@ -48,7 +51,7 @@ from megatron_ext.stem.mlp import StemMLP
 from megatron_ext.stem.specs import decoder_block_spec
 from megatron_ext.stem.runtime.ownership import RowOwnership
 from megatron_ext.stem.run import StemRun
-from megatron_ext_kernels import stem_gate
+from megatron_ext_kernels import row_adam_gpu, stem_gate
 
 NAME = "stem"
 
@@ -120,11 +123,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "reads them from the host shards, registered page-locked at start-up "
                            "(kernels/host_rows.py; needs CUDA); staged until a GPU run measures "
                            "both (docs/stem.md)")
+    stem.add_argument("--stem-gpu-step", choices=GPU_STEPS, default="torch",
+                      help="sparse optimizer, rows on the GPU (tiered's GPU tier, managed gpu "
+                           "tables): torch = catch-up and AdamW in torch ops (about 28 per "
+                           "chunk of rows), triton = one kernel (kernels/row_adam_gpu.py; "
+                           "needs CUDA); torch until a GPU run measures both (docs/stem.md)")
     stem.add_argument("--stem-kernel", choices=KERNELS, default="auto",
                       help="lookup-and-gate: triton = the fused kernel "
                            "(kernels/stem_gate.py; no [vocab, d_ff] gradient "
                            "temporary, slower on an H100), torch = the plain-PyTorch path, "
                            "auto = torch (docs/stem.md)")
+    stem.add_argument("--stem-compile", choices=COMPILES, default="none",
+                      help="gate: torch.compile the PyTorch path's ops after the table gather "
+                           "(cast, SiLU, product and their backward; the gather stays eager; "
+                           "docs/stem.md); none: eager (the default until a GPU run measures it)")
     stem.add_argument("--stem-dump-tables", default=None, metavar="DIR",
                       help="after training, write each rank's rows of cpu/vocab-sharded tables "
                            "to DIR (inspection and tests)")
@@ -139,7 +151,9 @@ def config_from_args(args) -> StemConfig:
                       kernel=args.stem_kernel, gpu_tier=args.stem_gpu_tier,
                       tier_count_tokens=args.stem_tier_count_tokens,
                       host_huge_pages=args.stem_host_huge_pages,
-                      host_read=getattr(args, "stem_host_read", "staged"))
+                      host_read=getattr(args, "stem_host_read", "staged"),
+                      gpu_step=getattr(args, "stem_gpu_step", "torch"),
+                      compile=getattr(args, "stem_compile", "none"))
 
 
 def stem_config(args) -> Optional[StemConfig]:
@@ -175,7 +189,17 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
                          "have no biases)")
 
     stem_gate.resolve(stem.kernel)  # --stem-kernel triton where it cannot run
+    if stem.compile != "none":
+        if stem.kernel == "triton":
+            raise ValueError(f"--stem-compile {stem.compile} compiles the PyTorch path, and "
+                             "--stem-kernel triton runs the fused kernel instead: pass "
+                             "--stem-kernel torch (or auto), or --stem-compile none")
+        check_available("--stem-compile")
     check_host_read(stem.host_read, stem.placement, torch.cuda.is_available())
+    # Without CUDA the rows of the GPU tier are host tensors, stepped by the CPU row kernel.
+    if stem.gpu_step == "triton" and not (torch.cuda.is_available() and row_adam_gpu.available()):
+        raise ValueError("--stem-gpu-step triton needs Triton and a CUDA device (it steps the "
+                         "rows on the GPU); use --stem-gpu-step torch")
     if args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or []):
         raise ValueError("--recompute-modules mlp is not supported with STEM layers; use "
                          "--recompute-granularity full")

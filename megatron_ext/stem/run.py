@@ -84,9 +84,14 @@ class StemRun(FamilyRun):
         if not self.stem.managed_tables:
             return optimizer
         wrapped = wrap_optimizer(optimizer, chunks, self.args.stem_cpu_threads,
-                                 self.args.stem_optimizer, self.worker)
+                                 self.args.stem_optimizer, self.worker,
+                                 gpu_step=self.stem.gpu_step)
         self.optimizers.append(wrapped)
         print(f"[rank {dist.get_rank()}] > {host_memory_report(wrapped)}", flush=True)
+        if self.stem.gpu_step != "torch":
+            print(f"[rank {dist.get_rank()}] > STEM tables: the sparse step of the rows on the "
+                  f"GPU by kernels/row_adam_gpu.py (--stem-gpu-step {self.stem.gpu_step})",
+                  flush=True)
         return wrapped
 
     def log_report(self, args, iteration, total_loss_dict, writer, wandb_writer) -> None:

@@ -265,11 +265,22 @@ class StemTablesOptimizer(ChainedOptimizer):
         checkpoint.load_optimizer_state(self, state_dict["stem_tables"])
 
 
-def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str, worker):
+def wrap_optimizer(optimizer, model_chunks, stem_cpu_threads: int, mode: str, worker,
+                   gpu_step: str = "torch"):
     """Megatron's optimizer with the table optimizer chained onto it (managed tables; their
     host work on ``worker``). Every rank wraps (also a pipeline stage without STEM layers): the
     norm and the skip flag are reduced over all ranks."""
     tables = [wrapped_attr(m, "token_tables") for m in model_chunks]
     tables = [t for t in tables if t is not None]
     row_adam_cpu.set_threads(stem_cpu_threads)
-    return StemTablesOptimizer(optimizer, tables, mode, worker)
+    wrapped = StemTablesOptimizer(optimizer, tables, mode, worker)
+    choose_gpu_step(wrapped.row_adams, gpu_step)
+    return wrapped
+
+
+def choose_gpu_step(row_adams: List, gpu_step: str) -> None:
+    """``--stem-gpu-step``: what steps the sparse optimizer's rows on the GPU (the GPU tier of
+    tiered tables; managed gpu tables), ``torch`` ops or the ``triton`` kernel
+    (kernels/row_adam_gpu.py). Host rows keep the CPU row kernel."""
+    for adam in row_adams:
+        (adam.hot if isinstance(adam, TieredRowAdamW) else adam).gpu_kernel = gpu_step
