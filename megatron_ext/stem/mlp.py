@@ -33,6 +33,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.compiled import compile_region
 from megatron_ext.models.sharding import mlp_sharded_state_dict
 from megatron_ext.models.token_ids import TOKEN_TABLES, split_context
 from megatron_ext.stem.config import StemConfig
@@ -54,6 +55,23 @@ def table_init_method(init: str, config: TransformerConfig):
     if init == "zeros":
         return torch.nn.init.zeros_
     raise ValueError(f"--stem-init={init!r}: unknown initialisation")
+
+
+def gate_product(fc1_out: torch.Tensor, rows: torch.Tensor, variant: str, activation,
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The variant's gated product of ``linear_fc1``'s output and the gathered table rows (cast
+    to ``dtype`` first, where given): the PyTorch path's ops after the gather, the region
+    ``--stem-compile gate`` compiles (cast, activation and product in one kernel forward, their
+    gradients in one or two backward; the gather and its row-sparse backward stay eager)."""
+    if dtype is not None:
+        rows = rows.to(dtype)
+    if variant == "up":
+        return activation(fc1_out) * rows
+    if variant == "gate":
+        return activation(rows) * fc1_out
+    # dagger, Eq. 5
+    gate, up = torch.chunk(fc1_out, 2, dim=-1)
+    return activation(gate) * (up + rows)
 
 
 class StemMLP(MegatronModule):
@@ -155,6 +173,9 @@ class StemMLP(MegatronModule):
         self.layer_number: Optional[int] = None
         # The fused lookup-and-gate (kernels/stem_gate.py) or its PyTorch reference below.
         self.kernel = stem_gate.resolve(stem.kernel, self.activation_func)
+        # The PyTorch path's product after the gather, compiled with --stem-compile gate.
+        self.gate_product = compile_region(gate_product) if stem.compile == "gate" \
+            else gate_product
 
     @classmethod
     def as_mlp_submodule(cls, submodules: MLPSubmodules, stem: StemConfig, vocab_size: int,
@@ -213,16 +234,11 @@ class StemMLP(MegatronModule):
             intermediate = stem_gate.stem_gate(fc1_out, table, index, self.variant)
             return self.linear_fc2(intermediate)
         if self.managed:
-            rows = torch.nn.functional.embedding(index, table).to(self.config.params_dtype)
+            rows = torch.nn.functional.embedding(index, table)
         else:
             rows = lookup_rows(table, index)
-        if self.variant == "up":
-            intermediate = self.activation_func(fc1_out) * rows
-        elif self.variant == "gate":
-            intermediate = self.activation_func(rows) * fc1_out
-        else:  # dagger, Eq. 5
-            gate, up = torch.chunk(fc1_out, 2, dim=-1)
-            intermediate = self.activation_func(gate) * (up + rows)
+        intermediate = self.gate_product(fc1_out, rows, self.variant, self.activation_func,
+                                         self.config.params_dtype if self.managed else None)
         return self.linear_fc2(intermediate)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),

@@ -1,0 +1,282 @@
+"""The families' compiled regions (``--structmoe-compile routed``, ``--sigma-compile router``,
+``--stem-compile gate``; ``megatron_ext/compiled.py``) against their eager selves, on the CPU
+(Inductor's C++ backend): forward values and every gradient, on tiny shapes.
+
+Tolerance: the regions are fp32 throughout (the StructMoE router and Sigma's statistics are fp32
+by design; the tiny models here are fp32), so compiled and eager differ only by fp32 rounding:
+Inductor sums reductions (softmax denominators, the column sums of the statistics, the
+backward's sums over tokens) in another order and vectorises ``exp`` with its own
+approximation (Sleef), each a few ulp. ``RTOL = 1e-5`` is about 80 ulp of fp32 (2^-23 ~ 1.2e-7)
+relative to each tensor's largest value, far inside what a wrong op would give (the checks
+below fail with a region's op changed) and above what reordering sums of <= 48 terms gives.
+
+Every compile of a region costs seconds on the CPU (about 5-25 s each here, forward and backward
+graphs), so each family gets one test with as few shapes as it can.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+RTOL = 1e-5
+
+
+def assert_close(actual, expected, what):
+    """Within RTOL of the expected tensor's largest magnitude (fp32 rounding, module doc)."""
+    scale = max(float(expected.detach().abs().max()), 1e-30)
+    err = float((actual.detach().float() - expected.detach().float()).abs().max())
+    assert err <= RTOL * scale, f"{what}: max |compiled - eager| {err:.3g} > {RTOL} x {scale:.3g}"
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process (a region run eagerly adds none)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# -- no graph breaks on the training path ---------------------------------------------------------
+def test_regions_trace_whole():
+    """``fullgraph=True`` raises at the first graph break; ``explain`` says so without compiling,
+    for each region with the arguments a training passes it."""
+    from megatron_ext.sigma.router import compiled_routing
+    from megatron_ext.stem.mlp import gate_product
+    from megatron_ext.structmoe.balance import lbl_statistics
+    from megatron_ext.structmoe.routed import dense_masked_route_tail, route_head
+
+    torch.manual_seed(0)
+    n, h, e, r = 12, 8, 4, 3
+    logits, x, a = torch.randn(n, e), torch.randn(n, h), torch.randn(e, h, r)
+    probs, _, indices = route_head(logits, 2)
+    f = torch.randn(n, 1, 6)
+    cases = [(route_head, (logits, 2), {}), (dense_masked_route_tail, (logits, x, a, 2), {}),
+             (lbl_statistics, (probs, indices), {}),
+             (gate_product, (f, torch.randn(n, 1, 6), "up", F.silu), {}),
+             (gate_product, (torch.randn(n, 1, 12), torch.randn(n, 1, 6), "dagger", F.silu,
+                             torch.float32), {})]
+    for lbl in ("global", "top1"):
+        cases.append((compiled_routing,
+                      (logits, torch.zeros(3 * e + 2), torch.rand(e), torch.rand(e),
+                       torch.rand(1)),
+                      dict(topk=2, pre_softmax=True, num_groups=None, group_topk=None,
+                           scaling_factor=None, score_function="softmax", lbl=lbl, coeff=1.0,
+                           temperature=0.7, scale=0.1)))
+    for fn, args, kwargs in cases:
+        found = torch._dynamo.explain(fn)(*args, **kwargs)
+        assert (found.graph_count, found.graph_break_count) == (1, 0), \
+            (fn.__name__, found.break_reasons)
+
+
+# -- StructMoE ------------------------------------------------------------------------------------
+def structmoe_mlp(backend: str, compile: str):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.structmoe.config import StructMoEConfig
+    from megatron_ext.structmoe.mlp import StructMoEMLP
+
+    torch.manual_seed(3)
+    config = TransformerConfig(num_layers=2, hidden_size=16, ffn_hidden_size=40,
+                               num_attention_heads=4, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False,
+                               use_cpu_initialization=True)
+    mlp = StructMoEMLP.as_mlp_submodule(
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        structmoe=StructMoEConfig(num_experts=4, rank=3, topk=2, backend=backend,
+                                  ffn_hidden_size=24, aux_loss_coeff=0.5, compile=compile),
+        config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    mlp.set_layer_number(1)
+    return mlp.train()
+
+
+@pytest.mark.parametrize("backend", ["dense-masked", "grouped"])
+def test_structmoe_compiled_routed_path_matches_eager(mcore_single_rank, backend):
+    """The MLP's output, the gradients of x, the router, A, B and the linear layers (the
+    load-balancing loss attached, so the router's gradient has its term) and the recorded
+    statistics, compiled against eager."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_ext.structmoe.balance import LOSS_NAME, fraction_name
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(6, 2, 16, generator=g)
+    grad = torch.randn(6, 2, 16, generator=g)
+    results = {}
+    for compile in ("none", "routed"):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+        tracker = get_moe_metrics_tracker()
+        tracker.metrics.clear()
+        mlp = structmoe_mlp(backend, compile)
+        before = compiled_graphs()
+        x = x0.clone().requires_grad_(True)
+        out, _ = mlp(x)
+        out.backward(grad)
+        # forward + backward of two regions (dense-masked: its tail; grouped: the router head)
+        # and the statistics: Dynamo compiled them, none fell back to eager.
+        assert (compiled_graphs() > before) == (compile == "routed")
+        recorded = [tracker.metrics[LOSS_NAME].values.clone()] + \
+            [tracker.metrics[fraction_name(l)].values.clone() for l in range(4)]
+        results[compile] = ([out, x.grad] + [p.grad for _, p in mlp.named_parameters()]
+                            + recorded)
+    names = ["out", "x.grad"] + [f"{n}.grad" for n, _ in mlp.named_parameters()] + \
+        ["loss", "fractions 0", "1", "2", "3"]
+    for name, eager, compiled in zip(names, results["none"], results["routed"]):
+        assert_close(compiled, eager, f"{backend} {name}")
+
+
+def test_structmoe_compile_refusals():
+    from megatron_ext.structmoe.config import StructMoEConfig
+    from megatron_ext.structmoe.routed import check_compile
+
+    with pytest.raises(ValueError, match="--structmoe-compile='all': allowed none, routed"):
+        StructMoEConfig(compile="all")
+    line = check_compile("triton", "routed")
+    assert "--structmoe-backend triton" in line and "\n" not in line
+    assert check_compile("dense-masked", "routed") is None
+
+
+# -- Sigma ----------------------------------------------------------------------------------------
+E, H = 8, 16
+
+
+def sigma_router(lbl: str, compile: str, topk: int = 2, **config):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.sigma.config import SigmaConfig
+    from megatron_ext.sigma.router import SigmaRouter
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4,
+                            num_moe_experts=E, moe_router_topk=topk,
+                            moe_router_pre_softmax=True, moe_router_dtype="fp32",
+                            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                            moe_ffn_hidden_size=12, ffn_hidden_size=32, gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False,
+                            use_cpu_initialization=True, init_method_std=0.5, **config)
+    sigma = SigmaConfig(num_layers=2, num_experts=E, topk=topk, lbl=lbl, lbl_coeff=1.0,
+                        top1_temperature=0.7, compile=compile)
+    router = SigmaRouter(cfg, ProcessGroupCollection.use_mpu_process_groups(), sigma=sigma)
+    router.layer_index = 0
+    router.set_layer_number(1)
+    return router.train()
+
+
+@pytest.mark.parametrize("lbl", ["global", "top1"])
+def test_sigma_compiled_router_matches_eager(mcore_single_rank, lbl):
+    """Two global batches of two micro-batches (the second step's loss has the first's
+    statistics as weights): the routing, the router weight's gradient with a gradient through the
+    gates too, and the global-batch statistics, compiled against eager."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(6, 2, H, generator=g) for _ in range(2)]
+    gate_grads = [torch.randn(12, E, generator=g) for _ in range(2)]
+    results = {}
+    for compile in ("none", "router"):
+        router = sigma_router(lbl, compile)
+        before = compiled_graphs()
+        out = []
+        for _ in range(2):
+            router.weight.grad = None
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))
+            for x, gg in zip(batches, gate_grads):
+                probs, routing_map = router(x)
+                (probs * gg).sum().backward()
+                out += [probs, routing_map.float()]
+            stats = router.end_global_batch()
+            out += [router.weight.grad.clone(), stats.f, stats.p, stats.fhat, stats.pbar,
+                    stats.tokens]
+        assert (compiled_graphs() > before) == (compile == "router")
+        results[compile] = out
+    for i, (eager, compiled) in enumerate(zip(results["none"], results["router"])):
+        assert_close(compiled, eager, f"{lbl} output {i}")
+
+
+def test_sigma_compile_refusals(mcore_single_rank):
+    from megatron_ext.sigma.config import SigmaConfig
+
+    with pytest.raises(ValueError, match="--sigma-compile='x': allowed none, router"):
+        SigmaConfig(num_layers=1, num_experts=2, topk=1, compile="x")
+    with pytest.raises(ValueError, match="without --moe-z-loss-coeff; drop --moe-z-loss-coeff "
+                                         "or pass --sigma-compile none"):
+        sigma_router("global", "router", moe_z_loss_coeff=1e-3)
+
+
+# -- STEM -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["up", "dagger"])
+def test_stem_compiled_gate_matches_eager(mcore_single_rank, variant):
+    """The MLP's output and the gradients of x, the linear layers and the table (its row-sparse
+    backward stays eager), compiled against eager; repeated ids, as in text."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.stem.config import StemConfig
+    from megatron_ext.stem.mlp import StemMLP
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(5, 2, 16, generator=g)
+    ids = torch.tensor([[1, 1], [3, 1], [29, 0], [3, 3], [7, 1]])
+    grad = torch.randn(5, 2, 16, generator=g)
+    results = {}
+    for compile in ("none", "gate"):
+        torch.manual_seed(0)
+        mlp = StemMLP.as_mlp_submodule(
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                     linear_fc2=RowParallelLinear),
+            stem=StemConfig(variant=variant, init="fan-in", kernel="torch", compile=compile),
+            vocab_size=30, config=TransformerConfig(
+                num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4,
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                use_cpu_initialization=True, init_method_std=0.02),
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        before = compiled_graphs()
+        x = x0.clone().requires_grad_(True)
+        out, _ = mlp(x, context=ids)
+        out.backward(grad)
+        assert (compiled_graphs() > before) == (compile == "gate")
+        results[compile] = [out, x.grad] + [p.grad for _, p in mlp.named_parameters()]
+    for i, (eager, compiled) in enumerate(zip(results["none"], results["gate"])):
+        assert_close(compiled, eager, f"{variant} output {i}")
+
+
+# -- availability ---------------------------------------------------------------------------------
+def test_unavailable_names_the_flag_in_one_line(monkeypatch):
+    from megatron_ext import compiled
+
+    assert compiled.unavailable("--sigma-compile", on_gpu=False) is None  # g++ is here
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    line = compiled.unavailable("--sigma-compile", on_gpu=False)
+    assert line.startswith("--sigma-compile: torch.compile on the CPU needs a C++ compiler")
+    assert line.endswith("pass --sigma-compile none") and "\n" not in line
+    with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
+        compiled.check_available("--structmoe-compile", on_gpu=False)
+
+
+# -- the flags' refusals, from the command line ---------------------------------------------------
+@pytest.mark.parametrize("family,flags,line", [
+    ("structmoe", ["--structmoe-backend", "triton", "--structmoe-compile", "routed"],
+     "--structmoe-compile routed: --structmoe-backend triton already fuses"),
+    ("sigma", ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "1",
+               "--moe-router-pre-softmax", "--moe-router-dtype", "fp32", "--qk-layernorm",
+               "--moe-router-load-balancing-type", "none", "--sigma-compile", "router",
+               "--moe-z-loss-coeff", "0.001"],
+     "--sigma-compile router: the compiled router region is upstream's plain top-k routing, "
+     "without --moe-z-loss-coeff"),
+    ("stem", ["--stem-kernel", "triton", "--stem-compile", "gate"],
+     "--stem-compile gate compiles the PyTorch path, and --stem-kernel triton"),
+])
+def test_compile_flags_refused_in_one_line(family, flags, line):
+    from tests_helpers import parse_tiny_args
+
+    from megatron_ext.models.registry import get_family
+
+    args = parse_tiny_args(["--model-family", family, *flags])
+    with pytest.raises(ValueError) as refused:
+        get_family(family).validate_args(args)
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
