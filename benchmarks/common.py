@@ -62,6 +62,19 @@ def timed(step: Callable[[], None], reset: Callable[[], None], reps: int,
     return times
 
 
+def compile_seconds(step: Callable[[], None], reset: Callable[[], None]) -> float:
+    """Seconds of the first two calls of ``step`` (with their resets), in which a side with
+    compiled regions (``--<family>-compile``) compiles them (the second call: whatever the first
+    one's state makes Dynamo compile again): reported apart from the timed steps, which follow
+    as warm-up and measurement. On a side without compiled regions: two ordinary steps."""
+    t0 = time.perf_counter()
+    for _ in range(2):
+        reset()
+        step()
+        sync()
+    return time.perf_counter() - t0
+
+
 def run_order(names: Sequence[str], repeats: int) -> List[Tuple[int, str]]:
     """``(run, side)`` in the order they are measured: every other run in the reverse order
     (A B, B A, ...), so that a drift of the machine linear in time weighs on every side alike

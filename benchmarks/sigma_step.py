@@ -11,7 +11,11 @@ the report) built from this project's Sigma block spec, wrapped in Megatron's
 * ``upstream``: ``TopKRouter`` with ``--moe-router-load-balancing-type aux_loss`` (coefficient
   1e-3, micro-batch Switch loss);
 * ``sigma``: ``SigmaRouter`` with the global-batch LBL (coefficient 1e-3), including the end of the
-  global batch (``end_global_batch``: the statistics' all-reduce) in every step.
+  global batch (``end_global_batch``: the statistics' all-reduce) in every step;
+* ``sigma_compiled`` (on a GPU, or with ``--compiled``): the same with ``--sigma-compile router``
+  (upstream's top-k routing and Sigma's statistics and loss as one compiled region,
+  ``sigma/router.py``); its first two steps, where it compiles, are timed apart
+  (``compile_s``) before its warm-up.
 
 One step is forward, LM loss, backward (and for Sigma the end of the global batch); the
 optimizer step is left out (same parameters on both sides). The two are measured in
@@ -36,10 +40,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_profile_args, add_run_args, alternate, medians,  # noqa: E402
-                    profile_sides, run_ratios, timed, wrap_ddp)
+from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa: E402
+                    compile_seconds, medians, profile_sides, run_ratios, timed, wrap_ddp)
 
 from megatron_ext.tools import host_syncs  # noqa: E402
+
+
+SIDES = ("upstream", "sigma", "sigma_compiled")
 
 
 def build(args, dtype, router: str):
@@ -69,7 +76,8 @@ def build(args, dtype, router: str):
                                           layer_norm=final_norm_impl(False))
     else:
         sigma = SigmaConfig(num_layers=args.layers, num_experts=args.experts, topk=args.topk,
-                            lbl="global", lbl_coeff=1e-3)
+                            lbl="global", lbl_coeff=1e-3,
+                            compile="router" if router == "sigma_compiled" else "none")
         spec = sigma_block_spec(config, sigma, use_te=False)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                     max_sequence_length=args.seq, position_embedding_type="rope",
@@ -90,6 +98,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096 if gpu else 512)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time sigma_compiled (--sigma-compile router; not under "
+                             "--profile); default: on a GPU only (on the CPU Inductor's C++ "
+                             "compile takes seconds to tens of seconds)")
     add_run_args(parser, gpu_reps=10, cpu_reps=3)
     add_profile_args(parser)
     args = parser.parse_args()
@@ -100,8 +112,9 @@ def main() -> None:
     dtype_name, dtype, reps, warmup, device = (run.dtype_name, run.dtype, run.reps,
                                                run.warmup, run.device)
 
+    compiled = (gpu if args.compiled is None else args.compiled) and not run.profile_dir
     models = {}
-    for name in ("upstream", "sigma"):
+    for name in SIDES if compiled else SIDES[:2]:
         torch.manual_seed(0)
         models[name] = wrap_ddp(build(args, dtype, name).to(device))
         models[name].train()
@@ -115,7 +128,7 @@ def main() -> None:
     def step_fn(name, model):
         def step():
             model(tokens, position_ids, None, labels=labels).float().mean().backward()
-            if name == "sigma":
+            if name != "upstream":
                 end_global_batch([model])
         return step
 
@@ -130,16 +143,24 @@ def main() -> None:
                       run.profile_steps, {"benchmark": "sigma_step", "device": device_name,
                                           **shape})
         return
+    # The compiled side compiles in its first steps: timed apart, before anything else runs it.
+    compile_s = {name: compile_seconds(step_fn(name, m), m.zero_grad_buffer)
+                 for name, m in models.items() if name == "sigma_compiled"}
     # One step of each under the op recorder and CUDA's sync check (megatron_ext/tools/
-    # host_syncs.py): kernels launched per step and host syncs, beside the profile's.
+    # host_syncs.py): kernels launched per step and host syncs, beside the profile's. Not of
+    # the compiled side: the recorder sees aten ops, and a compiled region's fused kernels are
+    # none (the profile step counts them).
     census = {}
     for name, m in models.items():
+        if name == "sigma_compiled":
+            continue
         census[name] = host_syncs.census(step_fn(name, m))
         m.zero_grad_buffer()
     run_ms = alternate({name: (lambda name=name, m=m: timed(step_fn(name, m),
                                                              m.zero_grad_buffer, reps, warmup))
                         for name, m in models.items()}, run.repeats)
-    ratio_runs = run_ratios(run_ms, "upstream")["sigma"]
+    ratios = run_ratios(run_ms, "upstream")
+    ratio_runs = ratios["sigma"]
     step_ms = medians(run_ms)
     ratio = statistics.median(ratio_runs)
 
@@ -153,7 +174,7 @@ def main() -> None:
         def step():
             probs, _ = router(x)
             probs.sum().backward()
-            if name == "sigma":
+            if name != "upstream":
                 router.end_global_batch()
         return step
 
@@ -170,17 +191,32 @@ def main() -> None:
         # Per model: kernels per step, syncs the recorder flags, syncs CUDA reports (GPU).
         "census": census,
     }
+    if compiled:
+        summary.update({
+            "ratio_compiled_runs": ratios["sigma_compiled"],
+            "ratio_compiled_vs_upstream": statistics.median(ratios["sigma_compiled"]),
+            "compile_s": compile_s})
     print(f"Sigma vs upstream router (aux_loss) step (forward + loss + backward) | "
           f"{summary['device']} {dtype_name} | {args.layers} layers, H={args.hidden}, "
           f"{args.experts} experts of {args.expert_ffn}, top-{args.topk}, {summary['tokens']} "
           f"tokens")
     for name, ms in summary["step_ms"].items():
-        c = census[name]
+        c = census.get(name)
+        if c is None:
+            print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}  | compiled in "
+                  f"{compile_s[name]:.1f} s (first two steps)")
+            continue
         syncs = (f", CUDA syncs {len(c['cuda_syncs'])}" if c["cuda_syncs"] is not None else "")
         print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}  | kernels/step "
               f"{c['kernels']}, flagged syncs {len(c['would_sync'])}{syncs}")
     print(f"  ratio sigma / upstream: {ratio:.4f} ({100 * (ratio - 1):+.2f}%; runs "
           + " / ".join(f"{r:.4f}" for r in ratio_runs) + "; goal <= +2% in every run)")
+    if compiled:
+        rc = summary["ratio_compiled_vs_upstream"]
+        print(f"  ratio sigma_compiled / upstream: {rc:.4f} ({100 * (rc - 1):+.2f}%; runs "
+              + " / ".join(f"{r:.4f}" for r in ratios["sigma_compiled"]) + ")")
+    if compiled:
+        print(f"  one router alone, compiled: {router_ms['sigma_compiled']:.3f} ms")
     print(f"  one router alone (forward + backward): sigma {router_ms['sigma']:.3f} ms, upstream "
           f"{router_ms['upstream']:.3f} ms; x {args.layers} layers = "
           f"{100 * args.layers * (router_ms['sigma'] - router_ms['upstream']) / step_ms['upstream']:+.2f}% "

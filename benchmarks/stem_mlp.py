@@ -11,6 +11,11 @@ and the fused one at other backward tiles (``--gate-tiles``; docs/benchmarks.md 
 model, ``benchmarks/stem_gate_cost.py``). Issue goal: STEM with the kernel at least 1.4x faster than dense
 (ideal 1.5x). On the CPU only the PyTorch path runs (Triton's interpreter is for tests).
 
+On a GPU (or with ``--compiled``) the PyTorch path is also measured with ``--stem-compile gate``
+(side ``stem_compiled``, and the lookup-and-gate alone as ``gate_compiled``: the ops after the
+gather compiled, ``stem/mlp.py``'s ``gate_product``); their first two steps, where they compile,
+are timed apart (``compile_s``) before their warm-up.
+
 Both sides are the real modules (Megatron-Core's ``MLP`` with SwiGLU, and ``StemMLP``), built with
 the same linear layers and wrapped in Megatron's ``DistributedDataParallel`` as in training, so
 gradients land in ``main_grad`` buffers (the table's only in the touched rows). Ideal speed-up: 1.5x (one of the three GEMMs of SwiGLU is replaced by a
@@ -37,8 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_profile_args, add_run_args, alternate, medians,  # noqa: E402
-                    profile_sides, run_ratios, timed, wrap_ddp)
+from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa: E402
+                    compile_seconds, medians, profile_sides, run_ratios, timed, wrap_ddp)
 
 
 def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype, kernels=("torch",)):
@@ -62,9 +67,11 @@ def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype, kernels=("torch
     stems = {}
     for kernel in kernels:
         torch.manual_seed(1)
+        # "compiled": the PyTorch path with --stem-compile gate.
+        stem = StemConfig(variant="up", kernel="torch", compile="gate") if kernel == "compiled" \
+            else StemConfig(variant="up", kernel=kernel)
         stems[kernel] = StemMLP.as_mlp_submodule(
-            submodules=submodules, stem=StemConfig(variant="up", kernel=kernel),
-            vocab_size=vocab, config=config, pg_collection=pgs)
+            submodules=submodules, stem=stem, vocab_size=vocab, config=config, pg_collection=pgs)
     return dense, stems
 
 
@@ -103,16 +110,20 @@ def parse_tiles(spec: str):
 def gate_alone(table, ids, fc1_out, grad, kernel: str, tile=None):
     """``(step, reset)`` of the lookup-and-gate by itself: forward + backward, row gradients into
     ``main_grad``; ``tile``: the fused backward's tile (its default if None)."""
+    from megatron_ext.compiled import compile_region
+    from megatron_ext.stem.mlp import gate_product
     from megatron_ext_kernels import stem_gate
     from megatron_ext_kernels.stem_lookup import lookup_rows
 
     fc1_out = fc1_out.detach().requires_grad_(True)
+    # "compiled": StemMLP's PyTorch path under --stem-compile gate (the gather eager).
+    product = compile_region(gate_product) if kernel == "compiled" else gate_product
 
     def step():
         if kernel == "triton":
             out = stem_gate.stem_gate(fc1_out, table, ids, "up", bwd_tile=tile)
         else:
-            out = F.silu(fc1_out) * lookup_rows(table, ids)
+            out = product(fc1_out, lookup_rows(table, ids), "up", F.silu)
         out.backward(grad)
 
     def reset():
@@ -156,6 +167,10 @@ def main() -> None:
                         help="fused backward tiles CHUNKxBLOCK_FxWARPS also timed alone on the "
                              "zipf ids when the fused kernel runs (gate_triton_tile_<tile>_ms); "
                              "empty: none")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the PyTorch path with --stem-compile gate (stem_compiled, "
+                             "gate_compiled; not under --profile); default: on a GPU only (on "
+                             "the CPU Inductor's C++ compile takes seconds to tens of seconds)")
     add_run_args(parser, gpu_reps=20, cpu_reps=3)
     add_profile_args(parser)
     args = parser.parse_args()
@@ -176,6 +191,8 @@ def main() -> None:
             stem_gate.resolve(kernel)  # a clear error for a kernel this machine cannot run
     else:
         kernels = ("torch", "triton") if (gpu and stem_gate.available()) else ("torch",)
+    if (gpu if args.compiled is None else args.compiled) and not run.profile_dir:
+        kernels += ("compiled",)
     dense, stems = build(args.hidden, args.ffn, args.vocab, dtype, kernels)
     dense = wrap_ddp(dense.to(device))
     stems = {k: wrap_ddp(m.to(device)) for k, m in stems.items()}
@@ -199,6 +216,8 @@ def main() -> None:
         profile_sides(sides, "dense", run.profile_dir, warmup, run.profile_steps,
                       {"benchmark": "stem_mlp", "device": device_name, **shape})
         return
+    # The compiled side compiles in its first steps: timed apart, before its warm-up.
+    compile_s = {name: compile_seconds(*s) for name, s in sides.items() if name == "stem_compiled"}
     run_ms = alternate({name: (lambda s=s: timed(*s, reps, warmup)) for name, s in sides.items()},
                        run.repeats)
     speedup_runs = run_ratios(run_ms, "dense", lambda t, d: d / t)
@@ -232,12 +251,16 @@ def main() -> None:
     if "zipf" in gate_ids:
         cases.update({f"triton_tile_{name}": (ids, "triton", tile)
                       for name, tile in tiles.items()})
+    compile_s.update({f"gate_{name}": compile_seconds(*gate_alone(table, c[0], fc1_out, grad_gate,
+                                                                  c[1], c[2]))
+                      for name, c in cases.items() if c[1] == "compiled"})
     alone = alternate({name: (lambda c=c: timed(*gate_alone(table, c[0], fc1_out, grad_gate, c[1],
                                                             c[2]), reps, warmup))
                        for name, c in cases.items()}, run.repeats)
     for name, runs in alone.items():
         summary[f"gate_{name}_ms"] = statistics.median(runs)
         summary[f"gate_{name}_ms_runs"] = runs
+    summary["compile_s"] = compile_s
 
     print(f"STEM MLP vs dense SwiGLU, forward+backward | {summary['device']} {dtype_name} | "
           f"d={args.hidden} d_ff={args.ffn} vocab={args.vocab} tokens={args.tokens} "
@@ -258,7 +281,13 @@ def main() -> None:
         if "triton" in stems:
             fused, torch_ms = summary[f"gate_triton{suffix}_ms"], summary[f"gate_torch{suffix}_ms"]
             line += f"  (fused {torch_ms / fused:.2f}x faster; goal <= 0.5 ms)"
+        if "compiled" in stems:
+            comp, torch_ms = (summary[f"gate_compiled{suffix}_ms"],
+                              summary[f"gate_torch{suffix}_ms"])
+            line += f"  (compiled {torch_ms / comp:.2f}x faster than torch)"
         print(line)
+    for name, secs in compile_s.items():
+        print(f"  {name}: compiled in {secs:.1f} s (first two steps, not in its timing)")
     if tiles and "zipf" in gate_ids:
         print("  fused, zipf ids, per backward tile (CHUNKxBLOCK_FxWARPS): " + ", ".join(
             f"{name} {summary[f'gate_triton_tile_{name}_ms']:.3f} ms" for name in tiles))

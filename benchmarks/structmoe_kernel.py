@@ -16,6 +16,11 @@ its own overhead over that run's dense time (``overhead_pct_runs``), reported wi
 and the goal is judged on the worse run. The routed update alone (router, codes, expand and their
 backward) is timed per backend too. Issue goal: the StructMoE layer at most +3% over dense.
 
+On a GPU (or with ``--compiled``) dense-masked and grouped are also measured with
+``--structmoe-compile routed`` (sides ``<backend>+compiled``: the small ops between the GEMMs
+compiled, ``structmoe/routed.py``); their first two steps, where they compile, are timed apart
+(``compile_s``) before their warm-up.
+
 Without a GPU the script says so and exits 0; ``--cpu-smoke`` then runs a tiny shape in fp32
 (the triton backend under Triton's interpreter), wall-clock timed, to check the script runs: its
 numbers mean nothing about speed.
@@ -35,11 +40,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_run_args, alternate, medians, run_ratios, timed,  # noqa: E402
-                    wrap_ddp)
+from common import (RunSetup, add_run_args, alternate, compile_seconds,  # noqa: E402
+                    medians, run_ratios, timed, wrap_ddp)
 
 BACKENDS = ("triton", "dense-masked", "grouped")
 SMOKE = dict(hidden=64, ffn=176, tokens=64)
+
+
+COMPILED = "+compiled"  # the side of a backend with --structmoe-compile routed
 
 
 def build(args, dtype):
@@ -61,14 +69,15 @@ def build(args, dtype):
     torch.manual_seed(1)
     sides = {"dense": MLP.as_mlp_submodule(submodules=submodules, config=config, pg_collection=pgs,
                                            is_mtp_layer=False, ffn_hidden_size=args.ffn)}
-    for backend in args.backends:
+    for name in args.backends + args.compiled_sides:
         torch.manual_seed(1)
         mlp = StructMoEMLP.as_mlp_submodule(
             submodules=submodules, config=config, pg_collection=pgs,
             structmoe=StructMoEConfig(num_experts=args.experts, rank=args.rank, topk=args.topk,
-                                      backend=backend))
+                                      backend=name.removesuffix(COMPILED),
+                                      compile="routed" if name.endswith(COMPILED) else "none"))
         mlp.set_layer_number(1)
-        sides[backend] = mlp
+        sides[name] = mlp
     if args.backends and not args.no_alignment_check:
         # Is D'_ff itself slow? Eq. 8 gives widths such as 5319 and 6618, not multiples of 8,
         # which keeps bf16 GEMMs off cuBLAS's aligned tensor-core kernels. The dense MLP at that
@@ -110,7 +119,8 @@ def timed_events(step, reset, reps: int, warmup: int):
     return [s.elapsed_time(e) / 1e3 for s, e in events]
 
 
-def time_layer(ddp, x, grad, reps, warmup):
+def layer_step(ddp, x, grad):
+    """``(step, reset)``: forward + backward of the layer; the grad buffer zeroed outside."""
     def step():
         out, _ = ddp(x)
         out.backward(grad)
@@ -119,7 +129,11 @@ def time_layer(ddp, x, grad, reps, warmup):
         ddp.zero_grad_buffer()
         x.grad = None
 
-    return timed_events(step, reset, reps, warmup)
+    return step, reset
+
+
+def time_layer(ddp, x, grad, reps, warmup):
+    return timed_events(*layer_step(ddp, x, grad), reps, warmup)
 
 
 def time_routed(ddp, x, reps, warmup):
@@ -153,10 +167,16 @@ def main() -> None:
                              "down to a multiple of 64")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help=f"without a GPU: run a tiny shape ({SMOKE}) to check the script")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time dense-masked and grouped with --structmoe-compile routed "
+                             "(sides <backend>+compiled); default: on a GPU only (on the CPU "
+                             "Inductor's C++ compile takes tens of seconds)")
     add_run_args(parser, gpu_reps=20, cpu_reps=2)
     args = parser.parse_args()
 
     gpu = torch.cuda.is_available()
+    compiled = gpu if args.compiled is None else args.compiled
+    args.compiled_sides = [b + COMPILED for b in args.backends if compiled and b != "triton"]
     if not gpu:
         if not args.cpu_smoke:
             print("benchmarks/structmoe_kernel.py measures the Triton kernel on a GPU: no CUDA "
@@ -179,12 +199,16 @@ def main() -> None:
     budget = next(m.module.budget for n, m in sides.items() if n != "dense") \
         if args.backends else None
     counts = {name: sum(p.numel() for p in m.parameters()) for name, m in sides.items()}
+    ours = args.backends + args.compiled_sides
     # [s, b, h] with b = 1: the token count is what matters for the GEMMs.
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)
     x.requires_grad_(True)
     grad = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)
 
+    # The compiled sides compile in their first steps: timed apart, before their warm-up.
+    compile_s = {name: compile_seconds(*layer_step(sides[name], x, grad))
+                 for name in args.compiled_sides}
     layer_runs = alternate({name: (lambda ddp=ddp: time_layer(ddp, x, grad, reps, warmup))
                             for name, ddp in sides.items()}, args.repeats)
     routed_runs = alternate({name: (lambda ddp=ddp: time_routed(ddp, x, reps, warmup))
@@ -201,8 +225,9 @@ def main() -> None:
         "repeats": args.repeats, "params": counts, "layer_ms": layer_ms, "routed_ms": routed_ms,
         "layer_ms_runs": layer_runs,
         # Per run (ABBA order) and their median: the goal is judged per run.
-        "overhead_pct_runs": {n: overhead_runs[n] for n in args.backends},
-        "overhead_pct": {n: statistics.median(overhead_runs[n]) for n in args.backends},
+        "overhead_pct_runs": {n: overhead_runs[n] for n in ours},
+        "overhead_pct": {n: statistics.median(overhead_runs[n]) for n in ours},
+        "compile_s": compile_s,
         # The alignment check's sides (see build()), against the dense MLP.
         "alignment_pct": {n: statistics.median(overhead_runs[n]) for n in layer_ms if "@" in n},
     }
@@ -217,6 +242,8 @@ def main() -> None:
             if "@" in name else (
             f"  ({summary['overhead_pct'][name]:+.2f}% vs dense, goal <= +3%; "
             f"routed update alone {routed_ms[name]:.3f} ms)"))
+        if name in compile_s:
+            extra += f"; compiled in {compile_s[name]:.1f} s"
         print(f"  {name:13s}: {ms:9.3f} ms  params {counts[name]:,}{extra}")
     run.write_json(summary)
 

@@ -15,6 +15,12 @@ triton, ..., ..., triton, dense), so drift in machine load hits all of them; eac
 backend its own overhead over that run's dense time (``overhead_pct_runs``), reported with their
 median; ``scripts/gpu_evidence.py`` judges the goal on the worse run.
 
+On a GPU (or with ``--compiled``) dense-masked and grouped are also measured with
+``--structmoe-compile routed`` (models ``<backend>+compiled``: the routed path's small ops
+between the GEMMs compiled, ``structmoe/routed.py``); their first two steps, where they
+compile, are timed apart (``compile_s``) before their warm-up; the op recorder's census leaves
+them out (it sees aten ops, a compiled region's fused kernels are none).
+
 ``--profile DIR`` traces a few steps of dense and of each backend instead of timing them
 (``benchmarks/common.py``'s ``profile_sides``): where the extra time over dense goes, per kernel.
 
@@ -34,15 +40,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_profile_args, add_run_args, alternate, medians,  # noqa: E402
-                    profile_sides, run_ratios, timed, wrap_ddp)
+from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa: E402
+                    compile_seconds, medians, profile_sides, run_ratios, timed, wrap_ddp)
 
 from megatron_ext.tools import host_syncs  # noqa: E402
 
 BACKENDS = ("triton", "dense-masked", "grouped", "reference")
+COMPILED = "+compiled"  # the model of a backend with --structmoe-compile routed
 
 
-def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None):
+def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None, compile="none"):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -61,7 +68,7 @@ def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None):
     if structmoe_backend is not None:
         layer_fn = structmoe_layers_fn(StructMoEConfig(
             num_experts=args.experts, rank=args.rank, topk=args.topk,
-            backend=structmoe_backend, ffn_hidden_size=ffn_hidden_size))
+            backend=structmoe_backend, ffn_hidden_size=ffn_hidden_size, compile=compile))
     spec = block_spec(config, use_te=False, layer_fn=layer_fn)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                     max_sequence_length=args.seq, position_embedding_type="rope",
@@ -97,6 +104,10 @@ def main() -> None:
     parser.add_argument("--alignment-check", action=argparse.BooleanOptionalAction, default=gpu,
                         help="also time dense-masked with D'_ff rounded down to a multiple of "
                              "64 (default on a GPU)")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time dense-masked and grouped with --structmoe-compile routed "
+                             "(models <backend>+compiled; not under --profile); default: on a "
+                             "GPU only (on the CPU Inductor's C++ compile takes tens of seconds)")
     add_run_args(parser, gpu_reps=10, cpu_reps=2)
     add_profile_args(parser)
     args = parser.parse_args()
@@ -113,6 +124,12 @@ def main() -> None:
     models = {"dense": wrap_ddp(build(args, dtype).to(device))}
     for backend in args.backends:
         models[backend] = wrap_ddp(build(args, dtype, backend).to(device))
+    compiled = (gpu if args.compiled is None else args.compiled) and not run.profile_dir
+    compiled_sides = [b + COMPILED for b in args.backends
+                      if compiled and b in ("dense-masked", "grouped")]
+    for name in compiled_sides:
+        models[name] = wrap_ddp(build(args, dtype, name.removesuffix(COMPILED),
+                                      compile="routed").to(device))
     # Is D'_ff itself slow? Eq. 8 gives 6618, not a multiple of 8, which keeps bf16 GEMMs off
     # cuBLAS's aligned tensor-core kernels: the same model with D'_ff rounded down to a multiple
     # of 64 (fewer parameters than dense; reported apart, never the goal's backend).
@@ -140,8 +157,12 @@ def main() -> None:
         return
     # One step of each under the op recorder and CUDA's sync check (megatron_ext/tools/
     # host_syncs.py): kernels launched per step and host syncs, beside the profile's.
+    compile_s = {name: compile_seconds(steps[name], models[name].zero_grad_buffer)
+                 for name in compiled_sides}
     census = {}
     for name, m in models.items():
+        if name in compiled_sides:
+            continue
         census[name] = host_syncs.census(steps[name])
         m.zero_grad_buffer()
     run_ms = alternate({name: (lambda name=name, m=m: timed(steps[name], m.zero_grad_buffer,
@@ -159,6 +180,8 @@ def main() -> None:
         "alignment_pct_runs": checks, "alignment_pct": medians(checks),
         # Per model: kernels per step, syncs the recorder flags, syncs CUDA reports (GPU).
         "census": census,
+        # The compiled models' first two steps, where they compile (not in their timing).
+        "compile_s": compile_s,
     }
     print(f"StructMoE vs dense GPT step (forward + loss + backward) | {summary['device']} "
           f"{dtype_name} | {args.layers} layers, H={args.hidden}, D_ff={args.ffn} -> "
@@ -170,7 +193,11 @@ def main() -> None:
         extra = "" if name == "dense" else (
             f"  ({pct[name]:+.2f}% vs dense; runs "
             + " / ".join(f"{x:+.2f}%" for x in runs[name]) + ")")
-        c = census[name]
+        c = census.get(name)
+        if c is None:
+            print(f"  {name:13s}: {ms:10.1f} ms  params {counts[name]:,}{extra}  | compiled in "
+                  f"{compile_s[name]:.1f} s (first two steps)")
+            continue
         syncs = (f", CUDA syncs {len(c['cuda_syncs'])}" if c["cuda_syncs"] is not None else "")
         print(f"  {name:13s}: {ms:10.1f} ms  params {counts[name]:,}{extra}  | kernels/step "
               f"{c['kernels']}, flagged syncs {len(c['would_sync'])}{syncs}")

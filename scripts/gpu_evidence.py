@@ -115,12 +115,16 @@ def _per_run(step: str, metric: str, runs: Optional[List[Optional[float]]],
 def _rows_stem_mlp(path: str) -> List[Row]:
     s = _load(path)
     rows = [Row("stem_mlp", "dense SwiGLU fwd+bwd", s["dense_ms"], "ms")]
-    for k in ("triton", "torch"):
+    compile_s = s.get("compile_s") or {}
+    notes = {"triton": "ideal 1.5x", "torch": "PyTorch path",
+             "compiled": "PyTorch path, --stem-compile gate"}
+    for k in ("triton", "torch", "compiled"):
         if f"stem_{k}_speedup" in s:
+            note = notes[k] + (f"; compiled in {compile_s['stem_compiled']:.1f} s"
+                               if k == "compiled" and "stem_compiled" in compile_s else "")
             rows.append(_per_run("stem_mlp", f"STEM MLP ({k}) speed-up vs dense",
                                  s.get(f"stem_{k}_speedup_runs"), s[f"stem_{k}_speedup"], "x",
-                                 1.4 if k == "triton" else None, "higher",
-                                 note="ideal 1.5x" if k == "triton" else "PyTorch path"))
+                                 1.4 if k == "triton" else None, "higher", note=note))
     if "gate_triton_ms" in s:
         # Issue 50's goal for the memory-bound lookup-and-gate: about 0.7 GB of HBM traffic at
         # this shape, 0.25 ms at 3 TB/s; at most 0.5 ms forward + backward.
@@ -131,6 +135,14 @@ def _rows_stem_mlp(path: str) -> List[Row]:
         rows.append(Row("stem_mlp", "lookup-and-gate alone, fused vs PyTorch",
                         s["gate_torch_ms"] / s["gate_triton_ms"], "x",
                         note=f"{s['gate_triton_ms']:.3f} vs {s['gate_torch_ms']:.3f} ms"))
+    if "gate_compiled_ms" in s:  # --stem-compile gate: the same goal, the PyTorch path compiled
+        rows.append(_per_run("stem_mlp", "lookup-and-gate alone (PyTorch, compiled) fwd+bwd",
+                             s.get("gate_compiled_ms_runs"), s["gate_compiled_ms"], "ms", 0.5,
+                             "lower", note="Zipf ids, --stem-compile gate"))
+        if "gate_torch_ms" in s:
+            rows.append(Row("stem_mlp", "lookup-and-gate alone, compiled vs PyTorch",
+                            s["gate_torch_ms"] / s["gate_compiled_ms"], "x",
+                            note=f"{s['gate_compiled_ms']:.3f} vs {s['gate_torch_ms']:.3f} ms"))
     return rows
 
 
@@ -142,9 +154,13 @@ def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
         rows = [Row(step, f"dense {what}", times["dense"], "ms")]
         per_backend = {}
         for name, pct in s["overhead_pct"].items():
+            # A "<backend>+compiled" side: --structmoe-compile routed, its compile time apart.
+            compiled = (s.get("compile_s") or {}).get(name)
             per_backend[name] = _per_run(step, f"StructMoE ({name}) over dense", runs.get(name),
                                          pct, "%", 3.0 if name == goal_backend else None,
-                                         "lower", note=f"{times[name]:.2f} ms")
+                                         "lower", note=f"{times[name]:.2f} ms" + (
+                                             f"; compiled in {compiled:.1f} s"
+                                             if compiled is not None else ""))
             rows.append(per_backend[name])
         if per_backend:
             # The fastest is the one whose worse run is the best.
@@ -157,10 +173,18 @@ def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
 
 def _rows_sigma(path: str) -> List[Row]:
     s = _load(path)
-    return [_per_run("sigma_step", "Sigma router step over upstream aux_loss",
+    rows = [_per_run("sigma_step", "Sigma router step over upstream aux_loss",
                      [100.0 * (r - 1.0) for r in s.get("ratio_runs") or []],
                      100.0 * (s["ratio_sigma_vs_upstream"] - 1.0), "%", 2.0, "lower",
                      note=f"{s['step_ms']['sigma']:.1f} vs {s['step_ms']['upstream']:.1f} ms")]
+    if "ratio_compiled_vs_upstream" in s:  # --sigma-compile router (benchmarks/sigma_step.py)
+        rows.append(_per_run(
+            "sigma_step", "Sigma router step, compiled (--sigma-compile router), over upstream",
+            [100.0 * (r - 1.0) for r in s.get("ratio_compiled_runs") or []],
+            100.0 * (s["ratio_compiled_vs_upstream"] - 1.0), "%", 2.0, "lower",
+            note=f"{s['step_ms']['sigma_compiled']:.1f} ms; compiled in "
+                 f"{s['compile_s']['sigma_compiled']:.1f} s"))
+    return rows
 
 
 def _rows_profile(path: str) -> List[Row]:
