@@ -280,3 +280,25 @@ def test_compile_flags_refused_in_one_line(family, flags, line):
     with pytest.raises(ValueError) as refused:
         get_family(family).validate_args(args)
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+
+
+# -- benchmarks/compiled_regions.py: kernels per region ---------------------------------------------
+def test_compiled_regions_counts_launches():
+    """The generated code's launches are read from its ``call`` (comments left out), and the
+    STEM product, 2 aten ops forward and 3 backward eagerly, is one fused kernel each way."""
+    from tests_helpers import load_script
+
+    from megatron_ext.stem.mlp import gate_product
+
+    bench = load_script("benchmarks/compiled_regions.py", "compiled_regions_bench")
+    code = ("import torch\ndef call(args):\n    # Source Nodes: [aten.mul, aten.silu]\n"
+            "    cpp_fused_mul_0(buf0)\n    extern_kernels.mm(a, b, out=c)  # aten.mm\n"
+            "    aten.scatter_reduce_.two(buf0, 0)\n    triton_poi_fused_1.run(x, grid=g)\n"
+            "    buf1 = torch.ops.aten.topk.default(x, 1)\n")
+    assert bench.launches(code) == {"fused": 2, "extern": 1,
+                                    "fallback": ["scatter_reduce_", "topk"]}
+    args = (torch.randn(8, 1, 6, requires_grad=True), torch.randn(8, 1, 6, requires_grad=True),
+            "up", F.silu)
+    assert bench.eager_ops(gate_product, args, {}) == [2, 3]
+    assert [(g["fused"], g["extern"], g["fallback"]) for g in bench.count(gate_product, args, {})] \
+        == [(1, 0, []), (1, 0, [])]
