@@ -78,7 +78,9 @@ def config_from_args(args) -> SigmaConfig:
         ep_size=args.expert_model_parallel_size, lbl=args.sigma_lbl,
         lbl_coeff=args.sigma_lbl_coeff, top1_temperature=args.sigma_top1_lbl_temperature,
         topk_schedule=parse_topk_schedule(args.sigma_topk_schedule),
-        sparsify_at=parse_sparsify_at(args.sigma_sparsify_at), compile=args.sigma_compile)
+        sparsify_at=parse_sparsify_at(args.sigma_sparsify_at),
+        # Absent from the arguments of a checkpoint saved before the flag existed.
+        compile=getattr(args, "sigma_compile", "none"))
 
 
 @functools.lru_cache(maxsize=None)  # each distinct line once per process

@@ -76,7 +76,8 @@ def config_from_args(args) -> StructMoEConfig:
         param_matched=param_matched,
         ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
         backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff,
-        compile=args.structmoe_compile)
+        # Absent from the arguments of a checkpoint saved before the flag existed.
+        compile=getattr(args, "structmoe_compile", "none"))
 
 
 def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
