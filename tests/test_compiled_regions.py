@@ -10,6 +10,9 @@ approximation (Sleef), each a few ulp. ``RTOL = 1e-5`` is about 80 ulp of fp32 (
 relative to each tensor's largest value, far inside what a wrong op would give (the checks
 below fail with a region's op changed) and above what reordering sums of <= 48 terms gives.
 
+The last block runs the regions themselves on CUDA (Inductor's Triton kernels) in bf16 and fp32
+at 4096 tokens, with a bf16 tolerance of its own (stated there); it skips without CUDA.
+
 Every compile of a region costs seconds on the CPU (about 5-25 s each here, forward and backward
 graphs), so each family gets one test with as few shapes as it can.
 """
@@ -302,3 +305,179 @@ def test_compiled_regions_counts_launches():
     assert bench.eager_ops(gate_product, args, {}) == [2, 3]
     assert [(g["fused"], g["extern"], g["fallback"]) for g in bench.count(gate_product, args, {})] \
         == [(1, 0, []), (1, 0, [])]
+
+
+# -- on CUDA: Inductor's GPU (Triton) kernels against eager, bf16 and fp32 ------------------------
+# The regions themselves (what each family's flag hands to ``compile_region``), with the dtypes a
+# bf16 training gives them, at a small but real shape: 4096 tokens (2048 x 2), StructMoE at hidden
+# 2048 with 8 experts of rank 16, top-2; Sigma-MoE-Tiny's 96 experts, top-8 (its first layers'
+# top-k); STEM at d_ff 5632. One GPU run of this block says whether the compiled regions may be
+# used in bf16 training on that GPU.
+#
+# bf16 tolerance, relative to each tensor's largest magnitude like ``RTOL``: eager rounds every
+# op's result to bf16, Inductor computes a fused kernel's ops in fp32 and rounds once at its
+# output (``emulate_precision_casts`` is off), so a region of a few elementwise ops differs by a
+# few bf16 roundings (unit roundoff 2^-8 ~ 3.9e-3) of each element; the GEMMs are the same
+# cuBLAS calls on inputs that differ by those roundings, summed in fp32. 2^-5 is eight such
+# roundings of the largest value. On the CPU (these functions with ``device="cpu"``, 2 cores)
+# the bf16 cases differed by at most 0.0069 of the largest value (Sigma's logits gradient), and
+# a wrong op was caught: SiLU replaced by GELU in the STEM region by 0.073, Sigma's top-1
+# temperature 0.7 -> 0.8 by far more; another expert selected or a lost gate moves values by
+# O(1). fp32 (at most 1.4e-6 on the CPU): the reductions over 4096 tokens in another
+# order and Triton's ``exp`` (``ex2.approx``-based, a few ulp) against CUDA's, ``1e-4`` (about
+# 800 ulp), still far from a wrong op.
+TOLERANCE = {torch.bfloat16: 2.0 ** -5, torch.float32: 1e-4}
+TOKENS = 4096
+
+
+def assert_close_to(actual, expected, tolerance, what):
+    """``assert_close`` with a dtype's tolerance (block comment above); integer outputs (counts,
+    routing maps) must be equal."""
+    if not expected.is_floating_point():
+        assert torch.equal(actual, expected), f"{what}: compiled and eager differ"
+        return
+    scale = max(float(expected.detach().abs().max()), 1e-30)
+    err = float((actual.detach().float() - expected.detach().float()).abs().max())
+    assert err <= tolerance * scale, \
+        f"{what}: max |compiled - eager| {err:.3g} > {tolerance:.3g} x {scale:.3g}"
+
+
+def separated_logits(n: int, e: int, device, dtype=torch.float32, seed: int = 0):
+    """Router logits whose experts are at least 0.15 apart in every token (each token a random
+    order of the levels 0, 0.25, ... plus noise below 0.1): compiled and eager select the same
+    experts whatever their rounding, so a difference in selection is an error, not a near-tie."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.rand(n, e, generator=g).argsort(dim=-1).float()
+    logits = order * 0.25 + 0.1 * torch.rand(n, e, generator=g) - 0.125 * e
+    return logits.to(device=device, dtype=dtype)
+
+
+def eager_and_compiled(fn, inputs, run):
+    """``run(fn, leaves)`` with fresh leaf copies of ``inputs`` (those that are floating point
+    require grad), eagerly and through ``compile_region``: the two lists of results."""
+    from megatron_ext.compiled import compile_region
+
+    results = []
+    for f in (fn, compile_region(fn)):
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        results.append(run(f, leaves))
+    return results
+
+
+def compare(names, results, tolerance, what):
+    eager, compiled = results
+    assert len(names) == len(eager) == len(compiled)
+    for name, e, c in zip(names, eager, compiled):
+        assert_close_to(c, e, tolerance, f"{what} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_structmoe_regions_on_cuda(dtype, device="cuda"):
+    """``--structmoe-compile routed``: dense-masked's tail (fp32 logits, x and A in ``dtype``),
+    the other backends' router head and the load-balancing statistics (fp32 by design): values,
+    selected experts, counts and every input's gradient."""
+    from megatron_ext.structmoe.balance import lbl_statistics
+    from megatron_ext.structmoe.routed import dense_masked_route_tail, route_head
+
+    n, h, e, r, k = TOKENS, 2048, 8, 16, 2
+    g = torch.Generator().manual_seed(1)
+    logits = separated_logits(n, e, device)
+    x = torch.randn(n, h, generator=g).to(device, dtype)
+    a = (torch.randn(e, h, r, generator=g) / h ** 0.5).to(device, dtype)
+    grad_probs, grad_weights = (torch.randn(n, e, generator=g).to(device),
+                                torch.randn(n, k, generator=g).to(device))
+    grad_codes = torch.randn(n, e * r, generator=g).to(device, dtype)
+    tol = TOLERANCE[dtype]
+
+    def tail(f, leaves):
+        probs, weights, indices, codes = f(*leaves, k)
+        torch.autograd.backward([probs, weights, codes], [grad_probs, grad_weights, grad_codes])
+        return [probs, weights, indices, codes] + [t.grad for t in leaves]
+
+    compare(["probs", "weights", "indices", "codes", "logits.grad", "x.grad", "a.grad"],
+            eager_and_compiled(dense_masked_route_tail, [logits, x, a], tail), tol, "tail")
+
+    def head(f, leaves):
+        probs, weights, indices = f(*leaves, k)
+        torch.autograd.backward([probs, weights], [grad_probs, grad_weights])
+        return [probs, weights, indices, leaves[0].grad]
+
+    compare(["probs", "weights", "indices", "logits.grad"],
+            eager_and_compiled(route_head, [logits], head), TOLERANCE[torch.float32], "head")
+
+    probs = torch.softmax(logits, dim=-1)
+    indices = probs.topk(k, dim=-1).indices
+
+    def statistics(f, leaves):
+        counts, loss = f(*leaves)
+        loss.backward()
+        return [counts, loss, leaves[0].grad]
+
+    compare(["counts", "loss", "probs.grad"],
+            eager_and_compiled(lbl_statistics, [probs, indices], statistics),
+            TOLERANCE[torch.float32], "statistics")
+
+
+@pytest.mark.parametrize("lbl", ["global", "top1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sigma_region_on_cuda(dtype, lbl, device="cuda"):
+    """``--sigma-compile router``: upstream's top-k routing and Sigma's statistics on logits in
+    ``dtype`` (bf16 where ``--moe-router-dtype`` is not fp32): the gates, the routing map, the
+    loss term, the statistics added into the accumulator, the logits' gradient (from the gates
+    and, weighted to be seen beside it, from the loss)."""
+    from megatron_ext.sigma.router import compiled_routing
+
+    n, e, k = TOKENS, 96, 8
+    g = torch.Generator().manual_seed(2)
+    logits = separated_logits(n, e, device, dtype, seed=3)
+    prev_f = (torch.rand(e, generator=g) * 2 * k / e).to(device)
+    prev_fhat = torch.rand(e, generator=g).to(device) / e
+    prev_pbar = torch.rand(1, generator=g).to(device)
+    grad_probs = torch.randn(n, e, generator=g).to(device, dtype)
+    options = dict(topk=k, pre_softmax=True, num_groups=None, group_topk=None,
+                   scaling_factor=None, score_function="softmax", lbl=lbl, coeff=1.0,
+                   temperature=0.7, scale=1.0 / n)
+
+    def run(f, leaves):
+        acc = torch.zeros(3 * e + 2, device=device)
+        probs, routing_map, loss = f(leaves[0], acc, prev_f, prev_fhat, prev_pbar, **options)
+        # The loss term is scaled by 1/n: weighted by n, its gradient is as large as the gates'.
+        torch.autograd.backward([probs, loss], [grad_probs, torch.tensor(float(n), device=device)])
+        return [probs, routing_map, loss, acc, leaves[0].grad]
+
+    compare(["probs", "routing_map", "loss", "acc", "logits.grad"],
+            eager_and_compiled(compiled_routing, [logits], run), TOLERANCE[dtype], lbl)
+
+
+@pytest.mark.parametrize("dtype,variant,table_dtype", [
+    (dtype, variant, None) for dtype in (torch.bfloat16, torch.float32)
+    for variant in ("up", "gate", "dagger")] + [(torch.bfloat16, "up", torch.float32)],
+    ids=["bf16-up", "bf16-gate", "bf16-dagger", "fp32-up", "fp32-gate", "fp32-dagger",
+         "bf16-up-fp32-table"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stem_region_on_cuda(dtype, variant, table_dtype, device="cuda"):
+    """``--stem-compile gate``: each variant's product of ``linear_fc1``'s output (``dtype``) and
+    the gathered rows, in ``dtype`` or (managed tables) fp32 rows cast to ``dtype`` in the
+    region: the product and both gradients."""
+    from megatron_ext.stem.mlp import gate_product
+
+    d_ff = 5632
+    g = torch.Generator().manual_seed(4)
+    fc1 = torch.randn(2048, 2, d_ff * (2 if variant == "dagger" else 1), generator=g)
+    rows = torch.randn(2048, 2, d_ff, generator=g) * 0.1
+    grad = torch.randn(2048, 2, d_ff, generator=g).to(device, dtype)
+    fc1, rows = fc1.to(device, dtype), rows.to(device, table_dtype or dtype)
+    cast = dtype if table_dtype is not None else None
+
+    def run(f, leaves):
+        out = f(leaves[0], leaves[1], variant, F.silu, cast)
+        out.backward(grad)
+        return [out, leaves[0].grad, leaves[1].grad]
+
+    compare(["out", "fc1.grad", "rows.grad"],
+            eager_and_compiled(gate_product, [fc1, rows], run), TOLERANCE[dtype], variant)
