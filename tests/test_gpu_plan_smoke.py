@@ -62,6 +62,21 @@ TINY = {
 }
 
 
+# The family benchmarks' compiled sides (``--compiled``: on by default on a GPU only) run in the
+# same tiny runs, and their readers give these rows (metric names as the readers write them),
+# compile seconds in the notes: what a GPU lease would otherwise find broken in its minutes.
+COMPILED_ROWS = {
+    "stem_mlp": ["STEM MLP (compiled) speed-up vs dense",
+                 "lookup-and-gate alone (PyTorch, compiled) fwd+bwd",
+                 "lookup-and-gate alone, compiled vs PyTorch"],
+    "structmoe_kernel": ["StructMoE (dense-masked+compiled) over dense",
+                         "StructMoE (grouped+compiled) over dense"],
+    "structmoe_step": ["StructMoE (dense-masked+compiled) over dense",
+                       "StructMoE (grouped+compiled) over dense"],
+    "sigma_step": ["Sigma router step, compiled (--sigma-compile router), over upstream"],
+}
+
+
 def _benchmark_steps():
     return [s for s in gpu_evidence.plan()
             if s.kind == "python" and s.argv[1].startswith(("benchmarks/", "launch/first_runs"))]
@@ -86,12 +101,19 @@ def test_every_benchmark_step_has_a_tiny_run():
                          ids=lambda s: s.name)
 def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     argv = gpu_evidence._expand(step.argv, sys.executable, str(tmp_path)) + TINY[step.name]
+    if step.name in COMPILED_ROWS:
+        argv.append("--compiled")
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     rows = step.rows(str(tmp_path / step.result))
     assert rows and all(r.step == step.name for r in rows), rows
     assert all(r.value is not None for r in rows), rows
+    if step.name in COMPILED_ROWS:
+        by_metric = {r.metric: r for r in rows}
+        for metric in COMPILED_ROWS[step.name]:
+            assert metric in by_metric, (metric, sorted(by_metric))
+        assert any("compiled in" in r.note for r in rows), rows
     if step.name == "profile":  # every family profiled; each side's differences add up
         result = json.loads((tmp_path / step.result).read_text())
         assert set(result) == {"structmoe_step", "stem_mlp", "sigma_step"}
