@@ -13,7 +13,7 @@ model, ``benchmarks/stem_gate_cost.py``). Issue goal: STEM with the kernel at le
 
 On a GPU (or with ``--compiled``) the PyTorch path is also measured with ``--stem-compile gate``
 (side ``stem_compiled``, and the lookup-and-gate alone as ``gate_compiled``: the ops after the
-gather compiled, ``stem/mlp.py``'s ``gate_product``); their first two steps, where they compile,
+gather compiled, ``kernels/stem_gate.py``'s ``gate_product``); their first two steps, where they compile,
 are timed apart (``compile_s``) before their warm-up.
 
 Both sides are the real modules (Megatron-Core's ``MLP`` with SwiGLU, and ``StemMLP``), built with

@@ -45,14 +45,25 @@ def stem_gate_reference(fc1_out: torch.Tensor, table: torch.Tensor, index: torch
                         variant: str = "up") -> torch.Tensor:
     """Plain PyTorch: ``fc1_out [..., W]``, ``table [R, F]``, ``index [...]`` into the table rows;
     ``W = F`` (up, gate) or ``2 F`` (dagger: ``[gate | up]`` as Megatron's gated ``linear_fc1``)."""
-    rows = F.embedding(index, table).to(fc1_out.dtype)
+    return gate_product(fc1_out, F.embedding(index, table), variant, F.silu, fc1_out.dtype)
+
+
+def gate_product(fc1_out: torch.Tensor, rows: torch.Tensor, variant: str = "up",
+                 activation=F.silu, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The variant's gated product of ``linear_fc1``'s output and the gathered table rows (cast
+    to ``dtype`` first, where given): the PyTorch path's ops after the gather (``StemMLP``), the
+    region ``--stem-compile gate`` compiles (cast, activation and product in one kernel forward,
+    their gradients in one or two backward; the gather and its row-sparse backward stay
+    eager)."""
+    if dtype is not None:
+        rows = rows.to(dtype)
     if variant == "up":
-        return F.silu(fc1_out) * rows
+        return activation(fc1_out) * rows
     if variant == "gate":
-        return F.silu(rows) * fc1_out
-    if variant == "dagger":
+        return activation(rows) * fc1_out
+    if variant == "dagger":  # Eq. 5
         gate, up = torch.chunk(fc1_out, 2, dim=-1)
-        return F.silu(gate) * (up + rows)
+        return activation(gate) * (up + rows)
     raise ValueError(f"unknown STEM variant {variant!r}")
 
 

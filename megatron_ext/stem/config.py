@@ -19,7 +19,7 @@ DEFAULT_TIER_COUNT_TOKENS = 1 << 27
 OWNERSHIPS = ("interleaved", "contiguous")  # stem/runtime/ownership.py; interleaved measured balanced
 OPTIMIZERS = ("dense", "sparse")            # stem/runtime/row_adam.py
 KERNELS = ("auto", "triton", "torch")       # kernels/stem_gate.py
-COMPILES = ("none", "gate")                 # stem/mlp.py gate_product, megatron_ext/compiled.py
+COMPILES = ("none", "gate")                 # kernels/stem_gate.py gate_product, megatron_ext/compiled.py
 HOST_READS = ("staged", "direct")           # stem/runtime/store.py, kernels/host_rows.py
 GPU_STEPS = ("torch", "triton")             # stem/runtime/row_adam.py, kernels/row_adam_gpu.py
 

@@ -39,6 +39,7 @@ from megatron_ext.models.token_ids import TOKEN_TABLES, split_context
 from megatron_ext.stem.config import StemConfig
 from megatron_ext.stem.initial_rows import InitialRows, draw_rows
 from megatron_ext_kernels import stem_gate
+from megatron_ext_kernels.stem_gate import gate_product
 from megatron_ext_kernels.stem_lookup import lookup_rows
 
 
@@ -55,23 +56,6 @@ def table_init_method(init: str, config: TransformerConfig):
     if init == "zeros":
         return torch.nn.init.zeros_
     raise ValueError(f"--stem-init={init!r}: unknown initialisation")
-
-
-def gate_product(fc1_out: torch.Tensor, rows: torch.Tensor, variant: str, activation,
-                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The variant's gated product of ``linear_fc1``'s output and the gathered table rows (cast
-    to ``dtype`` first, where given): the PyTorch path's ops after the gather, the region
-    ``--stem-compile gate`` compiles (cast, activation and product in one kernel forward, their
-    gradients in one or two backward; the gather and its row-sparse backward stay eager)."""
-    if dtype is not None:
-        rows = rows.to(dtype)
-    if variant == "up":
-        return activation(fc1_out) * rows
-    if variant == "gate":
-        return activation(rows) * fc1_out
-    # dagger, Eq. 5
-    gate, up = torch.chunk(fc1_out, 2, dim=-1)
-    return activation(gate) * (up + rows)
 
 
 class StemMLP(MegatronModule):
