@@ -126,16 +126,25 @@ def split_grads(shard: "TieredShard", rows: torch.Tensor, grad: torch.Tensor,
     parts where ``grad`` is). The host rows that are also in ``first`` (local indices: the rows
     the next step's first micro-batch reads of this rank) come first among the host rows, and
     their count is the ``TierGrads``' ``cold_first``."""
+    hot_pos, cold_pos, rows, cold_first = _tier_positions(shard, rows, first)
+    return rows, TierGrads(grad.index_select(0, to_device(hot_pos, grad.device)),
+                           grad.index_select(0, to_device(cold_pos, grad.device)), cold_first)
+
+
+def _tier_positions(shard: "TieredShard", rows: torch.Tensor,
+                    first: Optional[torch.Tensor]) -> tuple:
+    """``(hot_pos, cold_pos, rows, cold_first)``: the positions in ``rows`` of the GPU tier's
+    and of the host tier's rows, the local rows hot first, and how many host rows lead because
+    ``first`` reads them (in their order; the others after them, in theirs)."""
     hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
     cold_first = 0
     if first is not None and cold_rows.numel():
         needed = torch.isin(cold_rows + shard.num_hot, first.cpu())
-        order = torch.cat([torch.nonzero(needed).squeeze(1), torch.nonzero(~needed).squeeze(1)])
-        cold_pos, cold_rows = cold_pos[order], cold_rows[order]
         cold_first = int(needed.sum())
-    rows = torch.cat([hot_rows, cold_rows + shard.num_hot])
-    return rows, TierGrads(grad.index_select(0, to_device(hot_pos, grad.device)),
-                           grad.index_select(0, to_device(cold_pos, grad.device)), cold_first)
+        if 0 < cold_first < needed.numel():  # the rows ``first`` reads lead the host rows
+            order = torch.argsort(~needed, stable=True)
+            cold_pos, cold_rows = cold_pos[order], cold_rows[order]
+    return hot_pos, cold_pos, torch.cat([hot_rows, cold_rows + shard.num_hot]), cold_first
 
 
 def split_layers(shards: Sequence["TieredShard"], rows: torch.Tensor,
@@ -152,16 +161,7 @@ def split_layers(shards: Sequence["TieredShard"], rows: torch.Tensor,
     stack = layer_stack(grads)
     if stack is None or len({s.num_hot for s in shards}) != 1:
         return [split_grads(s, rows, g, first) for s, g in zip(shards, grads)]
-    shard = shards[0]
-    hot_pos, hot_rows, cold_pos, cold_rows = shard.split(rows)
-    cold_first = 0
-    if first is not None and cold_rows.numel():
-        needed = torch.isin(cold_rows + shard.num_hot, first.cpu())
-        cold_first = int(needed.sum())
-        if 0 < cold_first < needed.numel():  # the rows ``first`` reads lead the host rows
-            order = torch.argsort(~needed, stable=True)
-            cold_pos, cold_rows = cold_pos[order], cold_rows[order]
-    rows = torch.cat([hot_rows, cold_rows + shard.num_hot])
+    hot_pos, cold_pos, rows, cold_first = _tier_positions(shards[0], rows, first)
     hot = select_rows(stack, hot_pos, dim=1).unbind(0)
     # The host tier's are copied, each layer's rows contiguous: what the copy to the host
     # (``transfer.stage_to_host``: one contiguous copy per part) and the row kernel take.
