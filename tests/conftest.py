@@ -32,12 +32,17 @@ def mcore_single_rank():
 @pytest.fixture(autouse=True)
 def fresh_aux_loss_scale():
     """Megatron keeps the aux-loss gradient scale in a class attribute whose shape is fixed by the
-    first ``set_loss_scale`` of the process; every test starts and ends without one."""
+    first ``set_loss_scale`` of the process, and the MoE metrics in one tracker per process whose
+    entries keep the layer count of their first record (a later model with more layers records
+    past their end); every test starts and ends without either."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    get_moe_metrics_tracker().metrics.clear()
     yield
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    get_moe_metrics_tracker().metrics.clear()
 
 
 # scripts/test.sh runs the files on two pytest-xdist workers (`-n 2 --dist loadfile
