@@ -57,12 +57,11 @@ class StemTablesOptimizer(ChainedOptimizer):
         self.mode = mode
         self.shards = [s for t in tables for s in t.store.shards]
         self.tiered = any(t.tiered for t in tables)
-        # One row optimizer per chunk, over its store's shards and lazy-row state; all advance
-        # their clocks alike at every step.
-        lazy = (lambda t: t.store.lazy) if mode == "sparse" else (lambda t: None)
-        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, lazy=lazy(t),
+        # One row optimizer per chunk, over its store's shards and lazy-row state (dense: only
+        # its GPU reads still queued, which a step waits for); all advance their clocks alike.
+        self.row_adams = [TieredRowAdamW(t.store.shards, mode=mode, lazy=t.store.lazy,
                                          huge_pages=t.store.huge_pages) if t.tiered
-                          else RowAdamW(t.store.shards, mode=mode, lazy=lazy(t),
+                          else RowAdamW(t.store.shards, mode=mode, lazy=t.store.lazy,
                                         huge_pages=t.store.huge_pages)
                           for t in tables]
         self.dp_size = tables[0].dp_size if tables else 1

@@ -45,6 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.stem.runtime import host_memory
+from megatron_ext.stem.runtime.direct_reads import DirectReads
 from megatron_ext.stem.runtime.tiers import TierGrads, TieredShard, layer_stack, split_grads
 from megatron_ext.stem.runtime.transfer import to_device
 from megatron_ext_kernels import row_adam_cpu, row_adam_gpu
@@ -135,7 +136,8 @@ class RowAdamW(LazyView):
     ``shards``: fp32 tensors ``[rows, width]`` (host or device), updated in place. ``step()``
     takes, per shard, the local indices of the touched rows (unique) and their gradients.
     ``lazy`` (sparse): the ``LazyRows`` of these shards that whoever reads them settles (default:
-    a private one); this optimizer gives it the moments. ``huge_pages``: host moments (and the
+    a private one); this optimizer gives it the moments. Dense: only its ``reads`` are used (the
+    GPU reads of the rows that a step waits for first). ``huge_pages``: host moments (and the
     dense optimizer's gradient) on transparent huge pages (``host_memory.py``); sparse: the
     ``lazy``'s choice.
     """
@@ -184,6 +186,7 @@ class RowAdamW(LazyView):
                                                                huge_pages=huge_pages)
             self.exp_avg, self.exp_avg_sq = self.lazy.bind_moments()
         else:
+            self.lazy = lazy  # the store's: its direct reads (``_before_write``), nothing owed
             self.exp_avg = [host_memory.zeros_like(s, huge_pages) for s in self.shards]
             self.exp_avg_sq = [host_memory.zeros_like(s, huge_pages) for s in self.shards]
         self.huge_pages = huge_pages
@@ -193,6 +196,13 @@ class RowAdamW(LazyView):
         # reference ops) or ``triton`` (kernels/row_adam_gpu.py: one kernel, within a few ulp
         # on the CPU's interpreter, the torch path's bits on a GPU to be measured first).
         self.gpu_kernel = "torch"
+
+    def _before_write(self, rows: Optional[torch.Tensor]) -> None:
+        """Wait for the GPU's direct reads still queued of ``rows`` (host indices; None: every
+        row) of these shards before the step writes them (``direct_reads.py``)."""
+        reads = self.lazy.reads if self.lazy is not None else None
+        if reads is not None:
+            reads.before_write(rows)
 
     @property
     def kernel(self) -> str:
@@ -261,6 +271,7 @@ class RowAdamW(LazyView):
             return False
         shards, exp_avg, exp_avg_sq, last, touched = state
         rows = rows[0]
+        self._before_write(rows)
         dev = shards.device
         factors = lazy.clock.coefficients(last[:, rows], touched[:, rows], plan.step - 1)
         index = to_device(rows, dev)
@@ -290,6 +301,7 @@ class RowAdamW(LazyView):
         if self._dense_grads[i] is None:
             self._dense_grads[i] = host_memory.zeros_like(shard, self.huge_pages)
         grad = self._dense_grads[i]
+        self._before_write(None)  # every row of the shard steps
         grad.zero_()
         grad.index_copy_(0, rows, rows_grad.to(torch.float32))
         if self.op is not None:
@@ -307,6 +319,7 @@ class RowAdamW(LazyView):
         if rows.numel() == 0:
             return
         rows = rows.cpu().to(torch.long)  # the per-row state (last steps) is on the host
+        self._before_write(rows)
         lazy = self.lazy
         if self.rowwise is not None:  # catch-up and step in one pass over each row
             bc1 = 1.0 - hyper.beta1 ** plan.step
@@ -522,6 +535,9 @@ class LazyRows:
         self.exp_avg: Optional[List[torch.Tensor]] = None
         self.exp_avg_sq: Optional[List[torch.Tensor]] = None
         self._kernel = None
+        # The direct reads of these (host) shards still queued on the GPU, which every write of
+        # their rows waits for first (``direct_reads.py``); None: no GPU kernel reads them.
+        self.reads: Optional[DirectReads] = None
 
     def bind_moments(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The Adam moments of the shards (zeros, allocated on first call), which the catch-up
@@ -563,6 +579,8 @@ class LazyRows:
             return
         shards, exp_avg, exp_avg_sq, last_all, touched_all = state
         rows = torch.unique(rows.cpu().to(torch.long))
+        if self.reads is not None:  # a GPU kernel may still read these rows: it reads first
+            self.reads.before_write(rows)
         last = last_all[:, rows]
         late = last < upto  # [layers, rows], on the host
         some = late.any(0)
@@ -591,6 +609,8 @@ class LazyRows:
         # The last steps live on the host. A read may ask for a row more than once (rows two
         # ranks ask an owner for): each row is brought up to date once.
         rows = torch.unique(rows.cpu().to(torch.long))
+        if self.reads is not None:  # a GPU kernel may still read these rows: it reads first
+            self.reads.before_write(rows)
         p, m, v = self.shards[i], self.exp_avg[i], self.exp_avg_sq[i]
         kernel = self._row_kernel(p)
         if kernel is not None:  # skips the rows already current, moves their last steps
@@ -751,18 +771,19 @@ class TieredRowAdamW(LazyView):
     """``RowAdamW``'s interface over tiered shards: one ``RowAdamW`` for the GPU tier (torch
     kernel, on the model's device) and one for the host tier (CPU kernels), advanced together
     (one iteration clock, the same learning rate), each stepping its own rows.
-    ``lazy`` (sparse): the shards' ``TieredLazyRows`` (default: a private one)."""
+    ``lazy``: the shards' ``TieredLazyRows`` (default: a private one; dense: only its tiers'
+    direct reads are used)."""
 
     def __init__(self, shards: Sequence[TieredShard], mode: str = "dense",
                  lazy: Optional[TieredLazyRows] = None, huge_pages: bool = True):
         self.shards = list(shards)
         self.mode = mode
         self.lazy = lazy if lazy is not None else TieredLazyRows(self.shards, huge_pages)
-        sparse = mode == "sparse"
-        self.hot = RowAdamW([s.hot for s in self.shards], mode=mode,
-                            lazy=self.lazy.hot if sparse else None, huge_pages=huge_pages)
-        self.cold = RowAdamW([s.cold for s in self.shards], mode=mode,
-                             lazy=self.lazy.cold if sparse else None, huge_pages=huge_pages)
+        # Dense: each tier's lazy rows for their direct reads alone (``RowAdamW``).
+        self.hot = RowAdamW([s.hot for s in self.shards], mode=mode, lazy=self.lazy.hot,
+                            huge_pages=huge_pages)
+        self.cold = RowAdamW([s.cold for s in self.shards], mode=mode, lazy=self.lazy.cold,
+                             huge_pages=huge_pages)
 
     @property
     def kernel(self) -> str:

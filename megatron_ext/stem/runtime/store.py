@@ -17,7 +17,9 @@ idle.
 Reading rows (``gather_rows``): from host shards to a GPU the rows are gathered and cast straight
 into a reusable pinned buffer (``PinnedStaging``) and moved by one asynchronous copy (the staged
 read, ``--stem-host-read staged``); or, with ``--stem-host-read direct``, a GPU kernel reads them
-from the host shards themselves, made page-locked in place for it (``kernels/host_rows.py``).
+from the host shards themselves, made page-locked in place for it (``kernels/host_rows.py``),
+when the GPU gets to it: every CPU write of host rows first waits for the reads of them still
+queued (``stem/runtime/direct_reads.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from torch.profiler import record_function
 
 from megatron_ext.stem.runtime import host_memory
+from megatron_ext.stem.runtime.direct_reads import DirectReads
 from megatron_ext.stem.runtime.row_adam import LazyRows
 from megatron_ext.stem.runtime.row_adam import TieredLazyRows, stacked
 from megatron_ext.stem.runtime.tiers import TieredShard, full_tensor, write_back
@@ -75,7 +78,6 @@ class TableStore:
         # direct: the finalizers that unregister the host shards registered for the GPU's
         # reads (cudaHostRegister), run when the store is collected.
         self._registered: list = []
-        self._direct_done = None  # the last direct read's end (an event of its stream)
         self.shards: List = []
         self.huge_pages = huge_pages
         # Host shards are ordinary (pageable) memory, on huge pages: only the CPU reads and
@@ -127,6 +129,16 @@ class TableStore:
         self.placement = placement
         self.lazy = TieredLazyRows(self.shards, huge_pages) if placement == "tiered" else \
             LazyRows(self.shards, huge_pages=huge_pages)
+        # direct: a GPU kernel reads the host rows after ``gather`` returns, so every CPU write
+        # of them (the table step, catch-ups settled in place, ``write``, loads) first waits for
+        # the reads of them still queued. Kept with the host rows' lazy state, which the
+        # optimizer writing them shares (``direct_reads.py``).
+        self.reads = None
+        if host_read == "direct":
+            host_lazy = self.lazy.cold if placement == "tiered" else self.lazy
+            num_host = self.shards[0].cold.shape[0] if placement == "tiered" and self.shards \
+                else owned_ids.numel()
+            self.reads = host_lazy.reads = DirectReads(num_host)
         self.staging = PinnedStaging() if cuda and placement in ("cpu", "tiered") else None
         # The part of a sparse table step still to run (``schedule.OwedStep``): rows a
         # read needs are stepped first. Set and cleared by the optimizer; used on the worker.
@@ -194,21 +206,15 @@ class TableStore:
                 self.owed_step.settle(local_rows)
         rows = gather_rows(self.shards, local_rows, device, dtype, self.staging, lazy=self.lazy,
                            read=self.host_read)
-        if self.host_read == "direct" and rows.is_cuda:
-            # The kernel reads the host rows when the GPU runs it, after this returns. A row it
-            # reads is written next by the table step that its gradient makes, which waits for
-            # that gradient on the host, so after the kernel; later reads of this step write
-            # only rows still owing, not this read's. ``read`` (checkpoints, dumps) waits.
-            self._direct_done = torch.cuda.Event()
-            self._direct_done.record(torch.cuda.current_stream())
+        # direct: the kernel reads the host rows when the GPU runs it, after this returns; the
+        # read is recorded (``_gather_direct``) and every CPU write of its rows waits for it.
         return rows
 
     def read(self, i: int) -> torch.Tensor:
         """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a
         host copy of a tiered one's two halves."""
-        if self._direct_done is not None:  # a direct read still queued reads the host rows
-            self._direct_done.synchronize()
-            self._direct_done = None
+        if self.reads is not None:  # the rows are settled in place and may be written whole
+            self.reads.wait_all()
         if self.owed_step is not None:
             self.owed_step.finish()
         self.lazy.settle_all()
@@ -216,6 +222,8 @@ class TableStore:
 
     def write(self, i: int, whole: torch.Tensor) -> None:
         """After ``whole = read(i)`` was written in place: a tiered shard takes it back."""
+        if self.reads is not None:  # a direct read queued since ``read`` reads the old rows
+            self.reads.wait_all()
         write_back(self.shards[i], whole)
 
 
@@ -414,6 +422,8 @@ def _gather_direct(shards: Sequence[torch.Tensor], index: torch.Tensor, device: 
         column += w
     if flat is not None and staging is not None and device.type == "cuda":
         staging.record()  # the kernel has read the buffer when this event is reached
+    if lazy is not None and lazy.reads is not None:  # the shards' rows until the kernel ran
+        lazy.reads.record(index)
     return out
 
 
