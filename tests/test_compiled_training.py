@@ -5,11 +5,22 @@ differences are a few ulp, tests/test_compiled_regions.py, and three steps of Ad
 keep them there), and each region was compiled (Dynamo logs the bytecode of every function it
 compiles under ``TORCH_LOGS=bytecode``, naming it: the compiled trainings name their regions,
 the eager ones do not; upstream compiles its fused bias-dropout either way).
-StructMoE also with full activation recomputation (the region runs once without gradients and
-again with them): the losses of the run without recomputation.
+
+Under activation recomputation a region runs twice per micro-batch, once without gradients (the
+checkpoint's first forward) and again with them (the recompute in backward): each family's
+compiled training with full recomputation, and Sigma's also with upstream's selective
+``--recompute-modules moe`` (the MoE layer, router included, checkpointed), gives the losses of
+its compiled training without recomputation. STEM has no selective form
+(``--recompute-modules mlp`` is refused for token-indexed MLPs, models/layer.py).
+
+STEM's managed tables (``--stem-table-placement cpu`` and ``tiered``, vocab-sharded): the rows
+arrive from the runtime (``stem/runtime/``) rather than from a table parameter and the region
+casts them to the model's dtype before its product (``stem/mlp.py``); the compiled training
+gives the losses of the same managed-table training without the flag.
 
 All trainings in one launch of one rank (``tests/multirank.py``): one start-up, and Inductor's
 compiles (a few seconds per region and graph on the CPU) are what the rest of the time goes to.
+Vocab sharding needs no second rank (one rank owns every row).
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import re
 
 import pytest
 
-from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from multirank import TINY_GPT, assert_close_curves, require_ok, torchrun_many
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
 
@@ -37,11 +48,24 @@ FAMILIES = {
     "stem": (TINY_GPT + ["--model-family", "stem", "--stem-ratio", "1/2"],
              ["--stem-compile", "gate"]),
 }
-RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
-             "--recompute-num-layers", "1"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]
+# Upstream's selective recomputation of the whole MoE layer (MoELayer.moe_layer_recompute).
+MOE = ["--recompute-granularity", "selective", "--recompute-modules", "moe"]
+# Each compiled training under recomputation: (family, recomputation flags).
+RECOMPUTED = {"structmoe_compiled_recompute": ("structmoe", FULL),
+              "sigma_compiled_recompute": ("sigma", FULL),
+              "sigma_compiled_recompute_moe": ("sigma", MOE),
+              "stem_compiled_recompute": ("stem", FULL)}
+# STEM's managed tables (tests/test_parallel_stem_tables.py runs them in every layout).
+TABLES = {"stem_cpu_vocab": ["--stem-table-placement", "cpu", "--stem-table-sharding", "vocab"],
+          "stem_tiered": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
+                          "--stem-gpu-tier", "25%"]}
 ENV = {"TORCH_LOGS": "bytecode"}
 REGIONS = {"structmoe": ["dense_masked_route_tail", "lbl_statistics"],
            "sigma": ["compiled_routing"], "stem": ["gate_product"]}
+# Each pair of an eager and a compiled training: (prefix of both names, family).
+PAIRS = {**{family: family for family in FAMILIES}, **{name: "stem" for name in TABLES}}
 
 
 def compiled_functions(log: str):
@@ -50,25 +74,38 @@ def compiled_functions(log: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    launches = Launches(str(tmp_path_factory.mktemp("compiled_training")))
+    # Each compiled training drops Dynamo's entries of the regions first
+    # (tests/dist/fresh_compile.py): in the shared process a training would otherwise run the
+    # code an earlier one compiled for the same region and shapes, and its log would not name it.
+    fresh = {"module": "fresh_compile"}
+    items = []
     for family, (flags, compile_flags) in FAMILIES.items():
-        launches.add(f"{family}_eager", flags + ITERS, nproc=1, env=ENV)
-        launches.add(f"{family}_compiled", flags + ITERS + compile_flags, nproc=1, env=ENV)
-    smoe, smoe_compile = FAMILIES["structmoe"]
-    launches.add("structmoe_compiled_recompute", smoe + ITERS + smoe_compile + RECOMPUTE,
-                 nproc=1, env=ENV)
-    return launches.run()
+        items.append((f"{family}_eager", flags + ITERS))
+        items.append((f"{family}_compiled", flags + ITERS + compile_flags, fresh))
+    for name, (family, recompute) in RECOMPUTED.items():
+        flags, compile_flags = FAMILIES[family]
+        items.append((name, flags + ITERS + compile_flags + recompute, fresh))
+    stem, stem_compile = FAMILIES["stem"]
+    for name, tables in TABLES.items():
+        items.append((f"{name}_eager", stem + ITERS + tables))
+        items.append((f"{name}_compiled", stem + ITERS + tables + stem_compile, fresh))
+    return torchrun_many(str(tmp_path_factory.mktemp("compiled_training")), items, nproc=1,
+                         env=ENV)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_compiled_training_matches_eager(runs, family):
-    eager, compiled = require_ok(runs[f"{family}_eager"]), require_ok(runs[f"{family}_compiled"])
-    assert set(REGIONS[family]) <= compiled_functions(compiled.log), compiled_functions(
-        compiled.log)
-    assert not set(REGIONS[family]) & compiled_functions(eager.log)
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_compiled_training_matches_eager(runs, pair):
+    regions = set(REGIONS[PAIRS[pair]])
+    eager, compiled = require_ok(runs[f"{pair}_eager"]), require_ok(runs[f"{pair}_compiled"])
+    assert regions <= compiled_functions(compiled.log), compiled_functions(compiled.log)
+    assert not regions & compiled_functions(eager.log)
     assert_close_curves(eager, compiled, STEPS)
 
 
-def test_structmoe_compiled_with_recomputation(runs):
-    assert_close_curves(require_ok(runs["structmoe_compiled"]),
-                        require_ok(runs["structmoe_compiled_recompute"]), STEPS)
+@pytest.mark.parametrize("name", list(RECOMPUTED))
+def test_compiled_with_recomputation(runs, name):
+    family = RECOMPUTED[name][0]
+    recomputed = require_ok(runs[name])
+    assert set(REGIONS[family]) <= compiled_functions(recomputed.log)
+    assert_close_curves(require_ok(runs[f"{family}_compiled"]), recomputed, STEPS)
+    assert_close_curves(require_ok(runs[f"{family}_eager"]), recomputed, STEPS)
