@@ -17,7 +17,10 @@ for models with ``config.num_moe_experts`` (StructMoE is a dense model to Megatr
 
 from __future__ import annotations
 
-from typing import List
+import functools
+import operator
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
 
 import torch
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -37,7 +40,7 @@ def fraction_name(expert: int) -> str:
 
 
 def tracked_names(num_experts: int) -> List[str]:
-    return [LOSS_NAME] + [fraction_name(l) for l in range(num_experts)]
+    return [LOSS_NAME, *_fraction_names(num_experts)]
 
 
 def switch_loss(routing: Routing) -> torch.Tensor:
@@ -72,14 +75,19 @@ def lbl_statistics(probs: torch.Tensor, indices: torch.Tensor):
 # call (two kernels: ``values[i] += v`` is an add and a copy back); recording L fractions that way
 # cost 2 L kernel launches per layer and micro-batch (32 at L = 16, more than the routed path's
 # own forward), one add into a column of the grid costs one. The grid is found again through the
-# entries themselves (each one's values a row view of it), so nothing is held beside the tracker.
+# entries themselves (each one's values a row view of it).
+
+
+@functools.lru_cache(maxsize=None)
+def _fraction_names(num_experts: int) -> Tuple[str, ...]:
+    return tuple(fraction_name(l) for l in range(num_experts))
 
 
 def _fraction_grid(tracker, num_experts: int, num_blocks: int, device) -> torch.Tensor:
     """``[L, num_blocks]``, row ``l`` being the values of the tracker's entry
     ``fraction_name(l)``; made anew (keeping recorded values) when an entry was replaced or
     dropped (the tracker's ``clear`` zeroes the rows in place, its reduction all-reduces them)."""
-    names = [fraction_name(l) for l in range(num_experts)]
+    names = _fraction_names(num_experts)
     metrics = tracker.metrics
     first = metrics.get(names[0])
     grid = first.values._base if first is not None else None
@@ -95,6 +103,51 @@ def _fraction_grid(tracker, num_experts: int, num_blocks: int, device) -> torch.
             grid[l].copy_(old.values)
         metrics[name] = MetricEntry(values=grid[l])
     return grid
+
+
+@dataclass(frozen=True)
+class _Records:
+    """Where one MLP block's values go in the tracker, for every block of a model with
+    ``num_experts`` experts and ``num_blocks`` blocks: the loss entry's element and the grid's
+    column of each block (views made once, not per call), and the entries and tensors they were
+    taken from, to check that the tracker still holds them."""
+
+    names: Tuple[str, ...]  # the loss's, then the fractions' in expert order
+    entries: Tuple[MetricEntry, ...]  # the tracker's entries of those names
+    values: Tuple[torch.Tensor, ...]  # each entry's values when the views were taken
+    loss_at: Tuple[torch.Tensor, ...]  # [block - 1]: the loss entry's element
+    fractions_at: Tuple[torch.Tensor, ...]  # [block - 1]: the grid's column, [L]
+
+    def held_by(self, metrics) -> bool:
+        # The check that runs per layer and micro-batch: identities only, in C loops (an entry
+        # dropped, replaced or given other values, by the tracker or by anyone, fails it);
+        # checking that the entries are rows of one grid (_fraction_grid) costs ten times more.
+        return (all(map(operator.is_, map(metrics.get, self.names), self.entries))
+                and all(map(operator.is_, map(_VALUES, self.entries), self.values)))
+
+
+_VALUES = operator.attrgetter("values")
+# One per (experts, blocks): models of the same shape record into the same entries.
+_RECORDS: Dict[Tuple[int, int], _Records] = {}
+
+
+def _records(tracker, num_experts: int, num_blocks: int, device) -> _Records:
+    """The tracker's places for the loss and fractions (:class:`_Records`), taken again when
+    the tracker no longer holds the ones taken last (cleared entries keep them: ``clear``
+    zeroes in place)."""
+    key = (num_experts, num_blocks)
+    rec = _RECORDS.get(key)
+    metrics = tracker.metrics
+    if rec is not None and rec.held_by(metrics):
+        return rec
+    tracker.ensure_initialized(LOSS_NAME, num_blocks, device)
+    grid = _fraction_grid(tracker, num_experts, num_blocks, device)
+    names = (LOSS_NAME,) + _fraction_names(num_experts)
+    entries = tuple(metrics[n] for n in names)
+    rec = _Records(names=names, entries=entries, values=tuple(e.values for e in entries),
+                   loss_at=entries[0].values.unbind(0), fractions_at=grid.unbind(1))
+    _RECORDS[key] = rec
+    return rec
 
 
 def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, block: int,
@@ -113,16 +166,15 @@ def attach_and_record(update: torch.Tensor, routing: Routing, coeff: float, bloc
         counts, loss = statistics(routing.probs, routing.indices)
         if routing._counts is None:
             routing._counts = counts
-    tracker = get_moe_metrics_tracker()
     if block is not None:
+        rec = _records(get_moe_metrics_tracker(), routing.probs.shape[-1], num_blocks,
+                       loss.device)
         # What tracker.record(LOSS_NAME, loss, block, num_blocks) adds, in one kernel (record's
         # ``values[i] += v`` adds, then copies the sum back).
-        tracker.ensure_initialized(LOSS_NAME, num_blocks, loss.device)
-        tracker.metrics[LOSS_NAME].values.select(0, block - 1).add_(loss.detach())
+        rec.loss_at[block - 1].add_(loss.detach())
         n, k = routing.indices.shape
-        grid = _fraction_grid(tracker, routing.probs.shape[-1], num_blocks, loss.device)
         # f_l = count_l / (n k), added as the tracker's record() would add each one.
-        grid.select(1, block - 1).add_(routing.tokens_per_expert(), alpha=1.0 / (n * k))
+        rec.fractions_at[block - 1].add_(routing.tokens_per_expert(), alpha=1.0 / (n * k))
     if coeff > 0:
         update = MoEAuxLossAutoScaler.apply(update, coeff * loss)
     return update
