@@ -45,20 +45,35 @@ def wrap_ddp(module):
     return DistributedDataParallel(module.config, DistributedDataParallelConfig(), module)
 
 
+class StepTimes(list):
+    """Seconds of each timed step, synchronized (what the device took to finish it), and in
+    ``host`` the seconds of the same steps until ``step()`` returned, before the sync: the
+    host's time to run the step's Python and enqueue its kernels (forward and backward), waits
+    in the step's own synchronisations included. On the CPU the two are equal; on CUDA, a
+    ``host`` close to the step's time says the device keeps pace with the host (the step is
+    host-bound), and the difference is how long the device still runs after the host is done."""
+
+    def __init__(self):
+        super().__init__()
+        self.host: List[float] = []
+
+
 def timed(step: Callable[[], None], reset: Callable[[], None], reps: int,
-          warmup: int) -> List[float]:
-    """Seconds of ``reps`` calls of ``step`` after ``warmup`` untimed ones; ``reset`` runs before
-    each call, outside the timing (e.g. zeroing the grad buffer, done once per global batch in
-    training)."""
-    times = []
+          warmup: int) -> StepTimes:
+    """Seconds of ``reps`` calls of ``step`` after ``warmup`` untimed ones, with the host's
+    share of each (:class:`StepTimes`); ``reset`` runs before each call, outside the timing
+    (e.g. zeroing the grad buffer, done once per global batch in training)."""
+    times = StepTimes()
     for i in range(warmup + reps):
         reset()
         sync()
         t0 = time.perf_counter()
         step()
+        t1 = time.perf_counter()
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            times.host.append(t1 - t0)
     return times
 
 
@@ -87,10 +102,22 @@ def alternate(measure: Dict[str, Callable[[], List[float]]],
               repeats: int) -> Dict[str, List[float]]:
     """Each side's ``measure()`` (seconds of its timed steps) once per run, ``repeats`` runs in
     :func:`run_order`: per side, the median of each run in milliseconds, in run order."""
+    return alternate_timed(measure, repeats)[0]
+
+
+def alternate_timed(measure: Dict[str, Callable[[], List[float]]], repeats: int
+                    ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """:func:`alternate`, and beside it per side the median of each run's host times in
+    milliseconds (:class:`StepTimes`'s ``host``; a side whose ``measure`` gives none has
+    none)."""
     out: Dict[str, List[float]] = {name: [0.0] * repeats for name in measure}
+    host: Dict[str, List[float]] = {}
     for rep, name in run_order(list(measure), repeats):
-        out[name][rep] = 1e3 * statistics.median(measure[name]())
-    return out
+        times = measure[name]()
+        out[name][rep] = 1e3 * statistics.median(times)
+        if getattr(times, "host", None):
+            host.setdefault(name, [0.0] * repeats)[rep] = 1e3 * statistics.median(times.host)
+    return out, host
 
 
 def run_ratios(run_ms: Dict[str, List[float]], base: str,
@@ -104,6 +131,23 @@ def run_ratios(run_ms: Dict[str, List[float]], base: str,
 
 def medians(per_run: Dict[str, List[float]]) -> Dict[str, float]:
     return {name: statistics.median(v) for name, v in per_run.items()}
+
+
+def side_line(name: str, width: int, ms: float, host_ms: Optional[float], params: int,
+              extra: str = "", census: Optional[dict] = None,
+              compile_s: Optional[float] = None) -> str:
+    """One side of a step benchmark, as structmoe_step and sigma_step print it: its step time
+    and host time (:class:`StepTimes`), parameters, ``extra`` (e.g. its overhead over the
+    baseline), then the op recorder's census (``host_syncs.census``: kernels per step and
+    syncs), or for a compiled side (no census) its compile seconds."""
+    host = f" (host {host_ms:.1f})" if host_ms is not None else ""
+    line = f"  {name:{width}s}: {ms:10.1f} ms{host}  params {params:,}{extra}  | "
+    if census is None:
+        return line + f"compiled in {compile_s:.1f} s (first two steps)"
+    syncs = (f", CUDA syncs {len(census['cuda_syncs'])}"
+             if census["cuda_syncs"] is not None else "")
+    return (line + f"kernels/step {census['kernels']}, flagged syncs "
+            f"{len(census['would_sync'])}{syncs}")
 
 
 def add_run_args(parser, gpu_reps: int, cpu_reps: int) -> None:

@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa: E402
-                    compile_seconds, medians, profile_sides, run_ratios, timed, wrap_ddp)
+                    alternate_timed, compile_seconds, medians, profile_sides, run_ratios,
+                    side_line, timed, wrap_ddp)
 
 from megatron_ext.tools import host_syncs  # noqa: E402
 
@@ -156,9 +157,9 @@ def main() -> None:
             continue
         census[name] = host_syncs.census(step_fn(name, m))
         m.zero_grad_buffer()
-    run_ms = alternate({name: (lambda name=name, m=m: timed(step_fn(name, m),
-                                                             m.zero_grad_buffer, reps, warmup))
-                        for name, m in models.items()}, run.repeats)
+    run_ms, host_runs = alternate_timed(
+        {name: (lambda name=name, m=m: timed(step_fn(name, m), m.zero_grad_buffer, reps, warmup))
+         for name, m in models.items()}, run.repeats)
     ratios = run_ratios(run_ms, "upstream")
     ratio_runs = ratios["sigma"]
     step_ms = medians(run_ms)
@@ -185,6 +186,9 @@ def main() -> None:
     summary = {
         "device": device_name, **shape, "reps": reps, "repeats": run.repeats,
         "params": counts, "step_ms": step_ms, "step_ms_runs": run_ms,
+        # The host's time per step, until step() returns, before the device sync (common.py
+        # StepTimes): on a GPU near step_ms where the step is host-bound.
+        "host_ms": medians(host_runs), "host_ms_runs": host_runs,
         # Per run (ABBA order) and their median: the goal is judged per run.
         "ratio_runs": ratio_runs, "ratio_sigma_vs_upstream": ratio,
         "router_ms": router_ms, "router_ms_runs": router_runs,
@@ -201,14 +205,8 @@ def main() -> None:
           f"{args.experts} experts of {args.expert_ffn}, top-{args.topk}, {summary['tokens']} "
           f"tokens")
     for name, ms in summary["step_ms"].items():
-        c = census.get(name)
-        if c is None:
-            print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}  | compiled in "
-                  f"{compile_s[name]:.1f} s (first two steps)")
-            continue
-        syncs = (f", CUDA syncs {len(c['cuda_syncs'])}" if c["cuda_syncs"] is not None else "")
-        print(f"  {name:9s}: {ms:10.1f} ms  params {counts[name]:,}  | kernels/step "
-              f"{c['kernels']}, flagged syncs {len(c['would_sync'])}{syncs}")
+        print(side_line(name, 9, ms, summary["host_ms"][name], counts[name], "",
+                        census.get(name), compile_s.get(name)))
     print(f"  ratio sigma / upstream: {ratio:.4f} ({100 * (ratio - 1):+.2f}%; runs "
           + " / ".join(f"{r:.4f}" for r in ratio_runs) + "; goal <= +2% in every run)")
     if compiled:

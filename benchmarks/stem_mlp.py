@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa: E402
-                    compile_seconds, medians, profile_sides, run_ratios, timed, wrap_ddp)
+                    alternate_timed, compile_seconds, medians, profile_sides, run_ratios, timed,
+                    wrap_ddp)
 
 
 def build(hidden: int, ffn: int, vocab: int, dtype: torch.dtype, kernels=("torch",)):
@@ -218,8 +219,8 @@ def main() -> None:
         return
     # The compiled side compiles in its first steps: timed apart, before its warm-up.
     compile_s = {name: compile_seconds(*s) for name, s in sides.items() if name == "stem_compiled"}
-    run_ms = alternate({name: (lambda s=s: timed(*s, reps, warmup)) for name, s in sides.items()},
-                       run.repeats)
+    run_ms, host_runs = alternate_timed(
+        {name: (lambda s=s: timed(*s, reps, warmup)) for name, s in sides.items()}, run.repeats)
     speedup_runs = run_ratios(run_ms, "dense", lambda t, d: d / t)
     med = medians(run_ms)
     gemm_flops_dense = 3 * 3 * 2 * args.tokens * args.hidden * args.ffn  # 3 GEMMs x (fwd + 2 bwd)
@@ -229,6 +230,9 @@ def main() -> None:
         "ideal_speedup": 1.5, "goal_speedup": 1.4,
         "dense_ms": med["dense"], "dense_ms_runs": run_ms["dense"],
         "dense_gemm_tflops": gemm_flops_dense / med["dense"] / 1e9,
+        # Per side, the host's time per step until it returns, before the device sync
+        # (common.py StepTimes): on a GPU near the side's time where it is host-bound.
+        "host_ms": medians(host_runs), "host_ms_runs": host_runs,
     }
     for kernel in stems:
         t = med[f"stem_{kernel}"]
@@ -265,10 +269,12 @@ def main() -> None:
     print(f"STEM MLP vs dense SwiGLU, forward+backward | {summary['device']} {dtype_name} | "
           f"d={args.hidden} d_ff={args.ffn} vocab={args.vocab} tokens={args.tokens} "
           f"(unique {summary['unique_tokens']})")
-    print(f"  dense SwiGLU      : {summary['dense_ms']:10.2f} ms  "
+    host = summary["host_ms"]
+    print(f"  dense SwiGLU      : {summary['dense_ms']:10.2f} ms (host {host['dense']:.2f})  "
           f"({summary['dense_gemm_tflops']:.3f} TFLOP/s in GEMMs)")
     for kernel in stems:
-        print(f"  STEM (up, {kernel:6s}): {summary[f'stem_{kernel}_ms']:10.2f} ms  "
+        print(f"  STEM (up, {kernel:6s}): {summary[f'stem_{kernel}_ms']:10.2f} ms "
+              f"(host {host[f'stem_{kernel}']:.2f})  "
               f"({summary[f'stem_{kernel}_gemm_tflops']:.3f} TFLOP/s in GEMMs)  "
               f"speed-up vs dense {summary[f'stem_{kernel}_speedup']:.3f}x (runs "
               + " / ".join(f"{r:.3f}" for r in summary[f"stem_{kernel}_speedup_runs"]) + ")")

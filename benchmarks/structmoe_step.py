@@ -40,8 +40,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa: E402
-                    compile_seconds, medians, profile_sides, run_ratios, timed, wrap_ddp)
+from common import (RunSetup, add_profile_args, add_run_args,  # noqa: E402
+                    alternate_timed, compile_seconds, medians, profile_sides, run_ratios,
+                    side_line, timed, wrap_ddp)
 
 from megatron_ext.tools import host_syncs  # noqa: E402
 
@@ -165,9 +166,9 @@ def main() -> None:
             continue
         census[name] = host_syncs.census(steps[name])
         m.zero_grad_buffer()
-    run_ms = alternate({name: (lambda name=name, m=m: timed(steps[name], m.zero_grad_buffer,
-                                                             reps, warmup))
-                        for name, m in models.items()}, run.repeats)
+    run_ms, host_runs = alternate_timed(
+        {name: (lambda name=name, m=m: timed(steps[name], m.zero_grad_buffer, reps, warmup))
+         for name, m in models.items()}, run.repeats)
     overhead_runs = run_ratios(run_ms, "dense", lambda t, d: 100.0 * (t / d - 1.0))
     checks = {n: overhead_runs.pop(n) for n in list(overhead_runs) if "@" in n}
     summary = {
@@ -176,6 +177,9 @@ def main() -> None:
         # Per run (in run order, ABBA) and their medians; a goal is judged per run.
         "step_ms_runs": run_ms, "overhead_pct_runs": overhead_runs,
         "step_ms": medians(run_ms), "overhead_pct": medians(overhead_runs),
+        # The host's time per step, until step() returns, before the device sync (common.py
+        # StepTimes): on a GPU near step_ms where the step is host-bound.
+        "host_ms_runs": host_runs, "host_ms": medians(host_runs),
         # The alignment check (over the same dense run), apart from the backends.
         "alignment_pct_runs": checks, "alignment_pct": medians(checks),
         # Per model: kernels per step, syncs the recorder flags, syncs CUDA reports (GPU).
@@ -193,14 +197,8 @@ def main() -> None:
         extra = "" if name == "dense" else (
             f"  ({pct[name]:+.2f}% vs dense; runs "
             + " / ".join(f"{x:+.2f}%" for x in runs[name]) + ")")
-        c = census.get(name)
-        if c is None:
-            print(f"  {name:13s}: {ms:10.1f} ms  params {counts[name]:,}{extra}  | compiled in "
-                  f"{compile_s[name]:.1f} s (first two steps)")
-            continue
-        syncs = (f", CUDA syncs {len(c['cuda_syncs'])}" if c["cuda_syncs"] is not None else "")
-        print(f"  {name:13s}: {ms:10.1f} ms  params {counts[name]:,}{extra}  | kernels/step "
-              f"{c['kernels']}, flagged syncs {len(c['would_sync'])}{syncs}")
+        print(side_line(name, 13, ms, summary["host_ms"][name], counts[name], extra,
+                        census.get(name), compile_s.get(name)))
     run.write_json(summary)
 
 

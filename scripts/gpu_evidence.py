@@ -112,16 +112,29 @@ def _per_run(step: str, metric: str, runs: Optional[List[Optional[float]]],
     return Row(step, metric, value, unit, goal, better, note="; ".join(parts), incomplete=short)
 
 
+def _host(s: dict, side: str, step_ms: Optional[float]) -> str:
+    """The side's host time per step beside its step time (the benchmarks' ``host_ms``, since
+    2026-11-28: until the step returned, before the device sync): near 100% the device keeps
+    pace with the host, the step is host-bound. Empty for a result without it."""
+    host = (s.get("host_ms") or {}).get(side)
+    if host is None or not step_ms:
+        return ""
+    return f"{side}: host {host:.2f} of {step_ms:.2f} ms ({100.0 * host / step_ms:.0f}%)"
+
+
 def _rows_stem_mlp(path: str) -> List[Row]:
     s = _load(path)
-    rows = [Row("stem_mlp", "dense SwiGLU fwd+bwd", s["dense_ms"], "ms")]
+    rows = [Row("stem_mlp", "dense SwiGLU fwd+bwd", s["dense_ms"], "ms",
+                note=_host(s, "dense", s["dense_ms"]))]
     compile_s = s.get("compile_s") or {}
     notes = {"triton": "ideal 1.5x", "torch": "PyTorch path",
              "compiled": "PyTorch path, --stem-compile gate"}
     for k in ("triton", "torch", "compiled"):
         if f"stem_{k}_speedup" in s:
-            note = notes[k] + (f"; compiled in {compile_s['stem_compiled']:.1f} s"
-                               if k == "compiled" and "stem_compiled" in compile_s else "")
+            note = "; ".join(x for x in (
+                notes[k], _host(s, f"stem_{k}", s.get(f"stem_{k}_ms")),
+                f"compiled in {compile_s['stem_compiled']:.1f} s"
+                if k == "compiled" and "stem_compiled" in compile_s else "") if x)
             rows.append(_per_run("stem_mlp", f"STEM MLP ({k}) speed-up vs dense",
                                  s.get(f"stem_{k}_speedup_runs"), s[f"stem_{k}_speedup"], "x",
                                  1.4 if k == "triton" else None, "higher", note=note))
@@ -151,16 +164,19 @@ def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
         s = _load(path)
         times = s.get("layer_ms") or s.get("step_ms")
         runs = s.get("overhead_pct_runs") or {}
-        rows = [Row(step, f"dense {what}", times["dense"], "ms")]
+        rows = [Row(step, f"dense {what}", times["dense"], "ms",
+                    note=_host(s, "dense", times["dense"]))]
         per_backend = {}
         for name, pct in s["overhead_pct"].items():
             # A "<backend>+compiled" side: --structmoe-compile routed, its compile time apart.
             compiled = (s.get("compile_s") or {}).get(name)
             per_backend[name] = _per_run(step, f"StructMoE ({name}) over dense", runs.get(name),
                                          pct, "%", 3.0 if name == goal_backend else None,
-                                         "lower", note=f"{times[name]:.2f} ms" + (
-                                             f"; compiled in {compiled:.1f} s"
-                                             if compiled is not None else ""))
+                                         "lower", note="; ".join(x for x in (
+                                             f"{times[name]:.2f} ms",
+                                             _host(s, name, times[name]),
+                                             f"compiled in {compiled:.1f} s"
+                                             if compiled is not None else "") if x))
             rows.append(per_backend[name])
         if per_backend:
             # The fastest is the one whose worse run is the best.
@@ -176,14 +192,19 @@ def _rows_sigma(path: str) -> List[Row]:
     rows = [_per_run("sigma_step", "Sigma router step over upstream aux_loss",
                      [100.0 * (r - 1.0) for r in s.get("ratio_runs") or []],
                      100.0 * (s["ratio_sigma_vs_upstream"] - 1.0), "%", 2.0, "lower",
-                     note=f"{s['step_ms']['sigma']:.1f} vs {s['step_ms']['upstream']:.1f} ms")]
+                     note="; ".join(x for x in (
+                         f"{s['step_ms']['sigma']:.1f} vs {s['step_ms']['upstream']:.1f} ms",
+                         _host(s, "sigma", s["step_ms"]["sigma"]),
+                         _host(s, "upstream", s["step_ms"]["upstream"])) if x))]
     if "ratio_compiled_vs_upstream" in s:  # --sigma-compile router (benchmarks/sigma_step.py)
         rows.append(_per_run(
             "sigma_step", "Sigma router step, compiled (--sigma-compile router), over upstream",
             [100.0 * (r - 1.0) for r in s.get("ratio_compiled_runs") or []],
             100.0 * (s["ratio_compiled_vs_upstream"] - 1.0), "%", 2.0, "lower",
-            note=f"{s['step_ms']['sigma_compiled']:.1f} ms; compiled in "
-                 f"{s['compile_s']['sigma_compiled']:.1f} s"))
+            note="; ".join(x for x in (
+                f"{s['step_ms']['sigma_compiled']:.1f} ms",
+                _host(s, "sigma_compiled", s["step_ms"]["sigma_compiled"]),
+                f"compiled in {s['compile_s']['sigma_compiled']:.1f} s") if x)))
     return rows
 
 

@@ -109,6 +109,11 @@ def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     rows = step.rows(str(tmp_path / step.result))
     assert rows and all(r.step == step.name for r in rows), rows
     assert all(r.value is not None for r in rows), rows
+    if step.name in ("stem_mlp", "structmoe_step", "sigma_step"):
+        # Each side's host time per step (benchmarks/common.py StepTimes), in its row's note.
+        host = json.loads((tmp_path / step.result).read_text())["host_ms"]
+        notes = " ".join(r.note for r in rows)
+        assert host and all(f"{side}: host " in notes for side in host), (host, notes)
     if step.name in COMPILED_ROWS:
         by_metric = {r.metric: r for r in rows}
         for metric in COMPILED_ROWS[step.name]:
