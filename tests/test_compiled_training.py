@@ -2,21 +2,31 @@
 ``--sigma-compile router``, ``--stem-compile gate``; ``megatron_ext/compiled.py``) against the
 same training without: the losses agree within fp32 rounding (1e-5 over 3 steps: the regions'
 differences are a few ulp, tests/test_compiled_regions.py, and three steps of Adam at lr 1e-3
-keep them there), and each region was compiled (Dynamo logs the bytecode of every function it
-compiles under ``TORCH_LOGS=bytecode``, naming it: the compiled trainings name their regions,
-the eager ones do not; upstream compiles its fused bias-dropout either way).
+keep them there), and so do the gradient norms (relative 1e-5; measured at most 7e-7). The
+norms matter: Adam's normalized steps hide a gradient's small errors from the next losses, the
+norm of every step shows them (a managed STEM region scaled by 1.001 moved the losses by 8e-7
+and the norms by 1.8e-5). Each region was compiled: Dynamo logs the bytecode of every function
+it compiles under ``TORCH_LOGS=bytecode``, naming it; the compiled trainings name their
+regions, the eager ones do not (upstream compiles its fused bias-dropout either way).
 
-Under activation recomputation a region runs twice per micro-batch, once without gradients (the
-checkpoint's first forward) and again with them (the recompute in backward): each family's
-compiled training with full recomputation, and Sigma's also with upstream's selective
-``--recompute-modules moe`` (the MoE layer, router included, checkpointed), gives the losses of
-its compiled training without recomputation. STEM has no selective form
-(``--recompute-modules mlp`` is refused for token-indexed MLPs, models/layer.py).
+Under activation recomputation the checkpointed part of a layer runs twice per micro-batch, once
+without gradients (the checkpoint's forward, whose output the loss is computed from) and again
+with them (the recompute in backward): STEM's and StructMoE's regions run compiled both times
+(two graphs, with and without autograd), Sigma's router takes upstream's eager routing without
+gradients (``SigmaRouter.routing``). Each family's compiled training with full recomputation,
+and Sigma's also with upstream's selective ``--recompute-modules moe`` (the MoE layer, router
+included, checkpointed), gives the losses of its compiled training without recomputation (and of
+the eager one), and its gradient norms within 1e-6: the gradients come from the same compiled
+graph in both (measured: the same norms to the last bit; Sigma's losses one ulp apart, from its
+eager routing in the checkpoint's forward). STEM has no selective form (``--recompute-modules
+mlp`` is refused for token-indexed MLPs, models/layer.py).
 
 STEM's managed tables (``--stem-table-placement cpu`` and ``tiered``, vocab-sharded): the rows
-arrive from the runtime (``stem/runtime/``) rather than from a table parameter and the region
-casts them to the model's dtype before its product (``stem/mlp.py``); the compiled training
-gives the losses of the same managed-table training without the flag.
+arrive from the runtime (``stem/runtime/``) as leaves of their own rather than as a gather of a
+table parameter, and the region is given the model's dtype to cast them to (``stem/mlp.py``; the
+rows travel in that dtype already, ``StemTables.wire_dtype``, so the cast changes nothing
+here); the compiled training gives the losses and gradient norms of the same managed-table
+training without the flag.
 
 All trainings in one launch of one rank (``tests/multirank.py``): one start-up, and Inductor's
 compiles (a few seconds per region and graph on the CPU) are what the rest of the time goes to.
@@ -68,8 +78,21 @@ REGIONS = {"structmoe": ["dense_masked_route_tail", "lbl_statistics"],
 PAIRS = {**{family: family for family in FAMILIES}, **{name: "stem" for name in TABLES}}
 
 
+# Relative tolerances of the gradient norms: compiled against eager, and a compiled training
+# with recomputation against the same without (its gradients from the same compiled graphs).
+NORM_TOL, RECOMPUTE_NORM_TOL = 1e-5, 1e-6
+
+
 def compiled_functions(log: str):
     return set(re.findall(r"ORIGINAL BYTECODE (\w+) ", log))
+
+
+def assert_close_norms(a, b, rel: float) -> None:
+    na, nb = (dict(run.scalars["grad-norm"]) for run in (a, b))
+    diffs = [abs(na[i] - nb[i]) / na[i] for i in STEPS]
+    assert max(diffs) <= rel, (f"{a.name} vs {b.name} gradient norms: {[na[i] for i in STEPS]} "
+                               f"vs {[nb[i] for i in STEPS]} (max relative diff "
+                               f"{max(diffs):.2e})")
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +123,7 @@ def test_compiled_training_matches_eager(runs, pair):
     assert regions <= compiled_functions(compiled.log), compiled_functions(compiled.log)
     assert not regions & compiled_functions(eager.log)
     assert_close_curves(eager, compiled, STEPS)
+    assert_close_norms(eager, compiled, NORM_TOL)
 
 
 @pytest.mark.parametrize("name", list(RECOMPUTED))
@@ -107,5 +131,8 @@ def test_compiled_with_recomputation(runs, name):
     family = RECOMPUTED[name][0]
     recomputed = require_ok(runs[name])
     assert set(REGIONS[family]) <= compiled_functions(recomputed.log)
-    assert_close_curves(require_ok(runs[f"{family}_compiled"]), recomputed, STEPS)
-    assert_close_curves(require_ok(runs[f"{family}_eager"]), recomputed, STEPS)
+    compiled, eager = require_ok(runs[f"{family}_compiled"]), require_ok(runs[f"{family}_eager"])
+    assert_close_curves(compiled, recomputed, STEPS)
+    assert_close_norms(compiled, recomputed, RECOMPUTE_NORM_TOL)
+    assert_close_curves(eager, recomputed, STEPS)
+    assert_close_norms(eager, recomputed, NORM_TOL)
