@@ -176,6 +176,16 @@ def test_additive_update_allocates_no_tensor_of_the_mlp_width(mcore_single_rank,
         wide(bwd, mlp.ffn_per_partition), wide(dbwd, FF))
 
 
+def test_dense_masked_gate_is_scattered_into_its_zeros(mcore_single_rank, aux_scale):
+    """Dense-masked's [tokens, L] gate: the selected scores scattered in place into fresh zeros,
+    no second [tokens, L] tensor (an out-of-place scatter copies the zeros: one more kernel per
+    layer on a GPU, until 2026-11-28). The forward's [tokens, L] tensors: the router's logits,
+    its probabilities and the gate."""
+    fwd, _ = second_step(structmoe_mlp("dense-masked"), torch.randn(S, B, H, requires_grad=True))
+    made = sorted(op for op, shape in fwd.new_tensors if shape == (S * B, 6))
+    assert made == ["aten::_softmax", "aten::mm", "aten::zeros"], made
+
+
 def test_routing_fractions_cost_the_same_for_any_number_of_experts(mcore_single_rank, aux_scale):
     """Recording L fractions per layer is one add, not L of upstream's ``tracker.record``."""
     x = torch.randn(S, B, H, requires_grad=True)

@@ -144,8 +144,10 @@ def masked_codes(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor,
     """:func:`dense_masked_codes` of a routing's ``indices`` and ``weights``."""
     n_experts, hidden, rank = a.shape
     u = x @ a.permute(1, 0, 2).reshape(hidden, n_experts * rank)          # [N, L r]
-    gate = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype, device=x.device)
-    gate = gate.scatter(1, indices, weights)                                # [N, L]
+    # Scattered in place into fresh zeros (its gradient is the same gather of the weights'): an
+    # out-of-place scatter copies the zeros first, one more kernel per layer on a GPU.
+    gate = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype, device=x.device).scatter_(
+        1, indices, weights)                                                # [N, L]
     return (u.view(-1, n_experts, rank) * gate.to(u.dtype).unsqueeze(-1)).reshape(
         -1, n_experts * rank)
 
