@@ -60,7 +60,9 @@ class DirectReads:
         # Drop the reads that have finished (in any order: their streams differ).
         self._pending = [(n, e) for n, e in self._pending if not e.query()]
         self._count += 1
-        self._last_read[rows] = self._count
+        # index_fill_, not an indexed assignment: 30 us against 210 us for 3420 rows on 2 busy
+        # cores (the assignment's index_put wakes the intra-op threads)
+        self._last_read.index_fill_(0, rows.to(torch.long), self._count)
         self._pending.append((self._count, event))
 
     def before_write(self, rows: Optional[torch.Tensor] = None) -> None:
