@@ -191,6 +191,12 @@ def main(argv: List[str] = None) -> dict:
                         ["dense-masked", "grouped"])
     parser.add_argument("--families", default="structmoe,sigma",
                         help="comma-separated: structmoe, sigma")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's CPU threads (default 1: at this shape there is nothing to "
+                             "share, and on a loaded machine OpenMP threads wait for each other "
+                             "in every op; seen on the 2-core development machine, dense-masked: "
+                             "1.7 s per step with 2 threads at a load of about 25, 26-63 ms with "
+                             "1 or 2 at a load of 7-10)")
     add_run_args(parser, gpu_reps=50, cpu_reps=20)
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -201,6 +207,8 @@ def main(argv: List[str] = None) -> dict:
         args.warmup = 3
 
     run = RunSetup(args)
+    if not gpu:
+        torch.set_num_threads(args.threads)
     device = run.device
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (1, args.seq), generator=g).to(device)
