@@ -26,6 +26,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import selectors
 import shlex
 import signal
@@ -507,15 +508,26 @@ def _rows_pytest(path: str, step: str = "gpu_tests") -> List[Row]:
 # ----------------------------------------------------------------------------- the plan
 
 # Single-process tests with a CUDA path (they run on the GPU when one is there) and the tests
-# marked gpu. Multi-rank tests are gloo/CPU tests and stay in CI.
+# marked gpu, in two steps. Multi-rank tests are gloo/CPU tests and stay in CI.
+# First, what issue 48 needs before anything else: the file whose row-kernel refusal died of
+# SIGSEGV on an H100's host (2026-11-27), the refusals' own tests (a team of 16 threads, another
+# thread holding the GIL: that host has 16 cores, the development machine 2), and the files with
+# CUDA paths written since that run (the rows' GPU step kernel, direct host reads, the gradient
+# path's split). Run first and apart, they report even if the longer step after them is cut.
+GPU_TESTS_FIRST = [
+    "tests/test_row_kernel_refusals.py", "tests/test_stem_row_adam.py",
+    "tests/test_row_adam_gpu.py", "tests/test_host_rows.py", "tests/test_stem_grad_split.py",
+    "tests/test_host_read_order.py",
+]
+# Then the rest: the kernels, lookup, prefetch, tiers, compat, TE, and the compiled regions
+# against eager on CUDA in bf16 and fp32 (Inductor's Triton kernels). With the first step, every
+# test of ``stem_gpu_tests`` too (its one test outside these files is named here).
 GPU_TEST_FILES = [
     "tests/test_kernel_stem_gate.py", "tests/test_kernel_structmoe.py",
     "tests/test_stem_lookup.py", "tests/test_stem_tables_prefetch.py", "tests/test_compat.py",
     "tests/test_te_backend.py", "tests/test_stem_mlp.py", "tests/test_structmoe_routed.py",
-    "tests/test_stem_row_adam.py", "tests/test_stem_tiers.py", "tests/test_host_rows.py",
-    "tests/test_stem_grad_split.py", "tests/test_row_adam_gpu.py",
-    "tests/test_host_read_order.py",
-    # The compiled regions against eager on CUDA in bf16 and fp32 (Inductor's Triton kernels).
+    "tests/test_stem_tiers.py",
+    "tests/test_stem_layers.py::test_block_context_of_host_checked_ids_does_not_wait_for_the_gpu",
     "tests/test_compiled_regions.py",
 ]
 
@@ -551,11 +563,11 @@ def _pytest_step(name: str, what: str, tests: List[str], limit: int) -> Step:
 
 def plan() -> List[Step]:
     steps = [
-        # 360 s before test_compiled_regions.py joined; its 120 s more (13 CUDA cases, each a
-        # cold Inductor compile of a forward and a backward, and the file's CPU tests) is a
-        # guess until a GPU run measures it.
-        _pytest_step("gpu_tests", "pytest: GPU-marked tests and single-process tests with a "
-                     "CUDA path", GPU_TEST_FILES, 480),
+        _pytest_step("gpu_tests_first", "pytest: the row kernels (the SIGSEGV's file, the "
+                     "refusals on this host) and the CUDA tests new since the last GPU run",
+                     GPU_TESTS_FIRST, 240),
+        _pytest_step("gpu_tests", "pytest: the other GPU-marked tests and single-process tests "
+                     "with a CUDA path (kernels, compiled regions)", GPU_TEST_FILES, 480),
         _pytest_step("stem_gpu_tests", "pytest: the STEM tables' GPU-only tests (streams, "
                      "pinned copies)", STEM_GPU_TESTS, 120),
         Step("stem_mlp", "STEM MLP (fused kernel, PyTorch path) vs dense SwiGLU, 1B shape, bf16",
@@ -567,6 +579,22 @@ def plan() -> List[Step]:
         Step("structmoe_step", "StructMoE 0.9B GPT step vs dense, per routed backend",
              [PY, "benchmarks/structmoe_step.py", "--json", f"{RES}/structmoe_step.json"],
              300, "structmoe_step.json", _rows_overhead("structmoe_step", "step", "triton")),
+        # Issue 50, capability 2: the same models at 4 x 4096 tokens per step. Memory, counted:
+        # the loss upcasts the 16384 x 128256 logits (4.2 GB in bf16) to fp32 (8.4 GB, kept for
+        # backward as the softmax; Megatron's vocab_parallel_cross_entropy), and five models of
+        # 0.89 B parameters hold bf16 weights and gradient buffers (18 GB); with about 1.2 GB
+        # of activations per layer at this size (SDPA attention: no [s, s] scores) the step
+        # needs about 40-50 GB of an H100's 80. triton is left out (+143.8% at 2048 tokens,
+        # H100, 2026-11-27: it cannot be the fastest), and so is the D'_ff alignment check (a
+        # question of the GEMMs' shapes, answered at 2048); 5 timed steps per side and run
+        # (a step is about 8x the 2048-token one).
+        Step("structmoe_step_16k", "StructMoE 0.9B GPT step vs dense at 4 x 4096 tokens, "
+             "dense-masked and grouped",
+             [PY, "benchmarks/structmoe_step.py", "--micro-batch", "4", "--seq", "4096",
+              "--backends", "dense-masked", "grouped", "--no-alignment-check", "--reps", "5",
+              "--json", f"{RES}/structmoe_step_16k.json"],
+             300, "structmoe_step_16k.json",
+             _rows_overhead("structmoe_step_16k", "step", None)),
         Step("sigma_step", "Sigma router with global LBL vs upstream aux_loss, 8 layers",
              [PY, "benchmarks/sigma_step.py", "--layers", "8", "--seq", "4096",
               "--json", f"{RES}/sigma_step.json"],
@@ -653,25 +681,121 @@ def plan() -> List[Step]:
     return steps
 
 
-# Seconds a step took in its last measured run, rounded up (device, date); a step without one
-# counts its limit. The family benchmarks time as many steps since their runs alternate
-# (2026-11-28) as before.
+# Seconds a step is expected to take on one H100: its last measured run (device, date, the log
+# it is read from), plus what was added since, guessed and said so; a step without one counts
+# its limit. The family benchmarks time as many steps since their runs alternate (2026-11-28)
+# as before; their compiled sides (since 2026-11-28) are not in any measured run: a guess of
+# 30 s for a process's first compile (Dynamo, AOT autograd, Inductor's Triton kernels, cold
+# caches) and 15 s for each one after it, plus their timed steps.
 ESTIMATES = {
-    # 231 s, H100, 2026-11-27 (it crashed at 193 s); the 90 s more of test_compiled_regions.py
-    # (1 min on 2 CPU cores at its CUDA tests' shapes) is a guess until a GPU run measures it.
+    # Guess: a pytest start with CUDA (about 20 s), the row kernels' build (a plain C library
+    # since the SIGSEGV's fix; as a torch extension it took 42.6 s inside the first test that
+    # needed it, docs/results/gpu_2026-11-27_h200/logs/stem_gpu_tests.xml) and about 150
+    # tests.
+    "gpu_tests_first": 100,
+    # The ten files of 2026-11-27 reached 81% of their tests in 192.8 s on an H100 before the
+    # SIGSEGV (docs/results/gpu_2026-11-27c_h100/run2_gpu_tests.log; the 231 s written here
+    # until 2026-11-28 was that whole device call, wheels and device probe included): about
+    # 240 s for all ten, of which test_stem_row_adam.py, now in gpu_tests_first, took its share
+    # and the extension's build; plus test_compiled_regions.py's 13 CUDA cases, each a cold
+    # compile (guess: 120 s).
     "gpu_tests": 330,
-    "stem_gpu_tests": 100,  # 96 s, H200, 2026-11-27
-    "stem_mlp": 25,  # 22.7 s, H100, 2026-11-27
-    "structmoe_kernel": 30,  # 27.1 s, H100, 2026-11-24
-    "structmoe_step": 45,  # 43.5 s, H100, 2026-11-27
-    "sigma_step": 60,  # 58.2 s, H100, 2026-11-27
+    "stem_gpu_tests": 100,  # 95.8 s and 85.6 s, H200, 2026-11-27 (evidence.json, both leases)
+    "stem_mlp": 55,  # 22.7 s, H100, 2026-11-27c (run1.log); + the compiled MLP's compile (guess)
+    # 27.1 s, H100, 2026-11-24 (run6_evidence.json); + two compiled sides (guess).
+    "structmoe_kernel": 75,
+    # 43.5 s, H100, 2026-11-27c (run1.log); + two compiled models' steps and compiles (guess).
+    "structmoe_step": 95,
+    # Counted from structmoe_step's 68.6 ms dense step (H100, 2026-11-27c): about 8x the tokens
+    # and 1.1x the FLOPs per token (attention at 4096), about 0.6 s a dense step and 0.8 s a
+    # StructMoE one; five models of (3 + 5) x 2 timed and warm-up steps and one census step
+    # each (about 90 s), their builds and the process's start (about 30 s), two compiles at
+    # this shape (guess: 45 s).
+    "structmoe_step_16k": 160,
+    # 58.2 s, H100, 2026-11-27c (run1.log); + the compiled side: 27 steps of about 0.75 s and
+    # its compile (guess).
+    "sigma_step": 110,
     # Not yet timed on a GPU: three start-ups (about 10 s each), the timing steps' model
     # builds, 1 + 3 profiled steps per side and the traces' export; 47 s on this project's
     # 2-core CPU (load about 8) at the tiny shapes (2026-11-28).
     "profile": 150,
-    "host_optimizer": 90,  # 81.1 s, H200, 2026-11-27
+    # Six 1B trainings (three variants, --repeats 2) and two profiled: on an H100 three
+    # trainings took about 300 s (2026-11-27c: run 1's 507 s less its two runner calls,
+    # stem_mlp 22.7 s, structmoe_step 43.5 s, sigma_step 58.2 s and about 40 s before each
+    # call's first step), so six take about 600 s, past the step's 540 s limit and one call's
+    # 10 minutes; on an H200 205.9 s for three (2026-11-27b, evidence.json): about 420 s.
+    "stem_placement": 600,
+    "host_optimizer": 90,  # 81.1 s, H200, 2026-11-27 (run2_evidence.json)
     "first_runs": 510,  # the runs' --run-seconds 85 each and the corpus
 }
+
+
+# The next GPU session (docs/gpu_session.md; ``--print-only`` prints it): 15 device-minutes,
+# start and idle time included, each call at most 10 minutes. A call runs
+# ``gpu_evidence.sh /tmp/ev --call N --bundle "$OUT"``: the call's steps, in order of what they
+# answer, under a budget that ends them inside the call's timeout.
+LEASE_S = 900
+# The machine's start and the transfers of a lease: 42 s and 54 s beyond its calls' own seconds
+# in the two leases of 2026-11-27 (H200: 805 s for calls of 355 + 260 + 148 s; 678 s for
+# 481 + 143 s; docs/results/gpu_2026-11-27*_h200/README.md). The device's notes say a start can
+# take a minute or more: the plan leaves a margin for it.
+START_S = 60
+# Per call, before its first step: the wheels' install, the import check and the device probe
+# (38 s on an H100, 2026-11-27c: a 231 s call whose one step took 192.8 s; 37 s on an H200,
+# 2026-11-27: 355 s for steps of 95.8 + 221.8 s).
+CALL_OVERHEAD_S = 40
+# After the last step: the report and the bundle.
+CALL_MARGIN_S = 20
+
+
+@dataclass
+class Call:
+    """One device call of the next GPU session: its steps in order, the device's ``timeout_s``
+    for the call, and what it answers."""
+
+    steps: List[str]
+    timeout_s: int
+    answers: str
+
+    @property
+    def budget_min(self) -> float:
+        """The runner's budget: the call's timeout less what comes before the first step and
+        after the last."""
+        return round((self.timeout_s - CALL_OVERHEAD_S - CALL_MARGIN_S) / 60.0, 2)
+
+
+SESSION = [
+    # 40 s of slack in its budget for the guesses among its estimates; if call 1 takes all of
+    # its 510 s, call 2 still has its 330 of the lease's 900 after a 60 s start.
+    Call(["gpu_tests_first", "stem_mlp", "structmoe_step", "structmoe_step_16k"], 510,
+         "issue 48 capabilities 1-2 (the SIGSEGV's file on the host it died on, the refusals "
+         "with 16 threads, the CUDA tests new since); issue 50 capabilities 2-3 (StructMoE at "
+         "2048 and at 4 x 4096 tokens per step, STEM's MLP, each compiled side's speed)"),
+    Call(["sigma_step", "profile"], 330,
+         "issue 50 capabilities 4 and 1 (Sigma's router and its compiled side; each family's "
+         "profile: where the extra time goes)"),
+]
+
+
+def session_lines() -> List[str]:
+    """The next GPU session as ``--print-only`` prints it and docs/gpu_session.md quotes it."""
+    by_name = {s.name: s for s in plan()}
+    lines = [f"Next GPU session (docs/gpu_session.md): {LEASE_S} device-seconds; about {START_S} "
+             "s to start the machine and move files, then each call, at once, on the warm "
+             "machine:"]
+    total = START_S
+    for i, call in enumerate(SESSION, 1):
+        steps = sum(by_name[n].expected_s for n in call.steps)
+        expected = CALL_OVERHEAD_S + steps
+        total += expected
+        lines += [f"call {i}: timeout_s {call.timeout_s}, budget {call.budget_min:g} min, "
+                  f"expected {expected} s ({CALL_OVERHEAD_S} s before the first step, steps "
+                  f"{steps} s): " + ", ".join(f"{n} {by_name[n].expected_s} s"
+                                              for n in call.steps),
+                  f"  bash scripts/gpu_evidence.sh /tmp/ev --call {i} --bundle \"$OUT\"",
+                  f"  answers {call.answers}"]
+    lines.append(f"expected {total} of the lease's {LEASE_S} s")
+    return lines
 
 
 def _expand(argv: List[str], python: str, results: str) -> List[str]:
@@ -711,9 +835,22 @@ def _device_info(python: str) -> Dict[str, object]:
     return info
 
 
-def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[str, object]:
-    """Run one step in its own process group; kill the group at its limit."""
+# A signal that stops the runner itself (SIGTERM: the device call's timeout, exit 124), set by
+# its handler and read between lines of a step's output: the step in flight is stopped and
+# recorded, and the report and the bundle are written before the runner exits.
+_STOPPED: Dict[str, Optional[int]] = {"signal": None}
+
+
+def _on_stop(signum, frame) -> None:
+    _STOPPED["signal"] = signum
+
+
+def _run_step(step: Step, argv: List[str], log_path: str, limit: int,
+              tick: Optional[Callable[[float], None]] = None) -> Dict[str, object]:
+    """Run one step in its own process group; kill the group at its limit, or when the runner
+    is told to stop. ``tick(seconds so far)`` runs every ``BUNDLE_EVERY_S`` meanwhile."""
     t0 = time.time()
+    stopped = None
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
@@ -722,17 +859,24 @@ def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[st
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
         timed_out = False
         deadline = t0 + limit
+        next_tick = t0 + BUNDLE_EVERY_S
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:
-            if time.time() > deadline:
+            if _STOPPED["signal"] is not None:
+                stopped = _STOPPED["signal"]
+            elif time.time() > deadline:
                 timed_out = True
+            if stopped is not None or timed_out:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 break
-            if sel.select(timeout=1.0):
+            if tick is not None and time.time() >= next_tick:
+                tick(time.time() - t0)
+                next_tick = time.time() + BUNDLE_EVERY_S
+            if sel.select(timeout=min(1.0, BUNDLE_EVERY_S)):
                 line = proc.stdout.readline()
                 if not line:
                     break
@@ -746,7 +890,9 @@ def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[st
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if timed_out:
+    if stopped is not None:
+        status = f"stopped ({signal.Signals(stopped).name})"
+    elif timed_out:
         status = "timeout"
     elif rc < 0:  # killed by a signal: a segmentation fault, an abort
         status = f"crashed ({isolated_pytest.signal_name(rc)})"
@@ -754,6 +900,125 @@ def _run_step(step: Step, argv: List[str], log_path: str, limit: int) -> Dict[st
         status = "ok" if rc == 0 else f"failed (exit {rc})"
     return {"status": status, "seconds": round(time.time() - t0, 1), "limit_s": limit,
             "command": shlex.join(argv)}
+
+
+# ----------------------------------------------------------------------------- the bundle
+
+# What one device call brings back is what its command left under $OUT: at most 8 files of at
+# most 16 MiB, in the folder itself or two below, named in letters, digits, '.', '_' and '-'
+# (/work/.library/device/README.md), and nothing when the call is killed before a copy at its
+# end. ``--bundle DIR`` keeps DIR a copy of the results that fits: rewritten after every step
+# and every BUNDLE_EVERY_S while one runs, each file written beside and renamed into place, so
+# a call killed at any moment leaves the last whole copy.
+BUNDLE_EVERY_S = 60.0
+BUNDLE_FILES = 8
+BUNDLE_FILE_BYTES = 15 * 2 ** 20  # under 16 MiB with room for the archive's own headers
+_BUNDLE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_PARTIAL = "partial.tmp"  # the one file being written; renamed into place when whole
+
+
+def _write_atomic(path: str, write: Callable[[object], None], mode: str = "w") -> None:
+    """``write(file)`` into a file beside ``path``, then renamed onto it: a reader (or a kill)
+    sees the old file or the new one, never half of one."""
+    partial = os.path.join(os.path.dirname(path), _PARTIAL)
+    with open(partial, mode) as f:
+        write(f)
+    os.replace(partial, path)
+
+
+def _results_files(results: str) -> List[Tuple[str, str, int]]:
+    """(path, name in the archive, bytes) of every file under the results folder but the
+    installed packages (``.site``)."""
+    found = []
+    for folder, dirs, files in os.walk(results):
+        rel_folder = os.path.relpath(folder, results)
+        dirs[:] = sorted(d for d in dirs if not (rel_folder == "." and d == ".site")
+                         and d != "__pycache__")
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path) and not os.path.islink(path) and name != _PARTIAL:
+                found.append((path, os.path.normpath(os.path.join(rel_folder, name)),
+                              os.path.getsize(path)))
+    return found
+
+
+def bundle(results: str, dest: str, file_bytes: int = BUNDLE_FILE_BYTES) -> List[str]:
+    """Write into ``dest``: ``evidence.md`` and ``evidence.json``; ``results.tar.gz``, every
+    file of the results folder but the packages and the traces, smallest first while the
+    archive stays under ``file_bytes``; ``traces-N.tar``, the already-compressed files (the
+    profiler's ``*.gz`` traces), packed into as many archives as the file count allows; and
+    ``bundle.txt``, what each holds and what was left out and why. Returns what was left out."""
+    os.makedirs(dest, exist_ok=True)
+    import tarfile
+
+    manifest, left_out = [], []
+    for name in ("evidence.md", "evidence.json"):
+        src = os.path.join(results, name)
+        if os.path.exists(src):
+            with open(src, "rb") as f:
+                data = f.read()
+            _write_atomic(os.path.join(dest, name), lambda out: out.write(data), "wb")
+    files = [f for f in _results_files(results)
+             if f[1] not in ("evidence.md", "evidence.json")]
+    plain = sorted((f for f in files if not f[1].endswith(".gz")), key=lambda f: f[2])
+    packed = sorted((f for f in files if f[1].endswith(".gz")), key=lambda f: -f[2])
+
+    # Every plain file, smallest first; while the archive is over its size, the largest left
+    # goes (a log compresses tenfold, a binary not at all: only writing it tells).
+    keep = [f for f in plain if f[2] <= 8 * file_bytes]
+    left_out += [f"{a} ({n} bytes): over {8 * file_bytes} bytes" for _, a, n in plain
+                 if n > 8 * file_bytes]
+    partial = os.path.join(dest, _PARTIAL)
+    while True:
+        with tarfile.open(partial, mode="w:gz") as tar:
+            for path, arc, _ in keep:
+                tar.add(path, arcname=arc)
+        if os.path.getsize(partial) <= file_bytes or not keep:
+            break
+        _, arc, n = keep.pop()
+        left_out.append(f"{arc} ({n} bytes): results.tar.gz full")
+    os.replace(partial, os.path.join(dest, "results.tar.gz"))
+    manifest.append(f"results.tar.gz: {len(keep)} files")
+
+    def tar_bytes(members: List[Tuple[str, str, int]]) -> int:
+        # A header and the data in 512-byte blocks per file, two end blocks, and the whole
+        # padded to tarfile's 10240-byte records.
+        raw = sum(512 + -(-m[2] // 512) * 512 for m in members) + 1024
+        return -(-raw // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+    # The rest of the file count, less evidence.md, evidence.json, results.tar.gz, bundle.txt
+    # and the partial file, for archives of traces (first fit, largest first).
+    bins: List[List[Tuple[str, str, int]]] = []
+    for f in packed:
+        if tar_bytes([f]) > file_bytes:
+            left_out.append(f"{f[1]} ({f[2]} bytes): over {file_bytes} bytes alone")
+            continue
+        for b in bins:
+            if tar_bytes(b + [f]) <= file_bytes:
+                b.append(f)
+                break
+        else:
+            if len(bins) < BUNDLE_FILES - 5:
+                bins.append([f])
+            else:
+                left_out.append(f"{f[1]} ({f[2]} bytes): no archive left")
+    for i, b in enumerate(bins, 1):
+        def write_traces(out, b=b) -> None:
+            with tarfile.open(fileobj=out, mode="w") as tar:
+                for path, arc, _ in b:
+                    tar.add(path, arcname=arc)
+        _write_atomic(os.path.join(dest, f"traces-{i}.tar"), write_traces, "wb")
+        manifest.append(f"traces-{i}.tar: " + ", ".join(arc for _, arc, _ in b))
+    for name in os.listdir(dest):  # archives of an earlier bundle that this one did not need
+        number = name[len("traces-"):-len(".tar")]
+        if name.startswith("traces-") and name.endswith(".tar") and number.isdigit() and \
+                int(number) > len(bins):
+            os.remove(os.path.join(dest, name))
+    text = "\n".join([f"bundle of {results} at {datetime.datetime.now().isoformat()}",
+                      *manifest, "left out:" if left_out else "nothing left out",
+                      *(f"  {x}" for x in left_out)]) + "\n"
+    _write_atomic(os.path.join(dest, "bundle.txt"), lambda out: out.write(text))
+    return left_out
 
 
 def _tail(path: str, n: int = 25) -> str:
@@ -789,8 +1054,7 @@ def report(results: str, state: Dict[str, object], steps: List[Step]) -> str:
             lines.append(f"| {s.name} | {st['status']} | {st['seconds']} | {st['limit_s']} | "
                          f"`{st['command']}` |")
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(results, "evidence.md"), "w") as f:
-        f.write(text)
+    _write_atomic(os.path.join(results, "evidence.md"), lambda f: f.write(text))
     return text
 
 
@@ -887,18 +1151,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("results", help="results folder (created; earlier results there are kept)")
     p.add_argument("--steps", default=None,
                    help="comma list of steps to run, in this order (default: all, plan order)")
+    p.add_argument("--call", type=int, default=None, choices=range(1, len(SESSION) + 1),
+                   help="the next GPU session's call N (docs/gpu_session.md): its steps, and "
+                        "its budget unless --budget-min is given")
     p.add_argument("--skip", default="", help="comma list of steps to leave out")
-    p.add_argument("--budget-min", type=float, default=9.0,
-                   help="stop starting steps whose limit would end past this many minutes")
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="start no step past this many minutes, nor one expected to end past "
+                        "them (default 9, or the call's)")
+    p.add_argument("--bundle", default=None, metavar="DIR",
+                   help="keep DIR (the device call's $OUT) a copy of the results within what a "
+                        "call brings back, rewritten after every step and every "
+                        f"{BUNDLE_EVERY_S:g} s: evidence.md, evidence.json, results.tar.gz, "
+                        "traces-N.tar, bundle.txt")
     p.add_argument("--print-only", action="store_true", help="print the plan, run nothing")
     p.add_argument("--check-commands", action="store_true",
                    help="parse every step's flags with its own parser, run nothing else")
     p.add_argument("--python", default=sys.executable)
     opts = p.parse_args(argv)
+    if opts.call is not None and opts.steps is not None:
+        p.error("--call N runs that call's steps: give --steps or --call, not both")
+    call = SESSION[opts.call - 1] if opts.call is not None else None
+    budget_min = opts.budget_min if opts.budget_min is not None else (
+        call.budget_min if call is not None else 9.0)
 
     steps = plan()
     names = [s.name for s in steps]
-    chosen = opts.steps.split(",") if opts.steps else names
+    chosen = call.steps if call is not None else (opts.steps.split(",") if opts.steps
+                                                  else names)
     skip = [n for n in opts.skip.split(",") if n]
     unknown = [n for n in chosen + skip if n not in names]
     if unknown:
@@ -917,28 +1196,56 @@ def main(argv: Optional[List[str]] = None) -> int:
         expected = sum(s.expected_s for s in todo)
         print(f"{len(todo)} steps, limits add up to {total / 60:.1f} min, expected "
               f"{expected / 60:.1f} min (a step not timed counts its limit; budget "
-              f"{opts.budget_min:g} min)" + (", over the budget: some will be skipped"
-                                              if expected > 60 * opts.budget_min else ""))
+              f"{budget_min:g} min)" + (", over the budget: some will be skipped"
+                                        if expected > 60 * budget_min else ""))
+        if call is None and opts.steps is None:
+            print("\n" + "\n".join(session_lines()))
         return 0
     if opts.check_commands:
         return check_commands(todo, opts.python, results)
 
+    _STOPPED["signal"] = None
+    before = signal.signal(signal.SIGTERM, _on_stop)
+    try:
+        return _run(opts, results, steps, todo, budget_min)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run(opts, results: str, steps: List[Step], todo: List[Step], budget_min: float) -> int:
     os.makedirs(os.path.join(results, "logs"), exist_ok=True)
     state_path = os.path.join(results, "evidence.json")
     state = _load(state_path) if os.path.exists(state_path) else {}
     state["date"] = datetime.date.today().isoformat()
     state["device"] = _device_info(opts.python)
     state.setdefault("steps", {})
+
+    def save() -> str:
+        collect_rows(results, steps, state)
+        text = json.dumps(state, indent=2)
+        _write_atomic(state_path, lambda f: f.write(text))
+        md = report(results, state, steps)
+        if opts.bundle:
+            bundle(results, opts.bundle)
+        return md
+
     print(f"[gpu-evidence] {state['device']}", flush=True)
+    save()  # the device, and what earlier calls left, before the first step
     t_start = time.time()
     for i, s in enumerate(todo, 1):
+        if _STOPPED["signal"] is not None:
+            break
         elapsed = time.time() - t_start
-        left = 60 * opts.budget_min - elapsed
-        if left < min(60, s.limit_s):
+        left = 60 * budget_min - elapsed
+        # A step that cannot end inside the budget is not started: cut at the budget it would
+        # leave no number. Test steps are the exception: each file they finish is reported.
+        too_long = s.kind != "pytest" and s.estimate_s is not None and s.estimate_s > left
+        if left < min(60, s.limit_s) or too_long:
             state["steps"][s.name] = {"status": "skipped (budget)", "seconds": 0,
                                       "limit_s": s.limit_s, "command": ""}
             print(f"[gpu-evidence] {i}/{len(todo)} {s.name}: skipped, {left:.0f} s left of the "
-                  f"{opts.budget_min:g} min budget", flush=True)
+                  f"{budget_min:g} min budget" + (f", about {s.estimate_s} s expected"
+                                                  if too_long else ""), flush=True)
             continue
         argv = _expand(s.argv, opts.python, results)
         # A step gets its own limit or what is left of the budget, whichever is less.
@@ -946,7 +1253,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"[gpu-evidence] {i}/{len(todo)} {s.name} (limit {limit} s, "
               f"{elapsed / 60:.1f} min so far): {s.what}", flush=True)
         log_path = os.path.join(results, "logs", f"{s.name}.log")
-        st = _run_step(s, argv, log_path, limit)
+
+        def tick(seconds: float, s=s, argv=argv, limit=limit, log_path=log_path) -> None:
+            # The step in flight as far as it got: what a call killed now brings back.
+            state["steps"][s.name] = {"status": "running", "seconds": round(seconds, 1),
+                                      "limit_s": limit, "command": shlex.join(argv),
+                                      "tail": _tail(log_path)}
+            save()
+
+        st = _run_step(s, argv, log_path, limit, tick=tick)
         if st["status"] == "ok" and s.result and not os.path.exists(
                 os.path.join(results, s.result)):
             st["status"] = "ok, but no result file"
@@ -954,14 +1269,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"[gpu-evidence] {s.name}: {st['status']} in {st['seconds']} s", flush=True)
         if st["status"] != "ok":
             st["tail"] = _tail(log_path)
-        collect_rows(results, steps, state)
-        with open(state_path, "w") as f:
-            json.dump(state, f, indent=2)
-        report(results, state, steps)
-    collect_rows(results, steps, state)
-    with open(state_path, "w") as f:
-        json.dump(state, f, indent=2)
-    print(report(results, state, steps))
+        save()
+    if _STOPPED["signal"] is not None:
+        print(f"[gpu-evidence] stopped by {signal.Signals(_STOPPED['signal']).name}: the steps "
+              "after it not run", flush=True)
+    print(save())
     return _exit_status(state, todo, results)
 
 

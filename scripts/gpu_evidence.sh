@@ -2,8 +2,8 @@
 # Every GPU number of the project from one command, on a machine with one NVIDIA GPU, Python 3.12
 # with torch and Triton, and no network:
 #
-#   bash scripts/gpu_evidence.sh RESULTS_DIR [--wheels DIR] [--steps a,b] [--skip a,b]
-#                                [--budget-min 9] [--print-only] [--check-commands]
+#   bash scripts/gpu_evidence.sh RESULTS_DIR [--wheels DIR] [--steps a,b | --call N]
+#       [--skip a,b] [--budget-min 9] [--bundle DIR] [--print-only] [--check-commands]
 #
 # 1. installs the pinned packages the machine lacks from a folder of wheels (default: wheelhouse/,
 #    filled by scripts/gpu_wheels.sh on a machine with the package registry), without the network,
@@ -12,12 +12,15 @@
 #    runs), each step under its own time limit, a failure recorded rather than fatal;
 # 3. writes RESULTS_DIR/evidence.json and RESULTS_DIR/evidence.md (every ratio against its goal),
 #    then exits 1 if a step failed, crashed, timed out or left a goal without its number.
-# --print-only prints the plan (every command with its limit) and runs nothing.
+# --print-only prints the plan (every command with its limit, and the next GPU session's calls,
+# docs/gpu_session.md) and runs nothing; --call N runs that session's call N; --bundle DIR keeps
+# DIR (a device call's $OUT) a copy of the results that a call killed at its timeout still
+# brings back.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 [ $# -ge 1 ] || { usage >&2; exit 2; }
 case "$1" in -h|--help) usage; exit 0;; -*) echo "gpu_evidence: the first argument is the results folder" >&2; exit 2;; esac
 RESULTS="$1"; shift
@@ -45,9 +48,18 @@ mkdir -p "$RESULTS"
 SITE="$(cd "$RESULTS" && pwd)/.site"
 mkdir -p "$SITE"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  echo "[gpu-evidence] installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS (no network) into $SITE"
-  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  # A second call on the same machine (the next GPU session's call 2) finds them installed:
+  # the wheels' names and sizes, written after an install that ended, say which.
+  STAMP="$(cd "$WHEELS" && ls -l -- *.whl | awk '{print $5, $NF}')"
+  if [ -f "$SITE/.wheels" ] && [ "$(cat "$SITE/.wheels")" = "$STAMP" ]; then
+    echo "[gpu-evidence] the $(ls "$WHEELS"/*.whl | wc -l) wheels of $WHEELS are installed in $SITE"
+  else
+    echo "[gpu-evidence] installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS (no network) into $SITE"
+    rm -f "$SITE/.wheels"
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+    printf '%s' "$STAMP" > "$SITE/.wheels"
+  fi
 else
   echo "[gpu-evidence] no wheels in $WHEELS: using what the machine has"
 fi

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -51,21 +52,75 @@ def test_every_command_parses(tmp_path):
     assert all(ln.startswith("ok ") for ln in lines), p.stdout
 
 
-def test_the_family_call_fits_one_device_call():
-    """The command docs/benchmarks.md gives the next GPU session for issue 50 (every family
-    ratio in alternating runs, and the profile) is expected to end within 7 of the runner's 9
-    minutes (the rest: wheels, the device probe, a margin); every step it names is the plan's,
-    and every estimate names a plan step."""
-    docs = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
-    (line,) = [ln for ln in docs.splitlines()
-               if ln.startswith("bash scripts/gpu_evidence.sh RESULTS --steps") and "profile" in ln]
-    names = line.split("--steps", 1)[1].split()[0].split(",")
-    by_name = {s.name: s for s in gpu_evidence.plan()}
-    assert set(names) <= set(by_name) and set(gpu_evidence.ESTIMATES) <= set(by_name)
-    assert {"stem_mlp", "structmoe_step", "sigma_step", "profile"} <= set(names)
-    expected = sum(by_name[n].expected_s for n in names)
-    assert expected <= 7 * 60, f"{names}: expected {expected} s"
-    assert f"~{expected / 60:.1f} min" in line  # the docs say the runner's own estimate
+def test_the_next_session_fits_the_lease_and_its_doc_is_the_runners(tmp_path, capsys):
+    """docs/gpu_session.md quotes the next GPU session as ``--print-only`` prints it (calls,
+    steps, expected seconds, commands), and its runner commands parse; each call's steps are
+    expected inside its budget, its budget plus what comes before and after the steps inside its
+    timeout (at most a device call's 600 s), and the start plus every call inside the lease
+    with a minute to spare; issue 48's tests come first; every estimate names a plan step."""
+    g = gpu_evidence
+    by_name = {s.name: s for s in g.plan()}
+    assert set(g.ESTIMATES) <= set(by_name)
+    total = g.START_S
+    for call in g.SESSION:
+        assert set(call.steps) <= set(by_name), call.steps
+        steps = sum(by_name[n].expected_s for n in call.steps)
+        assert steps <= 60 * call.budget_min, (call.steps, steps, call.budget_min)
+        assert 60 * call.budget_min + g.CALL_OVERHEAD_S + g.CALL_MARGIN_S <= call.timeout_s <= 600
+        total += g.CALL_OVERHEAD_S + steps
+    assert total <= g.LEASE_S - 60, total
+    assert g.SESSION[0].steps[0] == "gpu_tests_first"
+    assert g.main([str(tmp_path / "res"), "--print-only"]) == 0
+    block = "\n".join(g.session_lines())
+    assert block in capsys.readouterr().out
+    doc = open(os.path.join(ROOT, "docs", "gpu_session.md")).read()
+    assert block in doc, "docs/gpu_session.md does not quote the runner's plan:\n" + block
+    commands = [ln.strip().rstrip("\\").strip() for ln in doc.splitlines()
+                if ln.strip().startswith("bash scripts/gpu_evidence.sh")]
+    assert len(commands) >= len(g.SESSION) + 1, commands  # the calls, and what to drop
+    for line in commands:
+        args = [a.replace("$OUT", str(tmp_path / "out"))
+                for a in shlex.split(line, comments=True)[2:]]
+        assert g.main(args + ["--print-only"]) == 0, line
+    # Every test of the STEM-only subset is in the two gpu_tests steps.
+    tested = g.GPU_TESTS_FIRST + g.GPU_TEST_FILES
+    assert all(t in tested or t.split("::")[0] in tested for t in g.STEM_GPU_TESTS)
+
+
+def test_a_call_runs_its_steps_under_its_budget(tmp_path, monkeypatch, no_device_info):
+    """--call N is the session's call: its steps in its order, its budget unless one is given;
+    --steps beside it is refused."""
+    ran = []
+    monkeypatch.setattr(gpu_evidence, "_run_step", lambda s, argv, log, limit, tick=None: (
+        ran.append((s.name, limit)) or {"status": "ok", "seconds": 0.0, "limit_s": limit,
+                                         "command": ""}))
+    monkeypatch.setattr(gpu_evidence, "collect_rows", lambda results, steps, state:
+                        state.__setitem__("rows", []))
+    call = gpu_evidence.SESSION[1]
+    assert gpu_evidence.main([str(tmp_path / "res"), "--call", "2"]) == 1  # no result files
+    assert [n for n, _ in ran] == call.steps
+    first = {s.name: s for s in gpu_evidence.plan()}[call.steps[0]]
+    assert 60 * call.budget_min - 5 <= ran[0][1] <= min(first.limit_s, 60 * call.budget_min)
+    with pytest.raises(SystemExit):
+        gpu_evidence.main([str(tmp_path / "res"), "--call", "1", "--steps", "stem_mlp"])
+
+
+def test_a_step_expected_past_the_budget_is_not_started(tmp_path, monkeypatch, no_device_info):
+    """A step whose estimate is more than the budget has left is skipped (cut at the budget it
+    would leave no number, and take the time of the steps after it); a test step is started
+    whatever its estimate (each file it finishes is reported); a step without an estimate runs."""
+    py = gpu_evidence.PY
+    steps = [gpu_evidence.Step("long", "expected past the budget", [py, "-c", "pass"], 300,
+                               kind="other", estimate_s=200),
+             gpu_evidence.Step("tests", "a pytest step expected past it",
+                               [py, "-c", "pass"], 300, kind="pytest", estimate_s=200),
+             gpu_evidence.Step("short", "not timed", [py, "-c", "pass"], 300, kind="other")]
+    monkeypatch.setattr(gpu_evidence, "plan", lambda: steps)
+    res = tmp_path / "res"
+    assert gpu_evidence.main([str(res), "--budget-min", "2"]) == 1
+    state = json.loads((res / "evidence.json").read_text())
+    assert state["steps"]["long"]["status"] == "skipped (budget)"
+    assert state["steps"]["tests"]["status"] == "ok" and state["steps"]["short"]["status"] == "ok"
 
 
 def test_check_commands_catches_a_bad_flag(tmp_path, monkeypatch):
@@ -387,8 +442,8 @@ def test_pytest_steps_survive_a_crash_and_an_all_skipped_step_is_not_met(
     tests.mkdir()
     for name, text in FAKE_TESTS.items():
         (tests / name).write_text(text)
-    steps = gpu_evidence.plan()
-    gpu, stem = [s for s in steps if s.kind == "pytest"]
+    by_name = {s.name: s for s in gpu_evidence.plan()}
+    gpu, stem = by_name["gpu_tests"], by_name["stem_gpu_tests"]
     # The plan's own pytest steps, on the fake files (the per-test limit shortened; pytest's
     # start-up has at least a minute whatever it is).
     argv = [a for a in gpu.argv if not a.startswith("tests/")]
@@ -462,3 +517,123 @@ def test_wheel_script_lists_pinned_packages():
     assert "megatron-core" in packages
     for name in packages:
         assert f"\n{name}==" in "\n" + pins, f"{name} has no exact pin"
+
+
+# A device call ends at its timeout whatever runs: SIGTERM (the tool's exit 124), or SIGKILL
+# (137). The runner is then the process stopped, not a step; only what is under the call's $OUT
+# comes back. A driver runs the runner's main on a fake plan in its own process, so that the
+# test can stop it as the device would.
+_DRIVER = """
+import sys
+sys.path.insert(0, {scripts!r})
+import gpu_evidence as g
+g.BUNDLE_EVERY_S = 0.3
+g._device_info = lambda python: {{"gpu": None}}
+py, res = g.PY, g.RES
+g.plan = lambda: [
+    g.Step("sigma_step", "writes a result", [py, {writer!r}, res + "/sigma_step.json"], 30,
+           "sigma_step.json", g._rows_sigma, kind="other"),
+    g.Step("sleeps", "runs past the call's end",
+           [py, "-c", "import time; print('sleeping', flush=True); time.sleep(60)"], 120,
+           kind="other")]
+sys.exit(g.main(sys.argv[1:]))
+"""
+
+
+def _stopped_call(tmp_path, sig):
+    """The runner on the fake plan with ``--bundle``, sent ``sig`` once the sleeping step has
+    written its first line; its exit status, the results folder and the bundle folder."""
+    import tarfile
+    import time
+    (tmp_path / "plan").mkdir()
+    _fake_plan(str(tmp_path / "plan"))  # writes writer.py
+    driver = tmp_path / "driver.py"
+    driver.write_text(_DRIVER.format(scripts=os.path.join(ROOT, "scripts"),
+                                     writer=str(tmp_path / "plan" / "writer.py")))
+    res, out = tmp_path / "res", tmp_path / "out"
+    p = subprocess.Popen([sys.executable, str(driver), str(res), "--bundle", str(out)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    log = res / "logs" / "sleeps.log"
+    while time.time() < deadline and p.poll() is None and not (
+            log.exists() and "sleeping" in log.read_text()):
+        time.sleep(0.1)
+    time.sleep(1.0)  # a periodic bundle (every 0.3 s here) has the sleeping step's log
+    p.send_signal(sig)
+    output = p.communicate(timeout=60)[0]
+    with tarfile.open(out / "results.tar.gz") as tar:
+        members = {m.name: tar.extractfile(m).read().decode() for m in tar if m.isfile()}
+    return p.returncode, output, res, out, members
+
+
+def test_a_call_stopped_at_its_timeout_keeps_every_finished_step(tmp_path):
+    """SIGTERM: the runner stops the step in flight, records it, and writes the report and the
+    bundle: the finished step's JSON and row, the stopped step's log."""
+    import signal
+    rc, output, res, out, members = _stopped_call(tmp_path, signal.SIGTERM)
+    assert rc == 1, output
+    md = (out / "evidence.md").read_text()
+    assert "| sigma_step | ok |" in md and "| sigma_step | Sigma router step over upstream" in md
+    assert "| sleeps | stopped (SIGTERM) |" in md, md
+    state = json.loads((out / "evidence.json").read_text())
+    assert state["steps"]["sleeps"]["status"] == "stopped (SIGTERM)"
+    assert "sleeping" in state["steps"]["sleeps"]["tail"]
+    assert "sigma_step.json" in members and "logs/sleeps.log" in members
+    assert "sleeping" in members["logs/sleeps.log"]
+    # Every file the device brings back: at most 8, in the folder itself, plain names.
+    names = sorted(os.listdir(out))
+    assert len(names) <= 8 and all(gpu_evidence._BUNDLE_NAME.fullmatch(n) for n in names), names
+
+
+def test_a_call_killed_at_its_timeout_keeps_the_last_bundle(tmp_path):
+    """SIGKILL: nothing runs after it, and the bundle written after the finished step and
+    refreshed while the next one ran is what comes back."""
+    import signal
+    rc, output, res, out, members = _stopped_call(tmp_path, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    md = (out / "evidence.md").read_text()
+    assert "| sigma_step | ok |" in md and "| sigma_step | Sigma router step over upstream" in md
+    assert "| sleeps | running |" in md  # in flight when the call ended
+    assert json.loads(members["sigma_step.json"])["ratio_runs"] == [1.005, 1.01]
+    assert "sleeping" in members["logs/sleeps.log"]  # the step in flight, as far as it got
+
+
+def test_the_bundle_fits_what_a_device_call_brings_back(tmp_path):
+    """At most 8 files, each under the size asked for (here 200 kB for 16 MiB), in the folder
+    itself with plain names; the packages left out; traces packed into archives of their own;
+    what does not fit named in bundle.txt; an archive a smaller bundle no longer needs removed."""
+    import tarfile
+    res, out = tmp_path / "res", tmp_path / "out"
+    for rel, size, text in [("evidence.md", 0, "# GPU evidence\n"), ("evidence.json", 0, "{}"),
+                            ("logs/stem_mlp.log", 0, "x" * 50_000),  # compresses
+                            ("stem_mlp.json", 0, "{}"), (".site/torch/big.so", 500_000, None),
+                            ("work/run/corpus.bin", 150_000, None),
+                            ("work/run/other.bin", 120_000, None)] + [
+            (f"profile/b{i}/trace_side.json.gz", 80_000, None) for i in range(7)] + [
+            ("profile/huge/trace_side.json.gz", 250_000, None)]:
+        path = res / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size) if text is None else text.encode())
+    left = gpu_evidence.bundle(str(res), str(out), file_bytes=200_000)
+    names = sorted(os.listdir(out))
+    assert names == ["bundle.txt", "evidence.json", "evidence.md", "results.tar.gz",
+                     "traces-1.tar", "traces-2.tar", "traces-3.tar"], names
+    assert all(os.path.getsize(out / n) <= 200_000 for n in names)
+    with tarfile.open(out / "results.tar.gz") as tar:
+        members = sorted(tar.getnames())
+    # The two binaries do not fit beside each other: the larger goes.
+    assert members == ["logs/stem_mlp.log", "stem_mlp.json", "work/run/other.bin"], members
+    traces = []
+    for i in (1, 2, 3):
+        with tarfile.open(out / f"traces-{i}.tar") as tar:
+            traces += tar.getnames()
+    assert len(traces) == 6 and len(set(traces)) == 6  # two of 80 kB per archive
+    manifest = (out / "bundle.txt").read_text()
+    for name in ("work/run/corpus.bin", "profile/huge/trace_side.json.gz"):
+        assert any(x.startswith(name) for x in left) and name in manifest, (name, left)
+    assert len(left) == 3 and "no archive left" in manifest and ".site" not in manifest
+    # Fewer traces later: the third archive of the earlier bundle goes.
+    for i in range(3, 7):
+        os.remove(res / f"profile/b{i}/trace_side.json.gz")
+    gpu_evidence.bundle(str(res), str(out), file_bytes=200_000)
+    assert "traces-3.tar" not in os.listdir(out) and "traces-2.tar" in os.listdir(out)
