@@ -127,8 +127,10 @@ class _Records:
 
 
 _VALUES = operator.attrgetter("values")
-# One per (experts, blocks): models of the same shape record into the same entries.
-_RECORDS: Dict[Tuple[int, int], _Records] = {}
+# Where the records are kept: on upstream's MoEMetricsTracker itself, one per (experts, blocks)
+# (models of the same shape record into the same entries), not in a module-level table: they are
+# views of the tracker's own tensors, so they live and die with it (a new tracker starts with none).
+_RECORDS_ATTR = "_megatron_ext_structmoe_records"
 
 
 def _records(tracker, num_experts: int, num_blocks: int, device) -> _Records:
@@ -136,7 +138,8 @@ def _records(tracker, num_experts: int, num_blocks: int, device) -> _Records:
     the tracker no longer holds the ones taken last (cleared entries keep them: ``clear``
     zeroes in place)."""
     key = (num_experts, num_blocks)
-    rec = _RECORDS.get(key)
+    held: Dict[Tuple[int, int], _Records] = tracker.__dict__.setdefault(_RECORDS_ATTR, {})
+    rec = held.get(key)
     metrics = tracker.metrics
     if rec is not None and rec.held_by(metrics):
         return rec
@@ -146,7 +149,7 @@ def _records(tracker, num_experts: int, num_blocks: int, device) -> _Records:
     entries = tuple(metrics[n] for n in names)
     rec = _Records(names=names, entries=entries, values=tuple(e.values for e in entries),
                    loss_at=entries[0].values.unbind(0), fractions_at=grid.unbind(1))
-    _RECORDS[key] = rec
+    held[key] = rec
     return rec
 
 
