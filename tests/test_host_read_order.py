@@ -222,6 +222,28 @@ def test_every_write_of_host_rows_waits_for_the_direct_reads_of_them(placement, 
         assert event.done and events.waited[-1] is event
 
 
+@needs_triton
+def test_loading_the_optimizer_state_waits_for_queued_reads_before_writing(monkeypatch):
+    """``checkpoint.load_optimizer_state`` writes the host shards in place (the fp32 master
+    rows, the moments) past the store: it waits for every direct read still queued first."""
+    from types import SimpleNamespace
+
+    from megatron_ext.stem.runtime import checkpoint
+
+    events = FakeEvents(monkeypatch)
+    t = _Tables("cpu", "sparse")
+    t.store.gather(torch.tensor([1, 7]), DEVICE, torch.bfloat16)
+    event = events.made[-1]
+    writes = []
+    # The sources are where the loads write: by then the read must have been waited for.
+    monkeypatch.setattr(checkpoint, "_optimizer_sources",
+                        lambda optimizer: writes.append(event.done) or [])
+    optimizer = SimpleNamespace(tables=[SimpleNamespace(store=t.store)], mode="dense",
+                                drain=lambda: None, step_count=0)
+    checkpoint.load_optimizer_state(optimizer, {"mode": "dense", "step_count": 3, "tensors": {}})
+    assert writes == [True] and events.waited == [event]
+
+
 # -- GPU only ----------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
