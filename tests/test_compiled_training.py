@@ -5,9 +5,10 @@ differences are a few ulp, tests/test_compiled_regions.py, and three steps of Ad
 keep them there), and so do the gradient norms (relative 1e-5; measured at most 7e-7). The
 norms matter: Adam's normalized steps hide a gradient's small errors from the next losses, the
 norm of every step shows them (a managed STEM region scaled by 1.001 moved the losses by
-5e-6, inside their 1e-5, and the norms by 1.8e-5). Each region was compiled: Dynamo logs the bytecode of every function
-it compiles under ``TORCH_LOGS=bytecode``, naming it; the compiled trainings name their
-regions, the eager ones do not (upstream compiles its fused bias-dropout either way).
+5e-6, inside their 1e-5, and the norms by 1.8e-5). Each region was compiled: Dynamo logs the
+bytecode of every function it compiles under ``TORCH_LOGS=bytecode``, naming it; the compiled
+trainings name their regions, the eager ones do not (upstream compiles its fused bias-dropout
+either way).
 
 Under activation recomputation the checkpointed part of a layer runs twice per micro-batch, once
 without gradients (the checkpoint's forward, whose output the loss is computed from) and again
