@@ -44,6 +44,7 @@ from common import (RunSetup, add_profile_args, add_run_args, alternate,  # noqa
                     alternate_timed, compile_seconds, medians, profile_sides, run_ratios,
                     side_line, timed, wrap_ddp)
 
+from gpu_memory import PeakMemory  # noqa: E402
 from megatron_ext.tools import host_syncs  # noqa: E402
 
 
@@ -157,9 +158,10 @@ def main() -> None:
             continue
         census[name] = host_syncs.census(step_fn(name, m))
         m.zero_grad_buffer()
-    run_ms, host_runs = alternate_timed(
+    memory = PeakMemory()  # each side's peak with every model resident (GPU only)
+    run_ms, host_runs = alternate_timed(memory.track(
         {name: (lambda name=name, m=m: timed(step_fn(name, m), m.zero_grad_buffer, reps, warmup))
-         for name, m in models.items()}, run.repeats)
+         for name, m in models.items()}), run.repeats)
     ratios = run_ratios(run_ms, "upstream")
     ratio_runs = ratios["sigma"]
     step_ms = medians(run_ms)
@@ -194,6 +196,9 @@ def main() -> None:
         "router_ms": router_ms, "router_ms_runs": router_runs,
         # Per model: kernels per step, syncs the recorder flags, syncs CUDA reports (GPU).
         "census": census,
+        # Per side, its timed steps' peak GPU memory, every model resident, and what was
+        # allocated before them (gpu_memory.py); null on the CPU.
+        **memory.summary(),
     }
     if compiled:
         summary.update({
@@ -205,7 +210,7 @@ def main() -> None:
           f"{args.experts} experts of {args.expert_ffn}, top-{args.topk}, {summary['tokens']} "
           f"tokens")
     for name, ms in summary["step_ms"].items():
-        print(side_line(name, 9, ms, summary["host_ms"][name], counts[name], "",
+        print(side_line(name, 9, ms, summary["host_ms"][name], counts[name], memory.line(name),
                         census.get(name), compile_s.get(name)))
     print(f"  ratio sigma / upstream: {ratio:.4f} ({100 * (ratio - 1):+.2f}%; runs "
           + " / ".join(f"{r:.4f}" for r in ratio_runs) + "; goal <= +2% in every run)")

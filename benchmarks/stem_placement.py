@@ -59,7 +59,9 @@ that fails is run again without the profiler. Each variant's run folder is empti
 earlier run's events mix into its numbers.
 
 Reported per variant: the median iteration time after ``--skip`` iterations and its ratio to
-``gpu``, the fetch time the forward step waited for (exposed) and the background fetch time it did
+``gpu`` (and to ``gpu-sparse``; for ``tiered-direct``, ``tiered-gpu-step`` and
+``gpu-sparse-gpu-step`` also to the variant each changes by one flag, ``BASELINES``, where that
+trained in the same run), the fetch time the forward step waited for (exposed) and the background fetch time it did
 not wait for (hidden), the CPU optimizer time (all, exposed, and the part before the next
 micro-batch's fetch), unique rows and bytes moved per step, and the peak GPU memory.
 """
@@ -121,6 +123,10 @@ VARIANTS = {
     "gpu-sparse": ["--stem-table-placement", "tiered", "--stem-table-sharding", "vocab",
                    "--stem-optimizer", "sparse", "--stem-gpu-tier", "100%"],
 }
+# The variant each one changes by one flag: where both train in a run, the variant's ratio to it
+# (per repeat, as to gpu) is what that flag costs or saves (--stem-host-read, --stem-gpu-step).
+BASELINES = {"tiered-direct": "tiered", "tiered-gpu-step": "tiered",
+             "gpu-sparse-gpu-step": "gpu-sparse"}
 
 
 def write_zipf_corpus(prefix: str, vocab: int, tokens: int, exponent: float, seed: int) -> None:
@@ -385,6 +391,13 @@ def main() -> None:
             if name not in ("gpu", "gpu-sparse"):
                 print(ratio_line(name, r, "ratio_vs_gpu_sparse",
                                  "ratios_per_repeat_vs_gpu_sparse"), flush=True)
+    paired = [name for name, r in results.items() if "baseline" in r]
+    if paired:  # each against the variant it changes by one flag, in the same run
+        print("\nratios against each variant's baseline (the same run, one flag changed):")
+        for name in paired:
+            print(ratio_line(name, results[name], "ratio_vs_baseline",
+                             "ratios_per_repeat_vs_baseline") +
+                  f"  vs {results[name]['baseline']}", flush=True)
     bad = unfinished(results)
     if bad:
         raise SystemExit(f"stem_placement: not every run finished: {'; '.join(bad)} (logs: "
@@ -497,15 +510,22 @@ def write_results(results: dict, path) -> None:
     time (``ratios_per_repeat``, None where either failed), their median (``ratio_vs_gpu``; one
     repeat: the ratio), the worst (highest, ``ratio_vs_gpu_worst``) and the spread (highest
     less lowest, ``ratio_vs_gpu_spread``); likewise against ``gpu-sparse`` where it ran
-    (``..._vs_gpu_sparse``). Every variant is written, one that failed with its status and
-    reason; whole to a temporary file, then renamed."""
-    for base, per_repeat, median in (("gpu", "ratios_per_repeat", "ratio_vs_gpu"),
-                                     ("gpu-sparse", "ratios_per_repeat_vs_gpu_sparse",
-                                      "ratio_vs_gpu_sparse")):
+    (``..._vs_gpu_sparse``), and a variant of :data:`BASELINES` against its baseline where that
+    ran (``baseline``, ``..._vs_baseline``). Every variant is written, one that failed with its
+    status and reason; whole to a temporary file, then renamed."""
+    pairs = [("gpu", "ratios_per_repeat", "ratio_vs_gpu", list(results)),
+             ("gpu-sparse", "ratios_per_repeat_vs_gpu_sparse", "ratio_vs_gpu_sparse",
+              list(results))]
+    for name in results:
+        if BASELINES.get(name) in results:
+            results[name]["baseline"] = BASELINES[name]
+            pairs.append((BASELINES[name], "ratios_per_repeat_vs_baseline", "ratio_vs_baseline",
+                          [name]))
+    for base, per_repeat, median, names in pairs:
         times_base = results.get(base, {}).get("iteration_ms_repeats")
         if not times_base:
             continue
-        for r in results.values():
+        for r in (results[n] for n in names):
             times = r.get("iteration_ms_repeats") or []
             ratios = [None if x is None or g is None else x / g
                       for x, g in zip(times, times_base)]

@@ -44,6 +44,7 @@ from common import (RunSetup, add_profile_args, add_run_args,  # noqa: E402
                     alternate_timed, compile_seconds, medians, profile_sides, run_ratios,
                     side_line, timed, wrap_ddp)
 
+from gpu_memory import PeakMemory  # noqa: E402
 from megatron_ext.tools import host_syncs  # noqa: E402
 
 BACKENDS = ("triton", "dense-masked", "grouped", "reference")
@@ -166,9 +167,10 @@ def main() -> None:
             continue
         census[name] = host_syncs.census(steps[name])
         m.zero_grad_buffer()
-    run_ms, host_runs = alternate_timed(
+    memory = PeakMemory()  # each side's peak with every model resident (GPU only)
+    run_ms, host_runs = alternate_timed(memory.track(
         {name: (lambda name=name, m=m: timed(steps[name], m.zero_grad_buffer, reps, warmup))
-         for name, m in models.items()}, run.repeats)
+         for name, m in models.items()}), run.repeats)
     overhead_runs = run_ratios(run_ms, "dense", lambda t, d: 100.0 * (t / d - 1.0))
     checks = {n: overhead_runs.pop(n) for n in list(overhead_runs) if "@" in n}
     summary = {
@@ -186,6 +188,9 @@ def main() -> None:
         "census": census,
         # The compiled models' first two steps, where they compile (not in their timing).
         "compile_s": compile_s,
+        # Per side, its timed steps' peak GPU memory, every model resident, and what was
+        # allocated before them (gpu_memory.py); null on the CPU.
+        **memory.summary(),
     }
     print(f"StructMoE vs dense GPT step (forward + loss + backward) | {summary['device']} "
           f"{dtype_name} | {args.layers} layers, H={args.hidden}, D_ff={args.ffn} -> "
@@ -197,8 +202,8 @@ def main() -> None:
         extra = "" if name == "dense" else (
             f"  ({pct[name]:+.2f}% vs dense; runs "
             + " / ".join(f"{x:+.2f}%" for x in runs[name]) + ")")
-        print(side_line(name, 13, ms, summary["host_ms"][name], counts[name], extra,
-                        census.get(name), compile_s.get(name)))
+        print(side_line(name, 13, ms, summary["host_ms"][name], counts[name],
+                        extra + memory.line(name), census.get(name), compile_s.get(name)))
     run.write_json(summary)
 
 

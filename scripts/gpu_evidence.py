@@ -123,6 +123,50 @@ def _host(s: dict, side: str, step_ms: Optional[float]) -> str:
     return f"{side}: host {host:.2f} of {step_ms:.2f} ms ({100.0 * host / step_ms:.0f}%)"
 
 
+def _peak_memory(step: str, s: dict) -> List[Row]:
+    """The step benchmarks' peak GPU memory (``peak_gpu_gib`` per side, since 2026-11-29: its
+    timed steps with every side's model resident; null on the CPU): one row, the largest
+    side's, every side's in the note. None for a result without it."""
+    peak = s.get("peak_gpu_gib")
+    if not peak:
+        return []
+    resident = s.get("resident_gpu_gib") or {}
+    top = max(peak, key=peak.get)
+    return [Row(step, "peak GPU memory, the largest side's step (every model resident)",
+                peak[top], "GiB", better="lower", note=f"{top}; " + ", ".join(
+                    f"{k} {v:.1f}" + (f" ({resident[k]:.1f} resident)" if k in resident else "")
+                    for k, v in peak.items()))]
+
+
+def _rows_host_overhead(path: str) -> List[Row]:
+    """``benchmarks/host_overhead.py``: per family, each side's host time per step at a shape
+    where compute is ~0, and each side's extra host time per layer over its family's baseline
+    (worst of the alternating runs); reported, no goals: how much of the family benchmarks'
+    steps the host alone would take."""
+    s = _load(path)
+    step, rows = "host_overhead", []
+    compat = (s.get("compat") or {}).get("est_ms_per_step") or {}
+    for family in ("structmoe", "sigma"):
+        r = s.get(family)
+        if r is None:
+            continue
+        base = r["base"]
+        for side, host in r["host_ms"].items():
+            note = f"step {r['step_ms'][side]:.2f} ms"
+            if side in compat.get(family, {}):  # the CPU backend's mode, never on a GPU
+                note += f"; about {compat[family][side]:.2f} ms of it the CPU backend's mode"
+            rows.append(Row(step, f"{family} {side}: host time per step", host, "ms",
+                            better="lower", note=note))
+            if side == base:
+                continue
+            rows.append(_per_run(step, f"{family} {side}: extra host time per layer over {base}",
+                                 r["extra_host_ms_per_layer_runs"][side],
+                                 r["extra_host_ms_per_layer"][side], "ms", None, "lower",
+                                 note=f"host x{r['host_ratio'][side]:.3f} {base}'s, "
+                                      f"{s['layers']} layers"))
+    return rows
+
+
 def _rows_stem_mlp(path: str) -> List[Row]:
     s = _load(path)
     rows = [Row("stem_mlp", "dense SwiGLU fwd+bwd", s["dense_ms"], "ms",
@@ -184,7 +228,7 @@ def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
             best = min(per_backend, key=lambda n: per_backend[n].value)
             rows.append(_per_run(step, f"StructMoE, fastest backend ({best}) over dense",
                                  runs.get(best), s["overhead_pct"][best], "%", 3.0, "lower"))
-        return rows
+        return rows + _peak_memory(step, s)
     return read
 
 
@@ -206,7 +250,7 @@ def _rows_sigma(path: str) -> List[Row]:
                 f"{s['step_ms']['sigma_compiled']:.1f} ms",
                 _host(s, "sigma_compiled", s["step_ms"]["sigma_compiled"]),
                 f"compiled in {s['compile_s']['sigma_compiled']:.1f} s") if x)))
-    return rows
+    return rows + _peak_memory("sigma_step", s)
 
 
 def _rows_profile(path: str) -> List[Row]:
@@ -263,8 +307,14 @@ def _runs(ratios: List[Optional[float]], better: str = "lower") -> Tuple[Optiona
 
 
 def _rows_placement(path: str, step: str = "stem_placement") -> List[Row]:
+    """``benchmarks/stem_placement.py``'s variants: with the gpu variant in the run, each one's
+    step against it (the goals: ``PLACEMENT_GOALS``); without it (the pieces that compare one
+    flag), each one's step time; and a variant of the benchmark's ``BASELINES`` against the
+    variant it changes by one flag, where both trained in the run (reported: what decides that
+    flag's default). A variant that failed is a row not met, whichever of these it is."""
     s = _load(path)
     rows = []
+    with_gpu = "gpu" in s
     gpu_ok = s.get("gpu", {}).get("status", "ok") == "ok"
     for name, r in s.items():
         status = r.get("status", "ok")  # results of 2026-11-27 and before held no status
@@ -276,39 +326,58 @@ def _rows_placement(path: str, step: str = "stem_placement") -> List[Row]:
                             idle["idle_ms_per_step"], "ms",
                             note=f"trace {os.path.basename(r['trace']['path'])}" + "".join(
                                 f"; {k} {v:.1f} ms" for k, v in during.items())))
-        if name == "gpu":
-            rows.append(Row(step, "gpu tables, step", r.get("iteration_ms"), "ms",
+        if name == "gpu" or not with_gpu:
+            rows.append(Row(step, f"{name} tables, step", r.get("iteration_ms"), "ms",
                             note=failed.rstrip("; "), incomplete=bool(failed)))
+        if name == "gpu":
             continue
-        goal = PLACEMENT_GOALS.get(name)
-        # Results of the first 2026-11-27 runs held one ratio, no per-repeat list.
-        worst, runs = _runs(r.get("ratios_per_repeat") or [r.get("ratio_vs_gpu")])
-        short = ""
-        if not failed and goal is not None and len(
-                [x for x in r.get("ratios_per_repeat") or [worst] if x is not None]) < 2:
-            short = "one run: a goal is judged on two or more (--repeats 2); "
-        if not gpu_ok:
-            runs += " (the gpu variant did not finish)"
-        details = "" if "iteration_ms" not in r else (
-            f"; {r['iteration_ms']:.1f} ms, CPU optimizer "
-            f"{1e3 * r.get('stem/optimizer-seconds', float('nan')):.1f} ms "
-            "(waiting for its gradients "
-            f"{1e3 * r.get('stem/optimizer-seconds-grad-wait', float('nan')):.1f}), fetch exposed "
-            f"{1e3 * r.get('stem/fetch-seconds-exposed', float('nan')):.1f} ms, rows from host "
-            f"{r.get('stem/fetch-bytes-from-host', float('nan')) / 2**20:.0f} MiB/step"
-            + _kernel_rate(r))
-        rows.append(Row(step, f"{name} tables, step vs gpu tables", worst, "x", goal,
-                        "lower", note=failed + short + runs + details,
-                        incomplete=bool(failed or short)))
+        if with_gpu:
+            rows.append(_placement_vs_gpu(step, name, r, failed, gpu_ok))
         sparse = r.get("ratios_per_repeat_vs_gpu_sparse") or [r.get("ratio_vs_gpu_sparse")]
-        if name != "gpu-sparse" and any(x is not None for x in sparse):
+        if name != "gpu-sparse" and r.get("baseline") != "gpu-sparse" and any(
+                x is not None for x in sparse):
             # gpu steps whole tables with Megatron's dense Adam; gpu-sparse has the host
             # variants' optimizer with every row on the GPU: this ratio is the host rows' cost.
             worst, runs = _runs(sparse)
             rows.append(Row(step, f"{name} tables, step vs gpu-sparse tables",
                             worst, "x", note=failed + "every row on the GPU, the same sparse "
                             f"row-wise AdamW; {runs}", incomplete=bool(failed)))
+        base = r.get("baseline")
+        if base:  # the same run's baseline, one flag changed (benchmarks/stem_placement.py)
+            known = [x for x in r.get("ratios_per_repeat_vs_baseline") or [] if x is not None]
+            worst, runs = _runs(known)
+            base_ms = s[base].get("iteration_ms")
+            rows.append(Row(step, f"{name} tables, step vs {base} tables", worst, "x",
+                            better="lower", note=failed + (
+                                "one run; " if len(known) == 1 else "") + runs + (
+                                f"; {r['iteration_ms']:.1f} vs {base_ms:.1f} ms"
+                                if "iteration_ms" in r and base_ms is not None else ""),
+                            incomplete=bool(failed) or not known))
     return rows
+
+
+def _placement_vs_gpu(step: str, name: str, r: dict, failed: str, gpu_ok: bool) -> Row:
+    """A variant's step against the gpu variant's in the same run, judged on the worst repeat
+    against its goal where it has one."""
+    goal = PLACEMENT_GOALS.get(name)
+    # Results of the first 2026-11-27 runs held one ratio, no per-repeat list.
+    worst, runs = _runs(r.get("ratios_per_repeat") or [r.get("ratio_vs_gpu")])
+    short = ""
+    if not failed and goal is not None and len(
+            [x for x in r.get("ratios_per_repeat") or [worst] if x is not None]) < 2:
+        short = "one run: a goal is judged on two or more (--repeats 2); "
+    if not gpu_ok:
+        runs += " (the gpu variant did not finish)"
+    details = "" if "iteration_ms" not in r else (
+        f"; {r['iteration_ms']:.1f} ms, CPU optimizer "
+        f"{1e3 * r.get('stem/optimizer-seconds', float('nan')):.1f} ms "
+        "(waiting for its gradients "
+        f"{1e3 * r.get('stem/optimizer-seconds-grad-wait', float('nan')):.1f}), fetch exposed "
+        f"{1e3 * r.get('stem/fetch-seconds-exposed', float('nan')):.1f} ms, rows from host "
+        f"{r.get('stem/fetch-bytes-from-host', float('nan')) / 2**20:.0f} MiB/step"
+        + _kernel_rate(r))
+    return Row(step, f"{name} tables, step vs gpu tables", worst, "x", goal, "lower",
+               note=failed + short + runs + details, incomplete=bool(failed or short))
 
 
 def _kernel_rate(r: dict) -> str:
@@ -561,6 +630,23 @@ def _pytest_step(name: str, what: str, tests: List[str], limit: int) -> Step:
                 limit, f"{name}.json", lambda path: _rows_pytest(path, name), kind="pytest")
 
 
+def _placement_step(name: str, what: str, variants: List[str]) -> Step:
+    """``benchmarks/stem_placement.py`` at the 1B shape, 20 iterations (the median of the last
+    12), each training cut at 180 s; its work folder and JSON named for the step."""
+    return Step(name, what,
+                [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
+                 "--timeout", "180", *variants,
+                 "--out", f"{RES}/work/{name}", "--json", f"{RES}/{name}.json"],
+                480, f"{name}.json", functools.partial(_rows_placement, step=name))
+
+
+# A name that stands for several steps, in this order (``--steps``, ``--skip``): until
+# 2026-11-29 ``stem_placement`` was one step of six trainings (gpu, tiered, gpu-sparse, twice),
+# past one device call; its pieces each fit one.
+GROUPS = {"stem_placement": ["stem_placement_base", "stem_placement_direct",
+                             "stem_placement_gpu_step"]}
+
+
 def plan() -> List[Step]:
     steps = [
         _pytest_step("gpu_tests_first", "pytest: the row kernels (the SIGSEGV's file, the "
@@ -606,26 +692,38 @@ def plan() -> List[Step]:
              [PY, "benchmarks/profile_families.py", "--out", f"{RES}/profile",
               "--timeout", "150", "--json", f"{RES}/profile.json"],
              360, "profile.json", _rows_profile),
-        # Two runs of each variant in ABBA order: one run's ratio moved by 0.16 between two
-        # runs of the same code (2026-11-27). A 1B run took about 74 s on an H200 (2026-11-27:
-        # three in 222 s), so the host-only variant has its own step: eight runs would not fit
-        # one step's limit, nor one device call.
-        Step("stem_placement", "STEM tables on the GPU vs tiered vs every row in the GPU tier, "
-             "in training, two runs each",
-             [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
-              "--timeout", "180", "--repeats", "2", "--variants", "gpu,tiered,gpu-sparse",
-              "--profile", "gpu,tiered",
-              "--out", f"{RES}/work/stem_placement", "--json", f"{RES}/stem_placement.json"],
-             540, "stem_placement.json", functools.partial(_rows_placement,
-                                                           step="stem_placement")),
-        Step("stem_placement_cpu", "STEM tables on the GPU vs host memory, in training, two "
-             "runs each",
-             [PY, "benchmarks/stem_placement.py", "--iters", "20", "--skip", "8",
-              "--timeout", "180", "--repeats", "2", "--variants", "gpu,cpu",
-              "--out", f"{RES}/work/stem_placement_cpu",
-              "--json", f"{RES}/stem_placement_cpu.json"],
-             360, "stem_placement_cpu.json", functools.partial(_rows_placement,
-                                                               step="stem_placement_cpu")),
+        # The host's time per step at a shape where compute is ~0, per family and side: held
+        # against the family steps' step_ms and host_ms, how much of them the host alone takes.
+        Step("host_overhead", "host time per step at a tiny shape (compute ~0): dense vs each "
+             "StructMoE backend, upstream's aux-loss router vs Sigma",
+             [PY, "benchmarks/host_overhead.py", "--json", f"{RES}/host_overhead.json"],
+             120, "host_overhead.json", _rows_host_overhead),
+        # Issue 50, capability 5, the STEM tables in training, in pieces of four 1B trainings
+        # (about 100 s each on an H100, 70 s on an H200): the six of one step took about 600 s,
+        # past a device call's 10 minutes. Each ratio's baseline trains in the same piece
+        # (benchmarks/stem_placement.py BASELINES), never taken from another piece's run.
+        # The goal (tiered <= 1.03x gpu) in two runs of each in ABBA order: one run's ratio
+        # moved by 0.16 between two runs of the same code (2026-11-27); two steps of each
+        # traced.
+        _placement_step("stem_placement_base", "STEM tables on the GPU vs tiered, in training, "
+                        "two runs each, two steps of each traced",
+                        ["--repeats", "2", "--variants", "gpu,tiered",
+                         "--profile", "gpu,tiered"]),
+        # --stem-host-read direct against the staged read it replaces, two runs each.
+        _placement_step("stem_placement_direct", "STEM tiered tables, host rows read by a GPU "
+                        "kernel (direct) vs staged, in training, two runs each",
+                        ["--repeats", "2", "--variants", "tiered,tiered-direct"]),
+        # --stem-gpu-step triton against the torch ops, with 10% and with every row in the GPU
+        # tier, one run each (four trainings); tiered against gpu-sparse in the same run (the
+        # host rows' cost, like for like).
+        _placement_step("stem_placement_gpu_step", "STEM tables: the GPU tier's step in one "
+                        "kernel vs torch ops, tiered and gpu-sparse, in training, one run each",
+                        ["--repeats", "1", "--variants",
+                         "gpu-sparse,gpu-sparse-gpu-step,tiered,tiered-gpu-step"]),
+        # Every row in host memory (goal: cpu <= 1.05x gpu), two runs each: four trainings,
+        # about 400 s on an H100, past the 360 s limit it had until 2026-11-29.
+        _placement_step("stem_placement_cpu", "STEM tables on the GPU vs host memory, in "
+                        "training, two runs each", ["--repeats", "2", "--variants", "gpu,cpu"]),
         # The GPU machine's host: the CPU AdamW (0.26 G row-params/s inside the tiered run of
         # 2026-11-24) and the worker's schedule at the 1B shape's host tier (DP=8 share).
         Step("host_optimizer", "sparse CPU AdamW vs DeepSpeed dense CPU Adam, this host",
@@ -719,12 +817,20 @@ ESTIMATES = {
     # builds, 1 + 3 profiled steps per side and the traces' export; 47 s on this project's
     # 2-core CPU (load about 8) at the tiny shapes (2026-11-28).
     "profile": 150,
-    # Six 1B trainings (three variants, --repeats 2) and two profiled: on an H100 three
-    # trainings took about 300 s (2026-11-27c: run 1's 507 s less its two runner calls,
-    # stem_mlp 22.7 s, structmoe_step 43.5 s, sigma_step 58.2 s and about 40 s before each
-    # call's first step), so six take about 600 s, past the step's 540 s limit and one call's
-    # 10 minutes; on an H200 205.9 s for three (2026-11-27b, evidence.json): about 420 s.
-    "stem_placement": 600,
+    # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), four
+    # StructMoE and two Sigma models of 8 tiny layers, each timed (50 + 3) x 2 steps at a few
+    # to a few tens of ms (about 15 s), triton's routing kernels' first compile (about 20 s).
+    "host_overhead": 60,
+    # Four 1B trainings each. On an H100 three trainings took about 300 s (2026-11-27c: run
+    # 1's 507 s less its two runner calls, stem_mlp 22.7 s, structmoe_step 43.5 s, sigma_step
+    # 58.2 s and about 40 s before each call's first step): about 100 s a training, its start
+    # and the corpus included. On an H200 two profiled of three took 205.9 s (2026-11-27b,
+    # evidence.json) and two unprofiled 143 s (README): the profiler adds no time seen there;
+    # 20 s are left for the two traces' export and summary (guess). About 280 s each there.
+    "stem_placement_base": 420,
+    "stem_placement_direct": 400,
+    "stem_placement_gpu_step": 400,
+    "stem_placement_cpu": 400,
     "host_optimizer": 90,  # 81.1 s, H200, 2026-11-27 (run2_evidence.json)
     "first_runs": 510,  # the runs' --run-seconds 85 each and the corpus
 }
@@ -1150,7 +1256,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="results folder (created; earlier results there are kept)")
     p.add_argument("--steps", default=None,
-                   help="comma list of steps to run, in this order (default: all, plan order)")
+                   help="comma list of steps to run, in this order (default: all, plan order); "
+                        "a group's name (" + ", ".join(GROUPS) + ") stands for its steps")
     p.add_argument("--call", type=int, default=None, choices=range(1, len(SESSION) + 1),
                    help="the next GPU session's call N (docs/gpu_session.md): its steps, and "
                         "its budget unless --budget-min is given")
@@ -1178,10 +1285,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     names = [s.name for s in steps]
     chosen = call.steps if call is not None else (opts.steps.split(",") if opts.steps
                                                   else names)
-    skip = [n for n in opts.skip.split(",") if n]
+
+    def expand(asked: List[str]) -> List[str]:  # a group's name stands for its steps
+        return [x for n in asked for x in GROUPS.get(n, [n])]
+
+    chosen, skip = expand(chosen), expand([n for n in opts.skip.split(",") if n])
     unknown = [n for n in chosen + skip if n not in names]
     if unknown:
-        p.error(f"unknown steps {unknown}; the plan has {', '.join(names)}")
+        p.error(f"unknown steps {unknown}; the plan has {', '.join(names)}; groups: "
+                + ", ".join(f"{g} ({', '.join(v)})" for g, v in GROUPS.items()))
     by_name = {s.name: s for s in steps}
     todo = [by_name[n] for n in chosen if n not in skip]  # in the order asked for
     results = os.path.abspath(opts.results)

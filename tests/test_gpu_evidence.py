@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_evidence  # noqa: E402
+from tests_helpers import load_script  # noqa: E402
 
 
 def _sh(*args, timeout=900):
@@ -637,3 +638,168 @@ def test_the_bundle_fits_what_a_device_call_brings_back(tmp_path):
         os.remove(res / f"profile/b{i}/trace_side.json.gz")
     gpu_evidence.bundle(str(res), str(out), file_bytes=200_000)
     assert "traces-3.tar" not in os.listdir(out) and "traces-2.tar" in os.listdir(out)
+
+
+def test_every_step_fits_one_device_call():
+    """A device call runs at most 600 s, of which about CALL_OVERHEAD_S come before the first
+    step and CALL_MARGIN_S after the last: every step's expected seconds, and its limit, fit
+    inside what is left (the runner's default budget of 9 minutes), and no step is expected to
+    outlive its own limit (stem_placement's six trainings: about 600 s against 540 until
+    2026-11-29)."""
+    g = gpu_evidence
+    room = 600 - g.CALL_OVERHEAD_S - g.CALL_MARGIN_S
+    for s in g.plan():
+        assert s.expected_s <= s.limit_s <= room, (s.name, s.expected_s, s.limit_s, room)
+
+
+def test_stem_placement_stands_for_its_pieces(tmp_path, capsys):
+    """``--steps stem_placement`` (docs and notes of before 2026-11-29) runs its pieces, each
+    a run of the benchmark with the baselines its ratios need; --skip takes the name too."""
+    g = gpu_evidence
+    by_name = {s.name: s for s in g.plan()}
+    pieces = g.GROUPS["stem_placement"]
+    assert "stem_placement" not in by_name and set(pieces) <= set(by_name)
+    assert g.main([str(tmp_path / "res"), "--steps", "stem_placement", "--print-only"]) == 0
+    out = capsys.readouterr().out
+    assert [ln.split(" s] ")[1].split()[0] for ln in out.splitlines() if " s] " in ln] == pieces
+    assert g.main([str(tmp_path / "res"), "--steps", "stem_placement,host_read",
+                   "--skip", "stem_placement", "--print-only"]) == 0
+    assert [ln.split(" s] ")[1].split()[0] for ln in capsys.readouterr().out.splitlines()
+            if " s] " in ln] == ["host_read"]
+    placement = load_script("benchmarks/stem_placement.py", "stem_placement_bench")
+    def option(name, flag):
+        return by_name[name].argv[by_name[name].argv.index(flag) + 1]
+
+    judged = set()
+    for name in pieces + ["stem_placement_cpu"]:
+        variants = option(name, "--variants").split(",")
+        # Every ratio's baseline in the same run: each flag's, and gpu for the goals, judged
+        # where gpu and the variant train twice.
+        assert all(placement.BASELINES[v] in variants
+                   for v in variants if v in placement.BASELINES), name
+        if "gpu" in variants and option(name, "--repeats") == "2":
+            judged |= set(variants) & set(g.PLACEMENT_GOALS)
+    assert judged == set(g.PLACEMENT_GOALS)
+    ran = {v for name in pieces for v in option(name, "--variants").split(",")}
+    assert ran == {"gpu", "tiered", "gpu-sparse", *placement.BASELINES}, ran
+
+
+def test_a_variant_is_judged_against_its_own_baseline_in_the_same_run(tmp_path):
+    """benchmarks/stem_placement.py gives tiered-direct, tiered-gpu-step and
+    gpu-sparse-gpu-step their ratio to the variant they change by one flag, per repeat, where
+    that trained in the run; the runner reads it, and without the gpu variant in the run gives
+    each variant's step time instead of ratios to it."""
+    placement = load_script("benchmarks/stem_placement.py", "stem_placement_bench")
+    results = {
+        "tiered": {"status": "ok", "iteration_ms": 100.0, "iteration_ms_repeats": [100.0, 120.0]},
+        "tiered-direct": {"status": "ok", "iteration_ms": 95.0,
+                          "iteration_ms_repeats": [90.0, 114.0]},
+        "gpu-sparse-gpu-step": {"status": "failed", "reason": "RuntimeError: boom (exit 1)",
+                                "iteration_ms_repeats": [None, None]}}
+    path = tmp_path / "direct.json"
+    placement.write_results(results, str(path))
+    direct = results["tiered-direct"]
+    assert direct["baseline"] == "tiered"
+    assert direct["ratios_per_repeat_vs_baseline"] == pytest.approx([0.9, 0.95])
+    assert direct["ratio_vs_baseline_worst"] == pytest.approx(0.95)
+    assert "baseline" not in results["gpu-sparse-gpu-step"]  # gpu-sparse did not train here
+    assert "ratio_vs_gpu" not in direct and "ratio_vs_gpu_sparse" not in direct
+    by = {r.metric: r for r in gpu_evidence._rows_placement(str(path), "stem_placement_direct")}
+    assert set(by) == {"tiered tables, step", "tiered-direct tables, step",
+                       "gpu-sparse-gpu-step tables, step",
+                       "tiered-direct tables, step vs tiered tables"}, sorted(by)
+    row = by["tiered-direct tables, step vs tiered tables"]
+    assert row.value == pytest.approx(0.95) and row.goal is None and not row.incomplete
+    assert "runs 0.900 / 0.950" in row.note and "95.0 vs 100.0 ms" in row.note
+    failed = by["gpu-sparse-gpu-step tables, step"]
+    assert failed.met is False and "failed: RuntimeError: boom (exit 1)" in failed.note
+    # One run of each, gpu-sparse beside tiered: each kernel variant against its own baseline,
+    # gpu-sparse-gpu-step once (not again as a ratio to gpu-sparse), tiered against gpu-sparse.
+    results = {"gpu-sparse": {"iteration_ms": 80.0, "iteration_ms_repeats": [80.0]},
+               "gpu-sparse-gpu-step": {"iteration_ms": 76.0, "iteration_ms_repeats": [76.0]},
+               "tiered": {"iteration_ms": 100.0, "iteration_ms_repeats": [100.0]},
+               "tiered-gpu-step": {"iteration_ms": 98.0, "iteration_ms_repeats": [98.0]}}
+    placement.write_results(results, str(tmp_path / "step.json"))
+    by = {r.metric: r for r in gpu_evidence._rows_placement(str(tmp_path / "step.json"))}
+    assert by["gpu-sparse-gpu-step tables, step vs gpu-sparse tables"].value == \
+        pytest.approx(0.95)
+    assert by["tiered-gpu-step tables, step vs tiered tables"].value == pytest.approx(0.98)
+    assert "one run" in by["tiered-gpu-step tables, step vs tiered tables"].note
+    assert by["tiered tables, step vs gpu-sparse tables"].value == pytest.approx(1.25)
+    assert sum(m.startswith("gpu-sparse-gpu-step tables, step vs") for m in by) == 1
+    assert not any("vs gpu tables" in m for m in by)
+
+
+class _FakeCuda:
+    """``torch.cuda``'s memory counters stood in: a side's step allocates what it is told, on
+    top of what is resident."""
+
+    def __init__(self, resident):
+        self.allocated = self.peak = resident
+
+    def step(self, gib):
+        self.peak = max(self.peak, self.allocated + gib)
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.allocated
+
+
+def test_peak_gpu_memory_is_each_sides_own(monkeypatch):
+    """benchmarks/gpu_memory.py: the peak counter is reset before each side's timing, so a
+    side's peak is its own step's on top of what is resident, the highest of its runs; on the
+    CPU nothing is measured and the JSON's fields are null."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_memory
+
+    fake = _FakeCuda(resident=10 * gpu_memory.GIB)
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(gpu_memory.torch.cuda, name, getattr(fake, name, lambda: None))
+    monkeypatch.setattr(gpu_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_memory.torch.cuda, "memory_allocated", lambda: fake.allocated)
+    monkeypatch.setattr(gpu_memory.torch.cuda, "max_memory_allocated", lambda: fake.peak)
+    memory = gpu_memory.PeakMemory()
+    steps = {"big": iter([30, 20]), "small": iter([5, 6])}
+    measure = memory.track({name: (lambda name=name: fake.step(next(steps[name]) *
+                                                             gpu_memory.GIB) or [1.0])
+                            for name in steps})
+    for name in ("big", "small", "small", "big"):  # ABBA
+        assert measure[name]() == [1.0]
+    assert memory.summary() == {"peak_gpu_gib": {"big": 40.0, "small": 16.0},
+                                "resident_gpu_gib": {"big": 10.0, "small": 10.0}}
+    assert memory.line("small") == "  peak GPU 16.0 GiB (10.0 resident)"
+    monkeypatch.setattr(gpu_memory.torch.cuda, "is_available", lambda: False)
+    cpu = gpu_memory.PeakMemory()
+    assert cpu.track({"a": lambda: [2.0]})["a"]() == [2.0]
+    assert cpu.summary() == {"peak_gpu_gib": None, "resident_gpu_gib": None}
+    assert cpu.line("a") == ""
+
+
+def test_the_runner_reports_the_step_benchmarks_peak_gpu_memory(tmp_path):
+    """structmoe_step's and sigma_step's peak GPU memory (the 4 x 4096 step's, counted at about
+    40-50 GB before it was measured): one row, the largest side's, every side in its note;
+    none for a CPU result (null) or one from before the field."""
+    step = {"layer_ms": None, "step_ms": {"dense": 600.0, "grouped": 800.0},
+            "overhead_pct": {"grouped": 33.3}, "overhead_pct_runs": {"grouped": [33.0, 33.6]},
+            "peak_gpu_gib": {"dense": 38.5, "grouped": 41.25},
+            "resident_gpu_gib": {"dense": 17.0, "grouped": 17.0}}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(step))
+    rows = gpu_evidence._rows_overhead("structmoe_step_16k", "step", None)(str(path))
+    (mem,) = [r for r in rows if r.unit == "GiB"]
+    assert mem.value == 41.25 and mem.goal is None and mem.step == "structmoe_step_16k"
+    assert mem.note == "grouped; dense 38.5 (17.0 resident), grouped 41.2 (17.0 resident)"
+    for peak in (None, "absent"):
+        s = dict(step)
+        if peak is None:
+            s["peak_gpu_gib"] = s["resident_gpu_gib"] = None
+        else:
+            del s["peak_gpu_gib"]
+        path.write_text(json.dumps(s))
+        assert not [r for r in gpu_evidence._rows_overhead("structmoe_step", "step", None)(
+            str(path)) if r.unit == "GiB"]
+    path.write_text(json.dumps({"ratio_sigma_vs_upstream": 1.01, "ratio_runs": [1.01, 1.01],
+                                "step_ms": {"sigma": 101.0, "upstream": 100.0},
+                                "peak_gpu_gib": {"sigma": 12.0, "upstream": 11.5}}))
+    mem = gpu_evidence._rows_sigma(str(path))[-1]
+    assert (mem.step, mem.value, mem.note) == ("sigma_step", 12.0,
+                                               "sigma; sigma 12.0, upstream 11.5")

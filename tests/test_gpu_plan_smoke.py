@@ -42,14 +42,21 @@ TINY = {
                    "--vocab", "256", "--reps", "2", "--warmup", "1"],
     # Each family benchmark's profile against its baseline, at the driver's own tiny shapes.
     "profile": ["--shape", "tiny", "--steps", "2"],
-    # The lease's main step: two of its variants, the tiered one traced as there; one repeat
+    # The STEM tables' goal step: its two variants, the tiered one traced as there; one repeat
     # of the plan's two (each is a training; the ABBA order and the failure records are
     # tested in tests/test_stem_placement_repeats.py).
-    "stem_placement": ["--shape", "tiny", "--iters", "6", "--skip", "4",
-                       "--variants", "gpu,tiered", "--profile", "tiered", "--repeats", "1"],
+    "stem_placement_base": ["--shape", "tiny", "--iters", "6", "--skip", "4",
+                            "--variants", "gpu,tiered", "--profile", "tiered", "--repeats", "1"],
     # The same benchmark and reader with other variants: its flags are parsed by
-    # tests/test_gpu_evidence.py::test_every_command_parses, no second tiny training here.
+    # tests/test_gpu_evidence.py::test_every_command_parses, no second tiny training here (the
+    # new variants need CUDA; their ratios to their baselines are read in
+    # tests/test_gpu_evidence.py).
+    "stem_placement_direct": None,
+    "stem_placement_gpu_step": None,
     "stem_placement_cpu": None,
+    # Run at a one-layer shape by tests/test_host_overhead.py, which reads its JSON with this
+    # step's reader: no second run here.
+    "host_overhead": "tests/test_host_overhead.py",
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
     # The direct read under Triton's interpreter on the CPU (conftest sets it without CUDA).
@@ -99,13 +106,17 @@ def test_every_benchmark_step_has_a_tiny_run():
     steps = _benchmark_steps()
     names = {s.name for s in steps}
     assert names == set(TINY), f"plan's benchmark steps {sorted(names)} vs tiny runs {sorted(TINY)}"
-    tried = {(s.argv[1], _reader(s)) for s in steps if TINY[s.name] is not None}
+    tried = {(s.argv[1], _reader(s)) for s in steps if isinstance(TINY[s.name], list)}
     for s in steps:
+        if isinstance(TINY[s.name], str):  # run elsewhere, read there by this step's reader
+            text = open(os.path.join(ROOT, TINY[s.name])).read()
+            assert s.argv[1] in text and f'["{s.name}"]' in text and "step.rows(" in text, s.name
+            continue
         assert (s.argv[1], _reader(s)) in tried, f"{s.name}: no tiny run of its script and reader"
 
 
-@pytest.mark.parametrize("step", [s for s in _benchmark_steps() if TINY[s.name] is not None],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize("step", [s for s in _benchmark_steps()
+                                  if isinstance(TINY[s.name], list)], ids=lambda s: s.name)
 def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     argv = gpu_evidence._expand(step.argv, sys.executable, str(tmp_path)) + TINY[step.name]
     if step.name in COMPILED_ROWS:
@@ -121,6 +132,11 @@ def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
         host = json.loads((tmp_path / step.result).read_text())["host_ms"]
         notes = " ".join(r.note for r in rows)
         assert host and all(f"{side}: host " in notes for side in host), (host, notes)
+    if step.name in ("structmoe_step", "structmoe_step_16k", "sigma_step"):
+        # Peak GPU memory per side (benchmarks/gpu_memory.py): null on the CPU, and no row.
+        result = json.loads((tmp_path / step.result).read_text())
+        assert result["peak_gpu_gib"] is None and result["resident_gpu_gib"] is None
+        assert not [r for r in rows if r.unit == "GiB"]
     if step.name in COMPILED_ROWS:
         by_metric = {r.metric: r for r in rows}
         for metric in COMPILED_ROWS[step.name]:
@@ -144,6 +160,6 @@ def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
             "dense-masked", "grouped"}
         assert [r.metric for r in rows if r.goal == 3.0] == [
             next(r.metric for r in rows if r.metric.startswith("StructMoE, fastest backend"))]
-    if step.name == "stem_placement":  # a goal is judged on two runs: one is not met
+    if step.name == "stem_placement_base":  # a goal is judged on two runs: one is not met
         (tiered,) = [r for r in rows if r.metric == "tiered tables, step vs gpu tables"]
         assert tiered.met is False and "one run" in tiered.note

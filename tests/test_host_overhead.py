@@ -130,3 +130,19 @@ def test_host_overhead_benchmark_runs_and_counts_the_compat_calls(mcore_single_r
     assert set(s["compat"]["est_ms_per_step"]) == {"structmoe", "sigma"}
     assert s["compat"]["est_ms_per_step"]["sigma"]["sigma"] == pytest.approx(
         s["sigma"]["compat_calls_per_step"]["sigma"] * s["compat"]["us_per_call"] / 1e3)
+    # The runner's host_overhead step reads this JSON (tests/test_gpu_plan_smoke.py runs no
+    # second one): each side's host time per step, each routed side's extra per layer over its
+    # baseline, the worse of the two runs.
+    step = {x.name: x for x in gpu_evidence.plan()}["host_overhead"]
+    assert step.argv[1] == "benchmarks/host_overhead.py" and step.result == "host_overhead.json"
+    rows = {r.metric: r for r in step.rows(str(out))}
+    assert all(r.step == "host_overhead" and r.goal is None for r in rows.values())
+    for family, base, side in (("structmoe", "dense", "grouped"), ("sigma", "upstream", "sigma")):
+        for name in (base, side):
+            host = rows[f"{family} {name}: host time per step"]
+            assert host.value == s[family]["host_ms"][name] and host.unit == "ms"
+            assert "of it the CPU backend's mode" in host.note
+        extra = rows[f"{family} {side}: extra host time per layer over {base}"]
+        assert extra.value == max(s[family]["extra_host_ms_per_layer_runs"][side])
+        assert "worst of runs" in extra.note
+    assert len(rows) == 6, sorted(rows)
