@@ -123,8 +123,13 @@ def _host(s: dict, side: str, step_ms: Optional[float]) -> str:
     return f"{side}: host {host:.2f} of {step_ms:.2f} ms ({100.0 * host / step_ms:.0f}%)"
 
 
+def _notes(*parts: str) -> str:
+    """A row's note from its parts, the empty ones left out (a result without the field)."""
+    return "; ".join(x for x in parts if x)
+
+
 def _peak_memory(step: str, s: dict) -> List[Row]:
-    """The step benchmarks' peak GPU memory (``peak_gpu_gib`` per side, since 2026-11-29: its
+    """The step benchmarks' peak GPU memory (``peak_gpu_gib`` per side, since 2026-11-28: its
     timed steps with every side's model resident; null on the CPU): one row, the largest
     side's, every side's in the note. None for a result without it."""
     peak = s.get("peak_gpu_gib")
@@ -176,10 +181,9 @@ def _rows_stem_mlp(path: str) -> List[Row]:
              "compiled": "PyTorch path, --stem-compile gate"}
     for k in ("triton", "torch", "compiled"):
         if f"stem_{k}_speedup" in s:
-            note = "; ".join(x for x in (
-                notes[k], _host(s, f"stem_{k}", s.get(f"stem_{k}_ms")),
-                f"compiled in {compile_s['stem_compiled']:.1f} s"
-                if k == "compiled" and "stem_compiled" in compile_s else "") if x)
+            note = _notes(notes[k], _host(s, f"stem_{k}", s.get(f"stem_{k}_ms")),
+                          f"compiled in {compile_s['stem_compiled']:.1f} s"
+                          if k == "compiled" and "stem_compiled" in compile_s else "")
             rows.append(_per_run("stem_mlp", f"STEM MLP ({k}) speed-up vs dense",
                                  s.get(f"stem_{k}_speedup_runs"), s[f"stem_{k}_speedup"], "x",
                                  1.4 if k == "triton" else None, "higher", note=note))
@@ -217,11 +221,11 @@ def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
             compiled = (s.get("compile_s") or {}).get(name)
             per_backend[name] = _per_run(step, f"StructMoE ({name}) over dense", runs.get(name),
                                          pct, "%", 3.0 if name == goal_backend else None,
-                                         "lower", note="; ".join(x for x in (
+                                         "lower", note=_notes(
                                              f"{times[name]:.2f} ms",
                                              _host(s, name, times[name]),
                                              f"compiled in {compiled:.1f} s"
-                                             if compiled is not None else "") if x))
+                                             if compiled is not None else ""))
             rows.append(per_backend[name])
         if per_backend:
             # The fastest is the one whose worse run is the best.
@@ -237,19 +241,19 @@ def _rows_sigma(path: str) -> List[Row]:
     rows = [_per_run("sigma_step", "Sigma router step over upstream aux_loss",
                      [100.0 * (r - 1.0) for r in s.get("ratio_runs") or []],
                      100.0 * (s["ratio_sigma_vs_upstream"] - 1.0), "%", 2.0, "lower",
-                     note="; ".join(x for x in (
+                     note=_notes(
                          f"{s['step_ms']['sigma']:.1f} vs {s['step_ms']['upstream']:.1f} ms",
                          _host(s, "sigma", s["step_ms"]["sigma"]),
-                         _host(s, "upstream", s["step_ms"]["upstream"])) if x))]
+                         _host(s, "upstream", s["step_ms"]["upstream"])))]
     if "ratio_compiled_vs_upstream" in s:  # --sigma-compile router (benchmarks/sigma_step.py)
         rows.append(_per_run(
             "sigma_step", "Sigma router step, compiled (--sigma-compile router), over upstream",
             [100.0 * (r - 1.0) for r in s.get("ratio_compiled_runs") or []],
             100.0 * (s["ratio_compiled_vs_upstream"] - 1.0), "%", 2.0, "lower",
-            note="; ".join(x for x in (
+            note=_notes(
                 f"{s['step_ms']['sigma_compiled']:.1f} ms",
                 _host(s, "sigma_compiled", s["step_ms"]["sigma_compiled"]),
-                f"compiled in {s['compile_s']['sigma_compiled']:.1f} s") if x)))
+                f"compiled in {s['compile_s']['sigma_compiled']:.1f} s")))
     return rows + _peak_memory("sigma_step", s)
 
 
@@ -641,7 +645,7 @@ def _placement_step(name: str, what: str, variants: List[str]) -> Step:
 
 
 # A name that stands for several steps, in this order (``--steps``, ``--skip``): until
-# 2026-11-29 ``stem_placement`` was one step of six trainings (gpu, tiered, gpu-sparse, twice),
+# 2026-11-28 ``stem_placement`` was one step of six trainings (gpu, tiered, gpu-sparse, twice),
 # past one device call; its pieces each fit one.
 GROUPS = {"stem_placement": ["stem_placement_base", "stem_placement_direct",
                              "stem_placement_gpu_step"]}
@@ -721,7 +725,7 @@ def plan() -> List[Step]:
                         ["--repeats", "1", "--variants",
                          "gpu-sparse,gpu-sparse-gpu-step,tiered,tiered-gpu-step"]),
         # Every row in host memory (goal: cpu <= 1.05x gpu), two runs each: four trainings,
-        # about 400 s on an H100, past the 360 s limit it had until 2026-11-29.
+        # about 400 s on an H100, past the 360 s limit it had until 2026-11-28.
         _placement_step("stem_placement_cpu", "STEM tables on the GPU vs host memory, in "
                         "training, two runs each", ["--repeats", "2", "--variants", "gpu,cpu"]),
         # The GPU machine's host: the CPU AdamW (0.26 G row-params/s inside the tiered run of

@@ -645,7 +645,7 @@ def test_every_step_fits_one_device_call():
     step and CALL_MARGIN_S after the last: every step's expected seconds, and its limit, fit
     inside what is left (the runner's default budget of 9 minutes), and no step is expected to
     outlive its own limit (stem_placement's six trainings: about 600 s against 540 until
-    2026-11-29)."""
+    2026-11-28)."""
     g = gpu_evidence
     room = 600 - g.CALL_OVERHEAD_S - g.CALL_MARGIN_S
     for s in g.plan():
@@ -653,7 +653,7 @@ def test_every_step_fits_one_device_call():
 
 
 def test_stem_placement_stands_for_its_pieces(tmp_path, capsys):
-    """``--steps stem_placement`` (docs and notes of before 2026-11-29) runs its pieces, each
+    """``--steps stem_placement`` (docs and notes of before 2026-11-28) runs its pieces, each
     a run of the benchmark with the baselines its ratios need; --skip takes the name too."""
     g = gpu_evidence
     by_name = {s.name: s for s in g.plan()}
