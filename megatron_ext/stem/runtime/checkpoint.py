@@ -208,8 +208,7 @@ def load_optimizer_state(optimizer, saved: dict) -> None:
     optimizer.step_count = int(saved["step_count"])
     tensors = saved["tensors"]
     for t in optimizer.tables:  # --stem-host-read direct: the loads below write host rows in
-        if t.store.reads is not None:  # place, past the store, after any read still queued
-            t.store.reads.wait_all()
+        t.store.wait_reads()  # place, past the store, after any read still queued
     for t, sources in _optimizer_sources(optimizer):
         for name, targets in sources.items():
             per_block = {}

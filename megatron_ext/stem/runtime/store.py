@@ -213,8 +213,7 @@ class TableStore:
     def read(self, i: int) -> torch.Tensor:
         """Layer ``i``'s owned rows, settled, as one tensor in local order: the shard itself, or a
         host copy of a tiered one's two halves."""
-        if self.reads is not None:  # the rows are settled in place and may be written whole
-            self.reads.wait_all()
+        self.wait_reads()  # the rows are settled in place and may be written whole
         if self.owed_step is not None:
             self.owed_step.finish()
         self.lazy.settle_all()
@@ -222,9 +221,14 @@ class TableStore:
 
     def write(self, i: int, whole: torch.Tensor) -> None:
         """After ``whole = read(i)`` was written in place: a tiered shard takes it back."""
-        if self.reads is not None:  # a direct read queued since ``read`` reads the old rows
-            self.reads.wait_all()
+        self.wait_reads()  # a direct read queued since ``read`` reads the old rows
         write_back(self.shards[i], whole)
+
+    def wait_reads(self) -> None:
+        """Wait for every direct read of the host rows still queued on the GPU, before the CPU
+        writes them past the store's own writers (``read``, ``write``, a checkpoint's load)."""
+        if self.reads is not None:
+            self.reads.wait_all()
 
 
 def check_host_read(host_read: str, placement: str, cuda: bool) -> None:
