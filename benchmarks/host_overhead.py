@@ -80,17 +80,6 @@ def _sigma_models(args, dtype, device) -> Dict[str, torch.nn.Module]:
     return models
 
 
-def _step_fn(name: str, model, tokens, position_ids, labels) -> Callable[[], None]:
-    from megatron_ext.sigma.router import end_global_batch
-
-    def step():
-        model(tokens, position_ids, None, labels=labels).float().mean().backward()
-        if name == "sigma":  # the statistics' end of the global batch, once per step
-            end_global_batch([model])
-
-    return step
-
-
 def compat_calls(step: Callable[[], None]) -> int:
     """Calls of the CPU backend's ``TorchFunctionMode`` in one ``step()`` (0 when it is not
     installed): the mode is swapped for a counting copy of itself for that step."""
@@ -143,11 +132,11 @@ def compat_us_per_call(calls: int = 20000, rounds: int = 5) -> float:
     return 1e6 * (min(with_mode) - min(without)) / calls
 
 
-def measure(models: Dict[str, torch.nn.Module], base: str, layers: int, inputs, run: RunSetup,
+def measure(models: Dict[str, torch.nn.Module], base: str, layers: int, steps, run: RunSetup,
             count_compat: bool) -> dict:
-    """One family's sides: host and step times per run, the extra host time of each side over
-    ``base`` per step and per layer, the host-time ratios, and the compat mode's calls."""
-    steps = {name: _step_fn(name, m, *inputs) for name, m in models.items()}
+    """One family's sides (``steps``: each side's step): host and step times per run, the extra
+    host time of each side over ``base`` per step and per layer, the host-time ratios, and the
+    compat mode's calls."""
     step_runs, host_runs = alternate_timed(
         {name: (lambda name=name, m=m: timed(steps[name], m.zero_grad_buffer, run.reps,
                                              run.warmup))
@@ -223,10 +212,19 @@ def main(argv: List[str] = None) -> dict:
                "reps": run.reps, "warmup": run.warmup, "repeats": run.repeats}
     print(f"Host time per step at a tiny shape | {device_name} {run.dtype_name} | "
           f"{args.layers} layers, H={args.hidden}, {args.seq} tokens, vocab {args.vocab}")
-    builders = {"structmoe": (_structmoe_models, "dense"), "sigma": (_sigma_models, "upstream")}
+    import sigma_step
+    import structmoe_step
+
+    # Per family: its models, its baseline side, and a side's step as its step benchmark runs it.
+    builders = {"structmoe": (_structmoe_models, "dense",
+                              lambda name, m: structmoe_step.step_fn(m, *inputs)),
+                "sigma": (_sigma_models, "upstream",
+                          lambda name, m: sigma_step.step_fn(name, m, *inputs))}
     for family in families:
-        build, base = builders[family]
-        r = measure(build(args, run.dtype, device), base, args.layers, inputs, run, count_compat)
+        build, base, step_of = builders[family]
+        models = build(args, run.dtype, device)
+        steps = {name: step_of(name, m) for name, m in models.items()}
+        r = measure(models, base, args.layers, steps, run, count_compat)
         summary[family] = r
         for name, host in r["host_ms"].items():
             line = f"  {family:9s} {name:13s}: host {host:8.2f} ms/step"

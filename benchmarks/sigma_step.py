@@ -86,6 +86,19 @@ def build(args, dtype, router: str):
                     share_embeddings_and_output_weights=False)
 
 
+def step_fn(name: str, model, tokens, position_ids, labels):
+    """One training step of a side: forward, LM loss and backward, and for Sigma's sides the
+    end of the global batch (``end_global_batch``: the statistics' all-reduce), once per step."""
+    from megatron_ext.sigma.router import end_global_batch
+
+    def step():
+        model(tokens, position_ids, None, labels=labels).float().mean().backward()
+        if name != "upstream":
+            end_global_batch([model])
+
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,8 +121,6 @@ def main() -> None:
     add_profile_args(parser)
     args = parser.parse_args()
 
-    from megatron_ext.sigma.router import end_global_batch
-
     run = RunSetup(args)
     dtype_name, dtype, reps, warmup, device = (run.dtype_name, run.dtype, run.reps,
                                                run.warmup, run.device)
@@ -126,13 +137,7 @@ def main() -> None:
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
     labels = torch.roll(tokens, -1, dims=1)
     position_ids = torch.arange(args.seq, device=device).unsqueeze(0).expand_as(tokens)
-
-    def step_fn(name, model):
-        def step():
-            model(tokens, position_ids, None, labels=labels).float().mean().backward()
-            if name != "upstream":
-                end_global_batch([model])
-        return step
+    inputs = (tokens, position_ids, labels)
 
     device_name = torch.cuda.get_device_name(0) if gpu else \
         f"cpu ({torch.get_num_threads()} threads)"
@@ -140,13 +145,13 @@ def main() -> None:
              "experts": args.experts, "expert_ffn": args.expert_ffn, "topk": args.topk,
              "tokens": args.seq * args.micro_batch, "vocab": args.vocab}
     if run.profile_dir:
-        profile_sides({name: (step_fn(name, m), m.zero_grad_buffer)
+        profile_sides({name: (step_fn(name, m, *inputs), m.zero_grad_buffer)
                        for name, m in models.items()}, "upstream", run.profile_dir, warmup,
                       run.profile_steps, {"benchmark": "sigma_step", "device": device_name,
                                           **shape})
         return
     # The compiled side compiles in its first steps: timed apart, before anything else runs it.
-    compile_s = {name: compile_seconds(step_fn(name, m), m.zero_grad_buffer)
+    compile_s = {name: compile_seconds(step_fn(name, m, *inputs), m.zero_grad_buffer)
                  for name, m in models.items() if name == "sigma_compiled"}
     # One step of each under the op recorder and CUDA's sync check (megatron_ext/tools/
     # host_syncs.py): kernels launched per step and host syncs, beside the profile's. Not of
@@ -156,11 +161,12 @@ def main() -> None:
     for name, m in models.items():
         if name == "sigma_compiled":
             continue
-        census[name] = host_syncs.census(step_fn(name, m))
+        census[name] = host_syncs.census(step_fn(name, m, *inputs))
         m.zero_grad_buffer()
     memory = PeakMemory()  # each side's peak with every model resident (GPU only)
     run_ms, host_runs = alternate_timed(memory.track(
-        {name: (lambda name=name, m=m: timed(step_fn(name, m), m.zero_grad_buffer, reps, warmup))
+        {name: (lambda name=name, m=m: timed(step_fn(name, m, *inputs), m.zero_grad_buffer,
+                                             reps, warmup))
          for name, m in models.items()}), run.repeats)
     ratios = run_ratios(run_ms, "upstream")
     ratio_runs = ratios["sigma"]
