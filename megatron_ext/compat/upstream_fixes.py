@@ -13,11 +13,13 @@ import contextlib
 import functools
 import logging
 import sys
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import megatron.core.datasets.utils as dutils
 import torch
-from megatron.core.optimizer import distrib_optimizer
+from megatron.core.optimizer import clip_grads, distrib_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizer
+from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
 from megatron.training import get_args, training
 
 from megatron_ext.compat import seam
@@ -28,6 +30,13 @@ logger = logging.getLogger(__name__)
 
 def _no_apex_or_te() -> bool:
     return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _upstream_fallback(module, name: str, fallback) -> Callable[[], bool]:
+    """Whether megatron-core chose its own stand-in ``fallback`` for ``module.name`` when it was
+    imported (neither Apex nor Transformer Engine there): read once, before any replacement."""
+    chosen = getattr(module, name) is fallback
+    return lambda: chosen
 
 
 def _state_dict_before_the_first_step(original):
@@ -77,7 +86,9 @@ def _load_state_dict_own_steps(original):
         step = float(steps.pop())
         for st in self.optimizer.state.values():
             if "step" in st:
-                st["step"] = torch.tensor(step, dtype=torch.float32)
+                # On the device torch's load put it: the host for the foreach AdamW, the
+                # parameter's device for the fused one (--ext-adam-impl), whose kernel reads it.
+                st["step"] = torch.tensor(step, dtype=torch.float32, device=st["step"].device)
         return result
 
     return load_state_dict
@@ -185,6 +196,48 @@ def _unset_eval_interval_counts_no_evaluation(original):
     return fixed
 
 
+def _l2_norm_without_host_reads(original):
+    """Without Apex or Transformer Engine, megatron-core 0.19's gradient norm
+    (``clip_grads.l2_norm_impl`` = ``utils.local_multi_tensor_l2_norm``) launches one norm per
+    gradient tensor, then builds ``torch.tensor(list_of_device_scalars)``: a host read of every
+    tensor's norm, each waiting on the device, then one more (``float(...)``) and a copy back.
+    torch's multi-tensor norm (``torch._foreach_norm``) computes the same per-tensor norms in a
+    few launches and the total stays on the device. Same contract as amp_C's
+    ``multi_tensor_l2norm``: ``([total], None)``; per-tensor norms are not asked for by
+    ``get_grad_norm_fp32`` and are refused."""
+
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        if per_tensor:
+            raise NotImplementedError("per-tensor norms: megatron-core's fallback has none")
+        tensors = tensor_lists[0]
+        norms = torch._foreach_norm(tensors, 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+        return total.reshape(1), None
+
+    return l2_norm
+
+
+def _scale_in_few_launches(original):
+    """Without Apex or Transformer Engine, megatron-core 0.19's ``multi_tensor_scale`` stand-in
+    (``utils.local_multi_tensor_scale``: ``dst.copy_(src * scale)`` per tensor, two launches and
+    a temporary each) scales the gradients when they are clipped and copies fp32 main parameters
+    into bf16 model ones. torch's multi-tensor ops do it in a few launches; the values are the
+    same bit for bit (a product by the same float, one rounding into ``dst``'s dtype)."""
+
+    def scale(chunk_size, noop_flag, tensor_lists, scale):
+        src, dst = tensor_lists[0], tensor_lists[1]
+        if len(src) != len(dst):
+            raise ValueError(f"multi_tensor_scale: {len(src)} sources for {len(dst)} targets")
+        if all(s is d for s, d in zip(src, dst)):
+            torch._foreach_mul_(dst, scale)
+        elif scale == 1.0:
+            torch._foreach_copy_(dst, src)
+        else:
+            torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+    return scale
+
+
 _OPTIMIZER = distrib_optimizer.DistributedOptimizer
 _WHY_ADAM = ("bug of megatron-core 0.19: a --use-distributed-optimizer resume with torch's Adam "
              "(no Apex/TE); upstream has no hook in its optimizer's state handling")
@@ -200,6 +253,23 @@ FIXES: Dict[str, Tuple[Seam, ...]] = {
              applies=_no_apex_or_te),
         Seam(_OPTIMIZER, "_set_main_param_and_optimizer_states", _set_states_without_autograd,
              _WHY_ADAM, applies=_no_apex_or_te),
+    ),
+    "multi_tensor_fallbacks_on_the_device": (
+        Seam(clip_grads, "l2_norm_impl", _l2_norm_without_host_reads,
+             "performance bug of megatron-core 0.19's fallback without Apex/TE: a host read per "
+             "gradient tensor in every gradient norm; get_grad_norm_fp32 reads the module "
+             "global, no hook",
+             applies=_upstream_fallback(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)),
+        Seam(clip_grads, "multi_tensor_scale_impl", _scale_in_few_launches,
+             "performance bug of the same fallback: two launches per tensor when gradients are "
+             "clipped; module global, no hook",
+             applies=_upstream_fallback(clip_grads, "multi_tensor_scale_impl",
+                                        local_multi_tensor_scale)),
+        Seam(megatron_optimizer, "multi_tensor_scale_impl", _scale_in_few_launches,
+             "the same fallback where main parameters are copied into model ones "
+             "(_multi_tensor_copy_this_to_that); module global, no hook",
+             applies=_upstream_fallback(megatron_optimizer, "multi_tensor_scale_impl",
+                                        local_multi_tensor_scale)),
     ),
     "prebuilt_dataset_helpers": (
         Seam(dutils, "compile_helpers", _no_compile,

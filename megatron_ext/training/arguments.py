@@ -20,6 +20,7 @@ from megatron_ext.data_manifest import verify_manifest
 from megatron_ext.models.hybrid_pattern import check_family_symbols
 from megatron_ext.models.registry import families, family_of, registered_families
 from megatron_ext.models.specs import CORE_ATTENTION_CHOICES, te_available
+from megatron_ext.training.adam_impl import CHOICES as ADAM_CHOICES
 
 
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +48,12 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "context parallelism and window attention), unfused (Megatron's "
                             "DotProductAttention); auto: sdpa on a GPU without "
                             "Transformer Engine, unfused otherwise")
+
+    group.add_argument("--ext-adam-impl", choices=ADAM_CHOICES, default="auto",
+                       help="torch's AdamW implementation when Megatron has neither Transformer "
+                            "Engine's nor Apex's FusedAdam: fused (one pass over parameters and "
+                            "states per step), foreach (torch's default on CUDA); auto: fused "
+                            "when every parameter is on a GPU, foreach otherwise")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,

@@ -24,7 +24,7 @@ from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.registry import family_of, load_plugins
 from megatron_ext.models.specs import te_available, te_problem
-from megatron_ext.training import profiler
+from megatron_ext.training import adam_impl, profiler
 from megatron_ext.training.arguments import (
     add_extension_args,
     check_family_args,
@@ -186,6 +186,7 @@ def main(argv=None) -> None:
             print(f"megatron-ext: {note}", flush=True)
         check_save_dir(args.save, launch_rank())
         check_async_save(args, cpu_backend=cpu.is_installed())
+        adam_impl.check_args(args)
         check_schedule_resume(args)
         check_table_memory(args)  # before the model draws the tables' rows
     except ValueError as exc:

@@ -4,14 +4,18 @@
 
 Extends ``megatron.training.training.get_megatron_optimizer`` (the name ``pretrain``'s
 ``setup_model_and_optimizer`` calls; the row of ``training/upstream_seams.py``): the optimizer
-upstream builds is handed to the family of the running training (``--model-family``), which may
-chain its own onto it.
+upstream builds gets the torch AdamW implementation of ``--ext-adam-impl`` (``adam_impl.py``), then
+is handed to the family of the running training (``--model-family``), which may chain its own
+onto it.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from megatron.training import get_args, print_rank_0
+
+from megatron_ext.training import adam_impl
 
 
 def wrap_get_megatron_optimizer(upstream: Callable, family_run, trained: list) -> Callable:
@@ -20,6 +24,9 @@ def wrap_get_megatron_optimizer(upstream: Callable, family_run, trained: list) -
 
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         optimizer = upstream(config, model_chunks, *args, **kwargs)
+        line = adam_impl.select(optimizer, getattr(get_args(), "ext_adam_impl", "auto"))
+        if line:
+            print_rank_0(line)
         trained.extend(model_chunks)
         return family_run.wrap_optimizer(optimizer, model_chunks)
 
