@@ -15,6 +15,24 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Variables that libraries of the in-process tests set in os.environ when they are imported or
+# first used, set here first to the same values: a launch whose environment differs from the rank
+# server's is exec'd instead of forked (tests/rank_server.py), and the server takes the
+# environment of its worker's first launch. Unset, the first lm_eval evaluation (scikit-learn's
+# import) sent every later launch of its worker to exec, each rank paying its imports (about 5 s
+# of CPU; CI 2026-11-28: every launch of one worker after test_convert_to_hf.py's); a file
+# without lm_eval got the inductor cache's variable during its first test, after its server.
+PINNED_ENV = {
+    "KMP_DUPLICATE_LIB_OK": "True",  # scikit-learn's __init__
+    "KMP_INIT_AT_FORK": "FALSE",  # scikit-learn's and joblib's __init__
+    "HF_XET_HIGH_PERFORMANCE": "1",  # lm_eval's __init__
+}
+for _name, _value in PINNED_ENV.items():
+    os.environ.setdefault(_name, _value)
+from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: E402
+
+cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR (to its default unless given), as its first use would
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
     if path not in sys.path:
