@@ -394,6 +394,26 @@ def _kernel_rate(r: dict) -> str:
     return f", CPU row kernel {params / loop / 1e9:.2f} G params/s in its loops"
 
 
+def _rows_optimizer_step(path: str) -> List[Row]:
+    """``benchmarks/optimizer_step.py``: megatron-core's fallbacks without Apex/TE against ours,
+    per part of the optimizer step; the value is the worse run's ratio (ours / upstream)."""
+    s = _load(path)
+    what = {"adam": "torch AdamW step, fused (ours) over torch's default (upstream)",
+            "norm": "gradient norm, torch._foreach_norm (ours) over upstream's stand-in",
+            "clip": "clipped gradients' scaling, ours over upstream's stand-in",
+            "step": "the three together, ours over upstream's fallbacks"}
+    rows = []
+    for part, text in what.items():
+        p = s["parts"][part]
+        rows.append(Row("optimizer_step", f"{text}, {s['preset']}", max(p["ratio_runs"]), "x",
+                        None, "lower",
+                        note=f"upstream {p['upstream_median_ms']:.2f} ms, ours "
+                             f"{p['ours_median_ms']:.2f} ms (medians of {s['repeats']} runs); "
+                             f"{s['parameters'] / 1e9:.2f} B parameters in {s['tensors']} "
+                             f"tensors" + ("" if s["fused_adam"] else "; ours not fused here")))
+    return rows
+
+
 def _rows_host_optimizer(path: str) -> List[Row]:
     s = _load(path)
     return [Row("host_optimizer", "sparse CPU AdamW over DeepSpeed dense CPU Adam, this host",
@@ -702,6 +722,14 @@ def plan() -> List[Step]:
              "StructMoE backend, upstream's aux-loss router vs Sigma",
              [PY, "benchmarks/host_overhead.py", "--json", f"{RES}/host_overhead.json"],
              120, "host_overhead.json", _rows_host_overhead),
+        # Issue 51: the optimizer's share of a step without Apex/TE, megatron-core's fallbacks
+        # (torch's default AdamW, a host read per gradient tensor in the norm) against the
+        # plugin's (--ext-adam-impl auto: fused; compat/upstream_fixes.py), dense_1b's
+        # parameters, in one process.
+        Step("optimizer_step", "optimizer step without Apex/TE: upstream's fallbacks vs ours "
+             "(fused AdamW, norm and clip on the device), dense_1b's parameters",
+             [PY, "benchmarks/optimizer_step.py", "--json", f"{RES}/optimizer_step.json"],
+             120, "optimizer_step.json", _rows_optimizer_step),
         # Issue 50, capability 5, the STEM tables in training, in pieces of four 1B trainings
         # (about 100 s each on an H100, 70 s on an H200): the six of one step took about 600 s,
         # past a device call's 10 minutes. Each ratio's baseline trains in the same piece
@@ -825,6 +853,10 @@ ESTIMATES = {
     # StructMoE and two Sigma models of 8 tiny layers, each timed (50 + 3) x 2 steps at a few
     # to a few tens of ms (about 15 s), triton's routing kernels' first compile (about 20 s).
     "host_overhead": 60,
+    # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), 1.24 B
+    # fp32 parameters, gradients and two optimizers' moments (30 GB) drawn, 3 parts x 2 sides
+    # x 2 runs x 12 calls of up to about 50 ms (about 10 s).
+    "optimizer_step": 40,
     # Four 1B trainings each. On an H100 three trainings took about 300 s (2026-11-27c: run
     # 1's 507 s less its two runner calls, stem_mlp 22.7 s, structmoe_step 43.5 s, sigma_step
     # 58.2 s and about 40 s before each call's first step): about 100 s a training, its start

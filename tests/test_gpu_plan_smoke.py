@@ -57,6 +57,7 @@ TINY = {
     # Run at a one-layer shape by tests/test_host_overhead.py, which reads its JSON with this
     # step's reader: no second run here.
     "host_overhead": "tests/test_host_overhead.py",
+    "optimizer_step": ["--reps", "2", "--warmup", "1"],  # dense_cpu's parameters by default
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
     # The direct read under Triton's interpreter on the CPU (conftest sets it without CUDA).
