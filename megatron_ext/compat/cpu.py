@@ -411,6 +411,25 @@ def default_flags(argv: List[str]) -> tuple:
     return list(argv) + added, added
 
 
+@contextlib.contextmanager
+def grouped_gemm_validation():
+    """Inside: the device reports compute capability (8, 0), not the backend's (0, 0), while
+    Megatron validates the flags. ``validate_args`` asserts capability >= 8 for
+    ``--moe-grouped-gemm`` (its only reading of the capability), a check for the CUDA
+    grouped-GEMM kernels of Transformer Engine and ``grouped_gemm``; on the CPU the flag builds
+    the torch grouped experts (``models/grouped_experts.py``), which need none. Outside the
+    backend (CUDA present): nothing."""
+    if not _INSTALLED:
+        yield
+        return
+    reported = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: (8, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = reported
+
+
 def install() -> bool:
     """Install the CPU backend if (and only if) CUDA is unavailable. Returns whether it is active."""
     global _INSTALLED, _mode

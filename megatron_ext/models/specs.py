@@ -27,6 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -37,6 +38,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_ext.models.grouped_experts import grouped_experts_builder
 from megatron_ext.models.layer import TokenContextTransformerLayer
 from megatron_ext.models.norm import SequenceParallelTorchNorm
 from megatron_ext.models.sdpa_attention import SDPAttention
@@ -128,12 +130,16 @@ def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
     """Upstream's GPT layer spec (dense, or upstream's MoE layer when ``num_experts`` is given);
     the local one with sequence-parallel-capable torch norms and the core attention of
     ``--ext-core-attention`` (``core_attention``: that flag's value; None reads it,
-    ``local_core_attention``)."""
+    ``local_core_attention``), and with ``moe_grouped_gemm`` our grouped experts
+    (``grouped_experts.py``) where upstream's local spec builds ``SequentialMLP`` whatever the
+    flag says. With Transformer Engine, upstream's spec as it is (TE's grouped linears)."""
     moe = dict(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm) if num_experts else {}
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
     sub = spec.submodules
+    if num_experts and moe_grouped_gemm:
+        sub = dataclasses.replace(sub, mlp=_with_grouped_experts(sub.mlp))
     attn = sub.self_attention
     attn_sub = dataclasses.replace(
         attn.submodules,
@@ -149,6 +155,17 @@ def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
                                   submodules=attn_sub),
     )
     return ModuleSpec(module=spec.module, params=dict(spec.params), submodules=new_sub)
+
+
+def _with_grouped_experts(moe):
+    """Upstream's local MoE layer spec (``partial(MoELayer, submodules=MoESubmodules(...))``)
+    with its experts built as grouped GEMMs (``TEGroupedMLP`` over torch grouped linears)."""
+    moe_sub = moe.keywords.get("submodules") if isinstance(moe, functools.partial) else None
+    if not isinstance(moe_sub, MoESubmodules):
+        raise TypeError(f"cannot replace the experts of the MoE spec {moe!r}")
+    return functools.partial(moe.func, *moe.args, **{
+        **moe.keywords,
+        "submodules": dataclasses.replace(moe_sub, experts=grouped_experts_builder())})
 
 
 def final_norm_impl(use_te: bool):

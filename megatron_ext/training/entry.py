@@ -39,6 +39,7 @@ from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
     check_async_save,
     check_data_paths,
+    check_grouped_experts,
     check_layout,
     check_load_dir,
     check_required_flags,
@@ -97,7 +98,9 @@ def _validate_flags():
     Megatron's validation (its assertions) is refused in one line naming the place."""
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        # On the CPU backend --moe-grouped-gemm passes upstream's compute-capability check
+        # (cpu.grouped_gemm_validation says why).
+        with contextlib.redirect_stdout(printed), cpu.grouped_gemm_validation():
             args = parse_and_validate_args(extra_args_provider=add_extension_args)
     except (AssertionError, ValueError, RuntimeError) as exc:
         sys.stdout.write(_DUMP.sub("", printed.getvalue()))
@@ -186,6 +189,7 @@ def main(argv=None) -> None:
             print(f"megatron-ext: {note}", flush=True)
         check_save_dir(args.save, launch_rank())
         check_async_save(args, cpu_backend=cpu.is_installed())
+        check_grouped_experts(args)
         adam_impl.check_args(args)
         check_schedule_resume(args)
         check_table_memory(args)  # before the model draws the tables' rows

@@ -29,6 +29,7 @@ from megatron.training.utils import has_nvrx_checkpointing_async_support
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.checkpoint_state import unloadable_reason
 from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
+from megatron_ext.models.grouped_experts import unsupported as grouped_experts_unsupported
 from megatron_ext.planning.estimate import LABELS, table_memory
 from megatron_ext.planning.layout import Layout, validate_layout
 from megatron_ext.planning.model_shape import ModelShape
@@ -189,6 +190,18 @@ def check_async_save(args, cpu_backend: bool, nvrx_available=None) -> None:
             raise ValueError("--async-save with --async-strategy nvrx (Megatron's default) needs "
                              "nvidia-resiliency-ext, which is not installed: install it, or pass "
                              "--async-strategy mcore (Megatron's own asynchronous writer)")
+
+
+def check_grouped_experts(args) -> None:
+    """``--moe-grouped-gemm`` on the local backend builds the torch grouped experts
+    (``models/grouped_experts.py``): what they do not support (FP8, expert biases, delayed
+    weight gradients, ...) refused in one line, not as each rank's exception in the model
+    build. With Transformer Engine, upstream's grouped experts: nothing to check here."""
+    if args.moe_grouped_gemm and args.num_experts and \
+            args.transformer_impl != "transformer_engine":
+        problem = grouped_experts_unsupported(args)
+        if problem:
+            raise ValueError(problem)
 
 
 def check_layout(args) -> None:
