@@ -414,6 +414,19 @@ def _rows_optimizer_step(path: str) -> List[Row]:
     return rows
 
 
+def _rows_cross_entropy(path: str) -> List[Row]:
+    """``benchmarks/cross_entropy.py``: the fused loss over upstream's, the worse run's ratio."""
+    s = _load(path)
+    peak = s.get("peak_gib_above_logits") or {}
+    mem = (f"; peak above the logits: upstream {peak['upstream']:.2f} GiB, fused "
+           f"{peak['fused']:.2f} GiB" if peak else "")
+    return [Row("cross_entropy", f"fused cross entropy over upstream's, fwd+bwd, {s['tokens']} "
+                f"tokens x vocab {s['vocab']}, {s['dtype']}", max(s["ratio_runs"]), "x", None,
+                "lower", note=f"upstream {s['median_ms']['upstream']:.2f} ms, fused "
+                              f"{s['median_ms']['fused']:.2f} ms (medians of {s['repeats']} "
+                              f"runs){mem}")]
+
+
 def _rows_host_optimizer(path: str) -> List[Row]:
     s = _load(path)
     return [Row("host_optimizer", "sparse CPU AdamW over DeepSpeed dense CPU Adam, this host",
@@ -611,6 +624,9 @@ GPU_TESTS_FIRST = [
     "tests/test_row_kernel_refusals.py", "tests/test_stem_row_adam.py",
     "tests/test_row_adam_gpu.py", "tests/test_host_rows.py", "tests/test_stem_grad_split.py",
     "tests/test_host_read_order.py",
+    # The fused cross entropy's Triton kernels compiled (2026-11-28; its TP=2 training runs on
+    # the CPU only).
+    "tests/test_vocab_ce.py::test_cuda_kernels_compile_and_give_upstreams_numbers",
 ]
 # Then the rest: the kernels, lookup, prefetch, tiers, compat, TE, and the compiled regions
 # against eager on CUDA in bf16 and fp32 (Inductor's Triton kernels). With the first step, every
@@ -730,6 +746,13 @@ def plan() -> List[Step]:
              "(fused AdamW, norm and clip on the device), dense_1b's parameters",
              [PY, "benchmarks/optimizer_step.py", "--json", f"{RES}/optimizer_step.json"],
              120, "optimizer_step.json", _rows_optimizer_step),
+        # Issue 51: the loss without Transformer Engine, upstream's fp32 vocab-parallel cross
+        # entropy against the fused kernels (--ext-cross-entropy fused), 4 x 4096 tokens of
+        # the 1B presets' vocabulary: its speed decides --ext-cross-entropy auto.
+        Step("cross_entropy", "the loss's cross entropy: upstream's vs the fused kernels, "
+             "4 x 4096 tokens, vocab 128256, bf16, fwd+bwd",
+             [PY, "benchmarks/cross_entropy.py", "--json", f"{RES}/cross_entropy.json"],
+             120, "cross_entropy.json", _rows_cross_entropy),
         # Issue 50, capability 5, the STEM tables in training, in pieces of four 1B trainings
         # (about 100 s each on an H100, 70 s on an H200): the six of one step took about 600 s,
         # past a device call's 10 minutes. Each ratio's baseline trains in the same piece
@@ -857,6 +880,9 @@ ESTIMATES = {
     # fp32 parameters, gradients and two optimizers' moments (30 GB) drawn, 3 parts x 2 sides
     # x 2 runs x 12 calls of up to about 50 ms (about 10 s).
     "optimizer_step": 40,
+    # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), two
+    # Triton compiles (about 5 s), 2 x 2 x 12 calls of about 5-50 ms.
+    "cross_entropy": 30,
     # Four 1B trainings each. On an H100 three trainings took about 300 s (2026-11-27c: run
     # 1's 507 s less its two runner calls, stem_mlp 22.7 s, structmoe_step 43.5 s, sigma_step
     # 58.2 s and about 40 s before each call's first step): about 100 s a training, its start

@@ -58,6 +58,8 @@ TINY = {
     # step's reader: no second run here.
     "host_overhead": "tests/test_host_overhead.py",
     "optimizer_step": ["--reps", "2", "--warmup", "1"],  # dense_cpu's parameters by default
+    # The kernels under Triton's interpreter (conftest sets it without CUDA), fp32.
+    "cross_entropy": ["--tokens", "16", "--vocab", "64", "--reps", "1", "--warmup", "1"],
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
     # The direct read under Triton's interpreter on the CPU (conftest sets it without CUDA).

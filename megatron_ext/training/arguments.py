@@ -21,6 +21,7 @@ from megatron_ext.models.hybrid_pattern import check_family_symbols
 from megatron_ext.models.registry import families, family_of, registered_families
 from megatron_ext.models.specs import CORE_ATTENTION_CHOICES, te_available
 from megatron_ext.training.adam_impl import CHOICES as ADAM_CHOICES
+from megatron_ext.training.cross_entropy import CHOICES as CROSS_ENTROPY_CHOICES
 
 
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,6 +55,12 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "Engine's nor Apex's FusedAdam: fused (one pass over parameters and "
                             "states per step), foreach (torch's default on CUDA); auto: fused "
                             "when every parameter is on a GPU, foreach otherwise")
+
+    group.add_argument("--ext-cross-entropy", choices=CROSS_ENTROPY_CHOICES, default="auto",
+                       help="the loss's vocab-parallel cross entropy without "
+                            "--cross-entropy-loss-fusion: fused (Triton: no fp32 copy of the "
+                            "logits), upstream (Megatron's); auto: upstream's until a GPU run "
+                            "has measured the fused one")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,

@@ -24,7 +24,7 @@ from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.registry import family_of, load_plugins
 from megatron_ext.models.specs import te_available, te_problem
-from megatron_ext.training import adam_impl, profiler
+from megatron_ext.training import adam_impl, cross_entropy, profiler
 from megatron_ext.training.arguments import (
     add_extension_args,
     check_family_args,
@@ -191,6 +191,9 @@ def main(argv=None) -> None:
         check_async_save(args, cpu_backend=cpu.is_installed())
         check_grouped_experts(args)
         adam_impl.check_args(args)
+        if cross_entropy.check_args(args) == "fused" and launch_rank() == 0:
+            print("megatron-ext: cross entropy: fused (--ext-cross-entropy fused; "
+                  "megatron_ext_kernels/vocab_ce.py)", flush=True)
         check_schedule_resume(args)
         check_table_memory(args)  # before the model draws the tables' rows
     except ValueError as exc:

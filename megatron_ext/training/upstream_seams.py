@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Sequence, Tuple
 
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import gpt_checkpoint_interop
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training import training
 
 from megatron_ext.compat import seam, upstream_fixes
 from megatron_ext.compat.seam import Seam
-from megatron_ext.training import checkpoint_hooks, family_hooks, log_hooks
+from megatron_ext.training import checkpoint_hooks, cross_entropy, family_hooks, log_hooks
 
 
 def _training_log(upstream, run):
@@ -43,6 +43,10 @@ def _training_log(upstream, run):
 
 def _get_megatron_optimizer(upstream, run):
     return family_hooks.wrap_get_megatron_optimizer(upstream, run.family_run, run.model_chunks)
+
+
+def _cross_entropy(upstream, run):
+    return cross_entropy.wrap(upstream)
 
 
 def _initialize_megatron(upstream, run):
@@ -64,6 +68,10 @@ HOOKS: Tuple[Seam, ...] = (
     Seam(training, "get_megatron_optimizer", _get_megatron_optimizer,
          "no optimizer hook in setup_model_and_optimizer; the family run's wrap_optimizer "
          "chains its optimizer onto the one upstream builds", per_run=True),
+    Seam(tensor_parallel, "vocab_parallel_cross_entropy", _cross_entropy,
+         "LanguageModule.compute_language_model_loss calls it by its package's name; no option "
+         "for another loss kernel without Transformer Engine; --ext-cross-entropy's choice",
+         per_run=True),
     Seam(training, "initialize_megatron", _initialize_megatron,
          "no hook between initialization and the first write into --save; --save's lock",
          per_run=True),
