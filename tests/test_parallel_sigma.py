@@ -3,6 +3,11 @@ TP=2 + SP on 4 ranks; alltoall under TP needs the CPU backend's uneven gather/re
 the losses (1e-5), nor does PP=2 with full recompute, and the top-k switch happens at its step inside one run and after a resume on
 either side of it.
 
+``--moe-grouped-gemm`` (without Transformer Engine: the torch grouped experts,
+``megatron_ext/models/grouped_experts.py``) under EP=2 and TP=2 + SP + EP=2 must give the same
+losses, starting from the checkpoint saved with sequential experts; a checkpoint the grouped
+experts save (EP=2) resumes with sequential ones, optimizer state included.
+
 Every run starts from one checkpoint (``--finetune``: with EP each rank initializes only its own
 experts, so fresh initializations would differ). fp32, CPU, gloo, global-batch LBL on (coefficient
 0.01). 32 experts of width 16 and 16 tokens per micro-batch per rank (8 per rank under TP=2 + SP):
@@ -33,6 +38,7 @@ A2A = ["--moe-token-dispatcher-type", "alltoall"]
 AG = ["--moe-token-dispatcher-type", "allgather"]
 EP2 = ["--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+GROUPED = ["--moe-grouped-gemm"]
 STEPS = [1, 2, 3, 4, 5, 6]
 LAYERS = 4
 
@@ -42,6 +48,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sigma_parallel")
     init = str(tmp / "init")
     ck = str(tmp / "ck")
+    grouped_ck = str(tmp / "grouped_ck")
     start = ["--load", init, "--finetune"]
     # In order; those of one rank count in one launch (tests/multirank.py, Launches).
     launches = Launches(str(tmp))
@@ -49,6 +56,10 @@ def runs(tmp_path_factory):
                                         init, "--save-interval", "1"])
     launches.add("ref", SIGMA + A2A + ITERS + start + ["--save", ck, "--save-interval", "2"])
     launches.add("ep2_alltoall", SIGMA + A2A + ITERS + start + EP2)  # DP=2, EP=1 above
+    # The grouped experts load the sequential experts' checkpoint, and save one at step 4 that
+    # resume_after resumes from with sequential experts.
+    launches.add("grouped_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + GROUPED + [
+        "--save", grouped_ck, "--save-interval", "4"])
     launches.add("ep2_allgather", SIGMA + AG + ITERS + start + EP2)
     # DP=1 (8 micro-batches) with PP=2 and full recompute (the no-grad first pass must not add
     # to the statistics; the per-layer logs come from both stages).
@@ -56,16 +67,23 @@ def runs(tmp_path_factory):
         "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
         "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     launches.add("resume_before", SIGMA + A2A + ITERS + ["--load", ck, "--ckpt-step", "2"])
-    launches.add("resume_after", SIGMA + A2A + ITERS + ["--load", ck, "--ckpt-step", "4"])
+    # After the switch, from the grouped experts' checkpoint (model and Adam's moments), with
+    # sequential experts; EP=2 as it was saved (Megatron's optimizer does not load an EP=2
+    # state, a dense and an expert optimizer, into EP=1's one).
+    launches.add("resume_after", SIGMA + A2A + ITERS + EP2 + ["--load", grouped_ck,
+                                                              "--ckpt-step", "4"])
     launches.add("tp2_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + TP2_SP, nproc=4)
     launches.add("tp2_ep2_allgather", SIGMA + AG + ITERS + start + EP2 + TP2_SP, nproc=4)
+    launches.add("grouped_tp2_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + TP2_SP +
+                 GROUPED, nproc=4)
     r = launches.run()
     require_ok(r["init"])
     return r
 
 
 @pytest.mark.parametrize("layout", ["ep2_alltoall", "ep2_allgather", "tp2_ep2_alltoall",
-                                    "tp2_ep2_allgather", "pp2_recompute"])
+                                    "tp2_ep2_allgather", "pp2_recompute",
+                                    "grouped_ep2_alltoall", "grouped_tp2_ep2_alltoall"])
 def test_expert_parallel_layouts_do_not_change_losses(runs, layout):
     ref = require_ok(runs["ref"])
     assert len({round(v, 4) for v in ref.losses.values()}) == len(STEPS)  # it trains
@@ -112,13 +130,30 @@ def test_topk_switches_at_its_step(runs):
 
 @pytest.mark.parametrize("name,first", [("resume_before", 3), ("resume_after", 5)])
 def test_resume_across_the_switch(runs, name, first):
-    """Resumed before the switch (from step 2) and after it (from step 4): same top-k per step and
-    the uninterrupted run's losses."""
+    """Resumed before the switch (from step 2) and after it (from step 4, of the grouped
+    experts' EP=2 run): same top-k per step and the uninterrupted run's losses."""
     run, ref = require_ok(runs[name]), require_ok(runs["ref"])
     steps = list(range(first, 7))
     assert sorted(run.losses) == steps
     assert_close_curves(run, ref, steps)
     assert {s: v for s, v in topk_log(run, 0).items()} == {s: topk_log(ref, 0)[s] for s in steps}
+
+
+def test_grouped_experts_checkpoints_interchange_with_sequential_ones(runs):
+    """The grouped runs built the torch grouped experts (their log says which GEMM ran: the
+    CPU's grouped_mm in fp32) from the sequential experts' checkpoint (their losses:
+    ``test_expert_parallel_layouts_do_not_change_losses``); sequential experts resumed from the
+    grouped experts' step-4 checkpoint (model and Adam's moments; ``resume_after``) continue
+    the uninterrupted run (steps 5-6, 1e-5)."""
+    for name in ("grouped_ep2_alltoall", "grouped_tp2_ep2_alltoall"):
+        log = require_ok(runs[name]).log
+        assert "megatron-ext: grouped experts, fc1: grouped_mm" in log, name
+        assert "megatron-ext: grouped experts, fc2: grouped_mm" in log, name
+    resumed, ref = require_ok(runs["resume_after"]), require_ok(runs["ref"])
+    assert "grouped experts" not in resumed.log
+    assert "grouped_ck/iter_0000004" in resumed.log
+    assert sorted(resumed.losses) == [5, 6]
+    assert_close_curves(resumed, ref, [5, 6])
 
 
 def test_build_prints_parameter_counts(runs):
