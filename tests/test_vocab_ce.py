@@ -184,3 +184,33 @@ def test_tp2_training_with_the_fused_loss_gives_upstreams_losses(runs):
     assert "cross entropy: fused" not in upstream.log
     assert sorted(fused.losses) == [1, 2, 3]
     assert_close_curves(fused, upstream, [1, 2, 3], tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_estimate_counts_what_each_loss_keeps(dtype):
+    """``planning/estimate.py`` ``loss_bytes`` against the bytes autograd keeps for each loss's
+    backward, measured with ``saved_tensors_hooks`` (the targets, kept by both, aside)."""
+    from megatron_ext.planning.estimate import loss_bytes
+    from megatron_ext.planning.layout import Layout
+
+    s, b, vocab = 16, 2, 1000
+    logits, target, _ = _case(vocab, dtype)
+    logits, target = logits[:, :2].reshape(6, 2, vocab).repeat(3, 1, 1)[:s], \
+        target[:, :2].repeat(3, 1)[:s]
+
+    def kept(fn):
+        saved = {}
+
+        def pack(t):
+            if t.dtype.is_floating_point:  # the targets and masks are not the loss's
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = logits.detach().clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x, target)
+        return sum(saved.values())
+
+    for fused, fn in ((False, _upstream), (True, vocab_ce.fused_vocab_parallel_cross_entropy)):
+        layout = Layout(param_bytes=logits.element_size(), fused_cross_entropy=fused)
+        assert kept(fn) == loss_bytes(layout, s, b, vocab), (fused, dtype)

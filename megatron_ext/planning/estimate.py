@@ -24,7 +24,9 @@ read from Megatron's parsed arguments by :func:`estimate_from_args`.
   (:func:`layer_activation_bytes`; the attention's by the core attention that will run,
   ``Layout.core_attention``, the model's own rule for ``--ext-core-attention``), the causal mask
   of the unfused attention, the token ids, and on the last stage the final
-  norm and the fp32 logits of the loss (``4 s b V / t`` bytes); 1F1B pipelining keeps
+  norm and what the loss keeps (upstream's fp32 softmax, ``4 s b V / t`` bytes; with
+  ``--ext-cross-entropy fused`` the logits in the model's dtype and a log-sum-exp per token,
+  :func:`loss_bytes`); 1F1B pipelining keeps
   ``min(pp - stage, micro-batches)`` micro-batches in flight on a stage; full recomputation keeps
   each layer's input only, plus one layer's activations while it is recomputed.
 
@@ -140,6 +142,15 @@ def attention_activation_bytes(spec: ModelShape, layout: Layout) -> float:
     if layout.hidden_dropout:
         n += hs
     return n
+
+
+def loss_bytes(layout: Layout, s: int, b: int, vocab: int) -> float:
+    """What the loss keeps for its backward on the last stage: upstream's cross entropy its fp32
+    softmax (``4 s b V / t``); the fused one (``--ext-cross-entropy fused``) the logits in the
+    model's dtype and an fp32 log-sum-exp per token."""
+    if layout.fused_cross_entropy:
+        return layout.param_bytes * s * b * vocab / layout.tp + 4 * s * b
+    return 4 * s * b * vocab / layout.tp
 
 
 def core_attention_bytes(spec: ModelShape, layout: Layout) -> float:
@@ -329,9 +340,9 @@ def _stage_memory(spec: ModelShape, layout: Layout, stage: int, topks: Sequence[
     if layout.core_attention == "unfused" and layout.recompute is None:
         one_microbatch += s * s * b  # the causal mask (bool), shared by the layers
     rows = s * b / (layout.tp if spec.sequence_parallel else 1)
-    if stage == layout.pp - 1:  # final norm + output layer input, fp32 logits of the loss
-        one_microbatch += (norm_activation_bytes(layout, hs, rows)
-                           + 4 * s * b * spec.vocab / layout.tp)
+    if stage == layout.pp - 1:  # final norm + output layer input, what the loss keeps
+        one_microbatch += norm_activation_bytes(layout, hs, rows) + loss_bytes(layout, s, b,
+                                                                               spec.vocab)
     if stage == 0:
         one_microbatch += 8 * s * b  # token ids
     if layout.pp > 1:

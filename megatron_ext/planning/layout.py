@@ -70,6 +70,9 @@ class Layout:
     # the batch carries Megatron's [b, 1, s, s] mask (--no-create-attention-mask-in-dataloader:
     # none, the causal kernels mask by themselves)
     attention_mask: bool = True
+    # --ext-cross-entropy fused: the loss keeps the logits in their dtype and a per-row
+    # log-sum-exp instead of upstream's fp32 softmax (megatron_ext_kernels/vocab_ce.py)
+    fused_cross_entropy: bool = False
     # STEM managed tables
     stem_managed: bool = False
     stem_placement: str = "gpu"
@@ -106,6 +109,7 @@ class Layout:
             core_attention=core_attention_of(args.transformer_impl,
                                              getattr(args, "ext_core_attention", None)),
             attention_mask=bool(getattr(args, "create_attention_mask_in_dataloader", True)),
+            fused_cross_entropy=getattr(args, "ext_cross_entropy", "auto") == "fused",
             **family_terms(args.model_family).layout_fields(args, family_config(args)))
 
     @property
