@@ -17,6 +17,11 @@ the report) built from this project's Sigma block spec, wrapped in Megatron's
   ``sigma/router.py``); its first two steps, where it compiles, are timed apart
   (``compile_s``) before its warm-up.
 
+``--moe-grouped-gemm`` builds both sides' experts as grouped GEMMs: without Transformer Engine the
+torch grouped experts (``megatron_ext/models/grouped_experts.py``; upstream's local spec would
+build ``SequentialMLP``), so a run with and one without the flag compare sequential and grouped
+experts; the JSON's ``experts`` says which ran (class, and the GEMM path of the grouped linears).
+
 One step is forward, LM loss, backward (and for Sigma the end of the global batch); the
 optimizer step is left out (same parameters on both sides). The two are measured in
 ``--repeats`` runs (2), every other one in the reverse order (upstream, sigma, sigma, upstream),
@@ -61,6 +66,8 @@ def build(args, dtype, router: str):
     from megatron_ext.sigma.specs import sigma_block_spec
 
     upstream = router == "upstream"
+    # host_overhead.py builds from a shape of its own, without the flag: sequential experts.
+    grouped = getattr(args, "moe_grouped_gemm", False)
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.expert_ffn,
         num_attention_heads=args.heads, num_query_groups=args.groups, qk_layernorm=True,
@@ -71,9 +78,11 @@ def build(args, dtype, router: str):
         moe_aux_loss_coeff=1e-3 if upstream else 0.0, moe_token_dispatcher_type="alltoall",
         bias_activation_fusion=False, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        moe_grouped_gemm=grouped)
     if upstream:
-        moe = dense_layer_spec(False, qk_layernorm=True, num_experts=args.experts)
+        moe = dense_layer_spec(False, qk_layernorm=True, num_experts=args.experts,
+                               moe_grouped_gemm=grouped)
         spec = TransformerBlockSubmodules(layer_specs=[moe] * args.layers,
                                           layer_norm=final_norm_impl(False))
     else:
@@ -84,6 +93,18 @@ def build(args, dtype, router: str):
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                     max_sequence_length=args.seq, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False)
+
+
+def experts_ran(model) -> dict:
+    """Which experts a side ran: the class, and for the grouped ones the GEMM path each linear
+    took in its last forward (``grouped_mm``, or ``loop (reason)``)."""
+    experts = model.module.decoder.layers[0].mlp.experts
+    out = {"class": type(experts).__name__}
+    for name in ("linear_fc1", "linear_fc2"):
+        path = getattr(getattr(experts, name, None), "last_path", None)
+        if path is not None:
+            out[name] = path
+    return out
 
 
 def step_fn(name: str, model, tokens, position_ids, labels):
@@ -113,6 +134,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096 if gpu else 512)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--moe-grouped-gemm", action="store_true",
+                        help="both sides' experts as grouped GEMMs (without Transformer Engine: "
+                             "megatron_ext/models/grouped_experts.py); default: upstream's local "
+                             "SequentialMLP")
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                         help="also time sigma_compiled (--sigma-compile router; not under "
                              "--profile); default: on a GPU only (on the CPU Inductor's C++ "
@@ -143,7 +168,8 @@ def main() -> None:
         f"cpu ({torch.get_num_threads()} threads)"
     shape = {"dtype": dtype_name, "layers": args.layers, "hidden": args.hidden,
              "experts": args.experts, "expert_ffn": args.expert_ffn, "topk": args.topk,
-             "tokens": args.seq * args.micro_batch, "vocab": args.vocab}
+             "tokens": args.seq * args.micro_batch, "vocab": args.vocab,
+             "moe_grouped_gemm": args.moe_grouped_gemm}
     if run.profile_dir:
         profile_sides({name: (step_fn(name, m, *inputs), m.zero_grad_buffer)
                        for name, m in models.items()}, "upstream", run.profile_dir, warmup,
@@ -202,6 +228,8 @@ def main() -> None:
         "router_ms": router_ms, "router_ms_runs": router_runs,
         # Per model: kernels per step, syncs the recorder flags, syncs CUDA reports (GPU).
         "census": census,
+        # Per side, the experts that ran (class; the grouped linears' GEMM path).
+        "experts": {name: experts_ran(m) for name, m in models.items()},
         # Per side, its timed steps' peak GPU memory, every model resident, and what was
         # allocated before them (gpu_memory.py); null on the CPU.
         **memory.summary(),
@@ -214,7 +242,9 @@ def main() -> None:
     print(f"Sigma vs upstream router (aux_loss) step (forward + loss + backward) | "
           f"{summary['device']} {dtype_name} | {args.layers} layers, H={args.hidden}, "
           f"{args.experts} experts of {args.expert_ffn}, top-{args.topk}, {summary['tokens']} "
-          f"tokens")
+          f"tokens, experts: " + ", ".join(
+              f"{name} " + " ".join(str(v) for v in e.values())
+              for name, e in summary["experts"].items()))
     for name, ms in summary["step_ms"].items():
         print(side_line(name, 9, ms, summary["host_ms"][name], counts[name], memory.line(name),
                         census.get(name), compile_s.get(name)))

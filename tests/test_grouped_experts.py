@@ -314,3 +314,33 @@ def test_builder_refuses_an_unknown_gemm():
     with pytest.raises(ValueError, match="gemm='fast'"):
         ge.grouped_experts_builder("fast")
 
+
+
+def test_sigma_step_benchmark_builds_and_records_the_experts(mcore_single_rank):
+    """``benchmarks/sigma_step.py --moe-grouped-gemm``: both sides' experts grouped, and the
+    JSON's ``experts`` says which ran; without the flag (or from a shape without it, as
+    ``host_overhead.py`` builds), SequentialMLP."""
+    import argparse
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import sigma_step
+        from common import wrap_ddp
+    finally:
+        sys.path.remove(bench)
+    shape = dict(layers=1, hidden=16, heads=2, groups=1, experts=4, expert_ffn=8, topk=1,
+                 seq=8, vocab=64)
+    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    inputs = (tokens, torch.arange(8).unsqueeze(0), torch.roll(tokens, -1, dims=1))
+    for flag in (True, False, None):
+        args = argparse.Namespace(**shape, **({} if flag is None else {"moe_grouped_gemm": flag}))
+        for side in ("upstream", "sigma"):
+            model = wrap_ddp(sigma_step.build(args, torch.float32, side))
+            sigma_step.step_fn(side, model, *inputs)()
+            want = {"class": "TEGroupedMLP", "linear_fc1": "grouped_mm",
+                    "linear_fc2": "grouped_mm"} if flag else {"class": "SequentialMLP"}
+            assert sigma_step.experts_ran(model) == want, (flag, side)

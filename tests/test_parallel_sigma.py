@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_ext.checkpoint_reader import MegatronCheckpoint
 from multirank import (TINY_GPT, Launches, assert_close_curves,
                        assert_teardown_left_only_the_default_group, require_ok)
 
@@ -78,6 +79,7 @@ def runs(tmp_path_factory):
                  GROUPED, nproc=4)
     r = launches.run()
     require_ok(r["init"])
+    r["checkpoints"] = {"sequential": ck, "grouped": grouped_ck}
     return r
 
 
@@ -149,6 +151,15 @@ def test_grouped_experts_checkpoints_interchange_with_sequential_ones(runs):
         log = require_ok(runs[name]).log
         assert "megatron-ext: grouped experts, fc1: grouped_mm" in log, name
         assert "megatron-ext: grouped experts, fc2: grouped_mm" in log, name
+    # What the converters read (megatron_ext/checkpoint_reader.py): the same model tensors, of
+    # the same global shapes, in the grouped EP=2 checkpoint as in the sequential EP=1 one.
+    def model_shapes(path):
+        ckpt = MegatronCheckpoint(path, 4)
+        return {k: ckpt.shape(k) for k in ckpt.tensor_keys() if not k.startswith("optimizer")}
+
+    shapes = model_shapes(runs["checkpoints"]["grouped"])
+    assert shapes == model_shapes(runs["checkpoints"]["sequential"])
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 32, 32, 64)
     resumed, ref = require_ok(runs["resume_after"]), require_ok(runs["ref"])
     assert "grouped experts" not in resumed.log
     assert "grouped_ck/iter_0000004" in resumed.log
