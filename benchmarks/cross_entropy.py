@@ -20,14 +20,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_order, sync  # noqa: E402
+from benchmarks.common import run_order, timed  # noqa: E402
 
 
 def main() -> None:
@@ -73,16 +72,9 @@ def main() -> None:
     base_bytes = torch.cuda.memory_allocated() if gpu else 0
 
     def measure(fn: Callable[[], None]) -> tuple:
-        times = []
         if gpu:
             torch.cuda.reset_peak_memory_stats()
-        for i in range(args.warmup + args.reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+        times = timed(fn, lambda: None, args.reps, args.warmup)
         peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30 if gpu else None
         return 1e3 * statistics.median(times), peak
 

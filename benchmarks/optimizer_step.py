@@ -29,14 +29,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_order, sync  # noqa: E402
+from benchmarks.common import run_order, timed  # noqa: E402
 
 
 def parameter_shapes(flags: dict, vocab: int) -> List[tuple]:
@@ -140,15 +139,7 @@ def main() -> None:
     }
 
     def measure(fn: Callable[[], None]) -> float:
-        times = []
-        for i in range(args.warmup + reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
+        return 1e3 * statistics.median(timed(fn, lambda: None, reps, args.warmup))
 
     runs: Dict[str, Dict[str, List[float]]] = {}
     for part, pair in sides.items():
