@@ -292,6 +292,18 @@ def assert_close_curves(a: Run, b: Run, iterations: Sequence[int], tol: float = 
     assert max(diffs) <= tol, f"{a.name} vs {b.name}: {ca} vs {cb} (max diff {max(diffs):.2e})"
 
 
+def assert_close_scalars(a: Run, b: Run, tag: str, iterations: Sequence[int],
+                         rel: float = 1e-5) -> None:
+    """The tensorboard scalar ``tag`` of ``a`` and ``b`` at ``iterations``, within ``rel`` of
+    ``b``'s (e.g. ``grad-norm``: a wrong gradient shows in it at the step it is made, before the
+    losses it moves)."""
+    va, vb = dict(a.scalars[tag]), dict(b.scalars[tag])
+    diffs = [abs(va[i] - vb[i]) / abs(vb[i]) for i in iterations]
+    assert max(diffs) <= rel, (f"{a.name} vs {b.name}, {tag}: {[va[i] for i in iterations]} vs "
+                               f"{[vb[i] for i in iterations]} (max relative diff "
+                               f"{max(diffs):.2e})")
+
+
 def assert_teardown_left_only_the_default_group(runs) -> None:
     """Every training of ``runs`` (a fixture's ``{name: Run}``, other values ignored, or Runs;
     each in a shared launch) left only the default process group registered after its teardown,

@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from multirank import (TINY_GPT, Launches, assert_close_curves,
+from multirank import (TINY_GPT, Launches, assert_close_curves, assert_close_scalars,
                        assert_teardown_left_only_the_default_group, require_ok)
 
 pytestmark = pytest.mark.multirank  # launches training ranks (tests/multirank.py)
@@ -24,6 +23,14 @@ GELU_GLU = [f for f in SMOE if f != "--swiglu"] + ["--structmoe-fusion", "glu"]
 ITERS = ["--train-iters", "6"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 FIRST5 = [1, 2, 3, 4, 5]
+# The Triton backend's run stops after step 3 (``--exit-interval``; ``--train-iters`` and so the
+# learning-rate schedule stay the reference's): under Triton's interpreter each step costs it
+# several seconds on 2 cores, and steps 1-3 already hold what the comparison checks: step 1's
+# loss the fused router and codes' forward, steps 2 and 3 two updates from their gradients
+# (router, codes, experts), Adam's moments included. Steps 4-6 run the same kernels again. Its
+# gradient norm is compared too (a wrong gradient shows in it at the step it is made; 2e-7 apart
+# unbroken, measured 2026-11-28).
+TRITON_STEPS = [1, 2, 3]
 LAYERS, EXPERTS = 4, 4
 
 
@@ -50,10 +57,11 @@ def runs(tmp_path_factory):
     launches.add("gelu_ref", GELU_GLU + ITERS + gelu_start + ["--structmoe-backend", "grouped"])
     launches.add("gelu_tp2_sp", GELU_GLU + ITERS + gelu_start + TP2 +
                  ["--sequence-parallel", "--structmoe-backend", "dense-masked"])
-    # The fused router + codes kernel (Triton's interpreter on the CPU) under TP=2 + SP.
+    # The fused router + codes kernel (Triton's interpreter on the CPU: tests/conftest.py sets
+    # TRITON_INTERPRET for the suite's processes, the ranks included, so it shares the launch)
+    # under TP=2 + SP; steps 1-3 only (TRITON_STEPS).
     launches.add("tp2_sp_triton", SMOE + ITERS + start + TP2 +
-                 ["--sequence-parallel", "--structmoe-backend", "triton"],
-                 env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})
+                 ["--sequence-parallel", "--structmoe-backend", "triton", "--exit-interval", "3"])
     launches.add("dp1", SMOE + ITERS + start, nproc=1)  # 4 micro-batches
     r = launches.run()
     require_ok(r["init"])
@@ -71,7 +79,12 @@ def test_build_prints_the_budget(runs):
 def test_layout_does_not_change_losses(runs, layout):
     ref = require_ok(runs["ref"])
     assert ref.losses[6] < ref.losses[1]
-    assert_close_curves(require_ok(runs[layout]), ref, FIRST5)
+    run = require_ok(runs[layout])
+    steps = TRITON_STEPS if layout == "tp2_sp_triton" else FIRST5
+    assert sorted(run.losses) == (steps if layout == "tp2_sp_triton" else sorted(ref.losses))
+    assert_close_curves(run, ref, steps)
+    if layout == "tp2_sp_triton":
+        assert_close_scalars(run, ref, "grad-norm", TRITON_STEPS)
 
 
 def test_gelu_glu_tp2_sp_matches_tp1(runs):
