@@ -8,7 +8,6 @@ Trainings (EP=2, TP=2 + SP + EP=2, checkpoints both ways): ``tests/test_parallel
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest

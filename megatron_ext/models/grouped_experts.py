@@ -25,7 +25,6 @@ and back, optimizer state included, and ``checkpoint_reader``/the converters rea
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -49,8 +48,6 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
 from megatron_ext.models.log import print_rank_0
-
-logger = logging.getLogger(__name__)
 
 GEMM_CHOICES = ("auto", "grouped_mm", "loop")
 # torch's grouped GEMM (2.8 on; ``torch.nn.functional.grouped_mm`` is its public name from 2.10).
