@@ -64,6 +64,19 @@ def test_the_switch_gives_torchs_fused_adamw_bit_for_bit():
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(switched, default))
 
 
+def test_every_optimizer_of_a_chain_is_switched():
+    """Megatron's ChainedOptimizer over several (the experts' own under EP): its ``optimizer``
+    property asserts there; each chained one is reached instead."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    opts = [_adam([torch.nn.Parameter(t)]) for t in _tensors()[:2]]
+    chain = ChainedOptimizer([types.SimpleNamespace(optimizer=o) for o in opts])
+    with pytest.raises(AssertionError):
+        chain.optimizer
+    assert "fused" in adam_impl.select(chain, "fused")
+    assert all(g["fused"] for o in opts for g in o.param_groups)
+
+
 def test_auto_keeps_torchs_default_off_the_gpu_and_foreach_always():
     params = [torch.nn.Parameter(t) for t in _tensors()]
     for choice in ("auto", "foreach"):

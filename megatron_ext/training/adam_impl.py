@@ -31,8 +31,13 @@ def torch_adams(optimizer) -> Iterator[torch.optim.Optimizer]:
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         yield optimizer
         return
-    for inner in getattr(optimizer, "chained_optimizers", None) or []:
-        yield from torch_adams(inner)
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained:
+        # ChainedOptimizer's own ``optimizer`` property asserts when it chains several (expert
+        # parallelism gives the experts an optimizer of their own).
+        for inner in chained:
+            yield from torch_adams(inner)
+        return
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None and inner is not optimizer:
         yield from torch_adams(inner)
