@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multirank import TINY_GPT, require_ok, torchrun
+from multirank import (TINY_GPT, Launches, assert_teardown_left_only_the_default_group,
+                       require_ok)
 
 pytestmark = pytest.mark.multirank
 
@@ -36,17 +37,23 @@ LOAD5 = ["--ckpt-step", "5", "--train-iters", "5", "--save-interval", "7", "--lo
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stem_tp_padding")
-    out = {"tmp": tmp}
+    # Two launches (tests/multirank.py, Launches): the 4-rank save, then the three 2-rank
+    # trainings. The ordinary table's TP=1 save runs as DP=2 (2 micro-batches a rank; it ran as
+    # one rank with 4 before, a launch of its own): the padding is TP's alone, and the same 5
+    # global batches reach the same rows.
+    launches = Launches(str(tmp))
 
     def run(name, flags, nproc):
-        out[name] = torchrun(name, str(tmp), STEM + flags, nproc=nproc)
+        launches.add(name, STEM + flags, nproc=nproc)
 
-    run("ordinary_tp1", SAVE5 + [str(tmp / "ord")], nproc=1)
+    run("managed_tp2", CPU_VOCAB + TP2 + SAVE5 + [str(tmp / "man")], nproc=4)
+    run("ordinary_tp1", SAVE5 + [str(tmp / "ord")], nproc=2)
     run("ordinary_tp2_from_tp1", TP2 + LOAD5 + [str(tmp / "ord"), "--save", str(tmp / "ord2")],
         nproc=2)
-    run("managed_tp2", CPU_VOCAB + TP2 + SAVE5 + [str(tmp / "man")], nproc=4)
     run("managed_tp1_from_tp2", CPU_VOCAB + LOAD5 + [str(tmp / "man"), "--save",
                                                      str(tmp / "man1")], nproc=2)
+    out = launches.run()
+    out["tmp"] = tmp
     return out
 
 
@@ -90,3 +97,10 @@ def test_tables_reshard_across_tp_with_other_padding(runs, saved, loaded, rows_s
         touched = torch.count_nonzero(before[f"optimizer.state.exp_avg_sq.{table}"][:777]
                                       .abs().sum(1))
         assert 0 < touched < 777
+
+
+def test_teardown_frees_every_training(runs):
+    """The trainings of the two launches (the ordinary table's TP=1 save and TP=2 load, managed
+    tables' TP=2 save and TP=1 load) are each freed at their teardown with their process
+    groups."""
+    assert_teardown_left_only_the_default_group(runs)
