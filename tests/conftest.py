@@ -68,18 +68,22 @@ def fresh_aux_loss_scale():
 # (one shared launch of its trainings) runs once, and the files are handed out in collection
 # order. Collected longest first (seconds per file on the 2-core machine, `--durations=0` summed;
 # a file not listed is short), the longest start at once and short ones fill in at the end
-# instead of one long file running alone last.
+# instead of one long file running alone last. Measured 2026-11-28: the 4 files of the launch
+# cuts (-n 0, under load) and the others' longest setups and calls of a full run; the compiled
+# training and the host-read training were missing, so they ran last.
 FILE_SECONDS = {
-    "test_parallel_stem_tables.py": 440, "test_convert_to_hf.py": 320,
-    "test_parallel_sigma.py": 310, "test_parallel_stem_tp_padding.py": 290,
-    "test_parallel_stem.py": 260, "test_parallel_hybrid.py": 220, "test_parallel_structmoe.py": 190,
-    "test_cli_errors.py": 180, "test_gpu_plan_smoke.py": 160, "test_parallel_hybrid_sigma.py": 160,
-    "test_convert_to_hf_hybrid.py": 160, "test_estimate.py": 120, "test_convert_from_hf.py": 100,
-    "test_parallel_hybrid_structmoe.py": 90, "test_scaling_harness.py": 80, "test_compat.py": 70,
-    "test_checkpoint_safety.py": 60, "test_family_plugin.py": 60, "test_parallel_sigma_lbl.py": 60,
-    "test_start_refusals.py": 50, "test_cpu_presets_documented.py": 50,
-    "test_parallel_stem_tables_fp16.py": 50, "test_gpu_evidence.py": 40,
-    "test_launch_scripts.py": 40, "test_convert_plan.py": 40,
+    "test_parallel_stem_tables.py": 330, "test_parallel_sigma.py": 310,
+    "test_convert_to_hf.py": 280, "test_cli_errors.py": 180,
+    "test_parallel_hybrid.py": 160, "test_gpu_plan_smoke.py": 160,
+    "test_convert_to_hf_hybrid.py": 160, "test_estimate.py": 120, "test_parallel_stem.py": 110,
+    "test_parallel_hybrid_sigma.py": 110, "test_parallel_structmoe.py": 100,
+    "test_convert_from_hf.py": 100, "test_checkpoint_safety.py": 90,
+    "test_parallel_hybrid_structmoe.py": 80, "test_scaling_harness.py": 80,
+    "test_parallel_stem_tp_padding.py": 70, "test_compat.py": 70,
+    "test_compiled_training.py": 60, "test_host_read_training.py": 60,
+    "test_family_plugin.py": 60, "test_parallel_sigma_lbl.py": 60, "test_start_refusals.py": 50,
+    "test_cpu_presets_documented.py": 50, "test_parallel_stem_tables_fp16.py": 50,
+    "test_gpu_evidence.py": 40, "test_launch_scripts.py": 40, "test_convert_plan.py": 40,
     "test_row_kernel_refusal_training.py": 30, "test_stem_worker_gil.py": 20,
 }
 
