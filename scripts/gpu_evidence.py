@@ -236,9 +236,10 @@ def _rows_overhead(step: str, what: str, goal_backend: Optional[str]):
     return read
 
 
-def _rows_sigma(path: str) -> List[Row]:
+def _rows_sigma(path: str, step: str = "sigma_step") -> List[Row]:
     s = _load(path)
-    rows = [_per_run("sigma_step", "Sigma router step over upstream aux_loss",
+    experts = " (grouped experts)" if s.get("moe_grouped_gemm") else ""
+    rows = [_per_run(step, f"Sigma router step over upstream aux_loss{experts}",
                      [100.0 * (r - 1.0) for r in s.get("ratio_runs") or []],
                      100.0 * (s["ratio_sigma_vs_upstream"] - 1.0), "%", 2.0, "lower",
                      note=_notes(
@@ -247,14 +248,14 @@ def _rows_sigma(path: str) -> List[Row]:
                          _host(s, "upstream", s["step_ms"]["upstream"])))]
     if "ratio_compiled_vs_upstream" in s:  # --sigma-compile router (benchmarks/sigma_step.py)
         rows.append(_per_run(
-            "sigma_step", "Sigma router step, compiled (--sigma-compile router), over upstream",
+            step, f"Sigma router step, compiled (--sigma-compile router), over upstream{experts}",
             [100.0 * (r - 1.0) for r in s.get("ratio_compiled_runs") or []],
             100.0 * (s["ratio_compiled_vs_upstream"] - 1.0), "%", 2.0, "lower",
             note=_notes(
                 f"{s['step_ms']['sigma_compiled']:.1f} ms",
                 _host(s, "sigma_compiled", s["step_ms"]["sigma_compiled"]),
                 f"compiled in {s['compile_s']['sigma_compiled']:.1f} s")))
-    return rows + _peak_memory("sigma_step", s)
+    return rows + _peak_memory(step, s)
 
 
 def _rows_profile(path: str) -> List[Row]:
@@ -412,6 +413,19 @@ def _rows_optimizer_step(path: str) -> List[Row]:
                              f"{s['parameters'] / 1e9:.2f} B parameters in {s['tensors']} "
                              f"tensors" + ("" if s["fused_adam"] else "; ours not fused here")))
     return rows
+
+
+def _rows_moe_experts(path: str) -> List[Row]:
+    """``benchmarks/moe_experts.py``: the grouped experts over upstream's SequentialMLP, the
+    worse run's ratio."""
+    s = _load(path)
+    return [Row("moe_experts", f"grouped experts over SequentialMLP, fwd+bwd, {s['experts']} "
+                f"experts of {s['ffn']}, H {s['hidden']}, {s['tokens']} tokens ({s['routing']}), "
+                f"{s['dtype']}", max(s["ratio_runs"]), "x", None, "lower",
+                note=f"sequential {s['median_ms']['sequential']:.2f} ms, grouped "
+                     f"{s['median_ms']['grouped']:.2f} ms (medians of {s['repeats']} runs); "
+                     f"GEMM paths {s['gemm_paths']}; outputs differ by at most "
+                     f"{s['max_output_diff']:.3g}")]
 
 
 def _rows_cross_entropy(path: str) -> List[Row]:
@@ -725,6 +739,21 @@ def plan() -> List[Step]:
              [PY, "benchmarks/sigma_step.py", "--layers", "8", "--seq", "4096",
               "--json", f"{RES}/sigma_step.json"],
              300, "sigma_step.json", _rows_sigma),
+        # The same with --moe-grouped-gemm: both sides' experts as torch grouped GEMMs
+        # (models/grouped_experts.py) instead of upstream's SequentialMLP; the router's share
+        # of a step whose experts no longer launch a GEMM per expert.
+        Step("sigma_step_grouped", "Sigma router with global LBL vs upstream aux_loss, 8 "
+             "layers, grouped experts (--moe-grouped-gemm)",
+             [PY, "benchmarks/sigma_step.py", "--layers", "8", "--seq", "4096",
+              "--moe-grouped-gemm", "--json", f"{RES}/sigma_step_grouped.json"],
+             300, "sigma_step_grouped.json",
+             functools.partial(_rows_sigma, step="sigma_step_grouped")),
+        # The experts alone at Sigma-MoE-Tiny's layer: upstream's SequentialMLP against the
+        # grouped experts, same weights and tokens, in one process.
+        Step("moe_experts", "MoE experts fwd+bwd: SequentialMLP vs torch grouped GEMMs "
+             "(--moe-grouped-gemm), 96 experts of 768, H 1536, 4096 tokens, bf16",
+             [PY, "benchmarks/moe_experts.py", "--json", f"{RES}/moe_experts.json"],
+             120, "moe_experts.json", _rows_moe_experts),
         # Where the families' extra time goes: three steps of each side of structmoe_step,
         # stem_mlp and sigma_step (same shapes) under PyTorch's profiler, one process each.
         Step("profile", "PyTorch profiler: each family benchmark's step and its baseline's, "
@@ -883,6 +912,12 @@ ESTIMATES = {
     # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), two
     # Triton compiles (about 5 s), 2 x 2 x 12 calls of about 5-50 ms.
     "cross_entropy": 30,
+    # Not yet timed on a GPU (guess): sigma_step's 110 s less the experts' share of its steps.
+    "sigma_step_grouped": 100,
+    # Not yet timed on a GPU (guess): a start-up (about 15 s), two sets of 96 experts of
+    # Sigma-MoE-Tiny's layer (0.68 B bf16 parameters with gradients, about 5 GB) and
+    # 2 x 2 x 13 passes of about 5-50 ms.
+    "moe_experts": 40,
     # Four 1B trainings each. On an H100 three trainings took about 300 s (2026-11-27c: run
     # 1's 507 s less its two runner calls, stem_mlp 22.7 s, structmoe_step 43.5 s, sigma_step
     # 58.2 s and about 40 s before each call's first step): about 100 s a training, its start

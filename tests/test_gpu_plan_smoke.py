@@ -58,6 +58,14 @@ TINY = {
     # step's reader: no second run here.
     "host_overhead": "tests/test_host_overhead.py",
     "optimizer_step": ["--reps", "2", "--warmup", "1"],  # dense_cpu's parameters by default
+    "moe_experts": ["--experts", "8", "--hidden", "64", "--ffn", "32", "--tokens", "64",
+                    "--reps", "1", "--warmup", "1"],
+    # sigma_step's benchmark and reader with --moe-grouped-gemm: its own tiny run (the flag
+    # builds other experts).
+    "sigma_step_grouped": ["--layers", "2", "--hidden", "64", "--heads", "4", "--groups", "2",
+                           "--experts", "8", "--expert-ffn", "32", "--seq", "32",
+                           "--micro-batch", "1", "--vocab", "256", "--reps", "2", "--warmup",
+                           "1"],
     # The kernels under Triton's interpreter (conftest sets it without CUDA), fp32.
     "cross_entropy": ["--tokens", "16", "--vocab", "64", "--reps", "1", "--warmup", "1"],
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
@@ -91,6 +99,8 @@ COMPILED_ROWS = {
     "structmoe_step": ["StructMoE (dense-masked+compiled) over dense",
                        "StructMoE (grouped+compiled) over dense"],
     "sigma_step": ["Sigma router step, compiled (--sigma-compile router), over upstream"],
+    "sigma_step_grouped": ["Sigma router step, compiled (--sigma-compile router), over upstream "
+                           "(grouped experts)"],
 }
 
 
@@ -130,12 +140,12 @@ def test_benchmark_step_runs_and_its_result_reads(step, tmp_path):
     rows = step.rows(str(tmp_path / step.result))
     assert rows and all(r.step == step.name for r in rows), rows
     assert all(r.value is not None for r in rows), rows
-    if step.name in ("stem_mlp", "structmoe_step", "sigma_step"):
+    if step.name in ("stem_mlp", "structmoe_step", "sigma_step", "sigma_step_grouped"):
         # Each side's host time per step (benchmarks/common.py StepTimes), in its row's note.
         host = json.loads((tmp_path / step.result).read_text())["host_ms"]
         notes = " ".join(r.note for r in rows)
         assert host and all(f"{side}: host " in notes for side in host), (host, notes)
-    if step.name in ("structmoe_step", "structmoe_step_16k", "sigma_step"):
+    if step.name in ("structmoe_step", "structmoe_step_16k", "sigma_step", "sigma_step_grouped"):
         # Peak GPU memory per side (benchmarks/gpu_memory.py): null on the CPU, and no row.
         result = json.loads((tmp_path / step.result).read_text())
         assert result["peak_gpu_gib"] is None and result["resident_gpu_gib"] is None
