@@ -56,3 +56,19 @@ def test_sigma_dry_run_needs_no_training_length(capsys, tmp_path):
     without, with_iters = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
     assert without == with_iters
     assert without["active_params"] > without["active_params_target"]
+
+
+def test_grouped_experts_dry_run_plans_for_gpus(capsys, tmp_path):
+    """``--moe-grouped-gemm`` (torch grouped experts without TE, models/grouped_experts.py): a dry
+    run on a machine without a GPU plans for GPUs, so upstream's compute-capability check does not
+    stop it (it did, "Unsupported compute capability for GroupedGEMM kernels", until
+    2026-11-28); the numbers are the sequential experts' (same parameters, same memory)."""
+    flags = ["--preset", "sigma_moe_tiny", "--dry-run-world-size", "8", "--micro-batch-size", "1",
+             "--expert-model-parallel-size", "8"]
+    rc, _, err = run_dry(capsys, *flags, "--dry-run-json", str(tmp_path / "a.json"))
+    assert rc == 0, err[-2000:]
+    rc, _, err = run_dry(capsys, *flags, "--moe-grouped-gemm", "--dry-run-json",
+                         str(tmp_path / "b.json"))
+    assert rc == 0, err[-2000:]
+    sequential, grouped = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert grouped == sequential

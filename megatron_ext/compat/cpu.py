@@ -417,9 +417,10 @@ def grouped_gemm_validation():
     Megatron validates the flags. ``validate_args`` asserts capability >= 8 for
     ``--moe-grouped-gemm`` (its only reading of the capability), a check for the CUDA
     grouped-GEMM kernels of Transformer Engine and ``grouped_gemm``; on the CPU the flag builds
-    the torch grouped experts (``models/grouped_experts.py``), which need none. Outside the
-    backend (CUDA present): nothing."""
-    if not _INSTALLED:
+    the torch grouped experts (``models/grouped_experts.py``), which need none, and a dry run
+    (``training/dry_run.py``, with or without this backend installed) plans for GPUs it does not
+    have. With CUDA present: nothing (the device's own capability is checked)."""
+    if torch.cuda.is_available():
         yield
         return
     reported = torch.cuda.get_device_capability

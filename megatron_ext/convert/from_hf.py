@@ -470,7 +470,8 @@ def build_megatron_model(flags: Sequence[str]):
     sys.argv = ["from-hf"] + list(flags)
     try:
         # megatron.training 0.19 parses (and validates) before initialising, as pretrain does.
-        parse_and_validate_args(extra_args_provider=add_extension_args)
+        with cpu.grouped_gemm_validation():  # --moe-grouped-gemm on the CPU backend
+            parse_and_validate_args(extra_args_provider=add_extension_args)
     except AssertionError as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
         raise ConversionError(f"Megatron refused the generated arguments: {exc or ''} "

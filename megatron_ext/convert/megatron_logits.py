@@ -88,7 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     # megatron.training 0.19 parses the arguments before initialising (as ``pretrain`` callers do).
 
-    drop_unavailable_fusions(parse_and_validate_args(extra_args_provider=add_extension_args))
+    with cpu.grouped_gemm_validation():  # --moe-grouped-gemm on the CPU backend: as a training
+        drop_unavailable_fusions(parse_and_validate_args(extra_args_provider=add_extension_args))
     initialize.initialize_megatron()
     args = get_args()
     if args.load is None:

@@ -21,6 +21,7 @@ import torch
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.global_vars import unset_global_variables
 
+from megatron_ext.compat import cpu
 from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.specs import te_available
 from megatron_ext.planning.estimate import LABELS, estimate_from_args
@@ -89,7 +90,9 @@ def parse_for_dry_run(argv: Sequence[str], raw_argv: Sequence[str], world_size: 
     quiet.setLevel(logging.WARNING)
     try:
         try:  # validate_args prints every argument: keep the dry run's output to its numbers
-            with contextlib.redirect_stdout(io.StringIO()):
+            # A dry run on the CPU backend plans for GPUs: --moe-grouped-gemm passes upstream's
+            # compute-capability check there, as in a CPU training (cpu.grouped_gemm_validation).
+            with contextlib.redirect_stdout(io.StringIO()), cpu.grouped_gemm_validation():
                 args = parse_and_validate_args(extra_args_provider=add_extension_args)
         finally:
             quiet.setLevel(level)
