@@ -80,7 +80,8 @@ def check_args(args) -> None:
 
 def select(optimizer, choice: str) -> str:
     """Put ``choice`` in place on every torch Adam inside ``optimizer``; returns the line that
-    says what runs (empty when Megatron uses TE's or Apex's optimizer and ``choice`` is auto)."""
+    says what runs (empty where ``auto`` leaves upstream's optimizer as it is: TE's or Apex's
+    FusedAdam, or torch's default off the GPU)."""
     if choice not in CHOICES:
         raise ValueError(f"--ext-adam-impl {choice}: choose one of {', '.join(CHOICES)}")
     adams = list(torch_adams(optimizer))
@@ -98,8 +99,7 @@ def select(optimizer, choice: str) -> str:
     if choice == "foreach":
         return f"megatron-ext: torch AdamW, torch's default implementation (--ext-adam-impl {choice})"
     if choice == "auto" and not all(p.is_cuda for opt in adams for p in _params(opt)):
-        return ("megatron-ext: torch AdamW, torch's default implementation (--ext-adam-impl "
-                "auto: fused on CUDA only)")
+        return ""  # off the GPU: Megatron's optimizer as upstream builds it, nothing to say
     for opt in adams:
         why = _fused_supported(opt)
         if why:
