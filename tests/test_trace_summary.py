@@ -44,8 +44,12 @@ TRACE = [
     _x("user_annotation", "other/range", 0, 5, tid=11),                 # not the tables'
     _x("cpu_op", "stem/op", 0, 5, tid=11),                              # not a range
     _x("user_annotation", "stem/table-step", 800, 120, tid=13),
+    {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}},
     {"ph": "M", "name": "thread_name", "pid": 0, "tid": 13,
      "args": {"name": "thread 13 (stem-worker)"}},
+    # The same thread named again with the process's name (a forked rank's trace, 2026-11-28):
+    # its own name stays.
+    {"ph": "M", "name": "thread_name", "pid": 0, "tid": 13, "args": {"name": "thread 13 (python)"}},
     _x("cuda_sync", "Stream Wait Event", 420, 30, tid=7, stream=7, wait_on_stream=20),
     _x("cuda_sync", "Stream Wait Event", 1400, 100, tid=7, stream=7, wait_on_stream=20),
     _x("cuda_sync", "Event Sync", 900, 8, tid=20, stream=20),

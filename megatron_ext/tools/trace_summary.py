@@ -86,6 +86,24 @@ def union_us(intervals: Iterable[Tuple[float, float]]) -> float:
     return total
 
 
+def thread_names(events) -> Dict[str, str]:
+    """Each host thread's name from the trace's metadata. PyTorch's traces can name one thread
+    twice, once with its own OS name and once with the process's (``thread N (stem-worker)``
+    and ``thread N (python)``, seen in a rank forked from the suite's rank server,
+    2026-11-28): a thread's own name wins over the process's, whichever comes last."""
+    process = {str(e.get("pid")): str(e.get("args", {}).get("name", ""))
+               for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names: Dict[str, str] = {}
+    for e in events:
+        if e.get("ph") != "M" or e.get("name") != "thread_name":
+            continue
+        tid, name = str(e.get("tid")), str(e.get("args", {}).get("name", ""))
+        generic = name.endswith(f"({process.get(str(e.get('pid')), 'python')})")
+        if tid not in names or not generic:
+            names[tid] = name
+    return names
+
+
 def _copy_kind(name: str) -> str:
     for kind in ("HtoD", "DtoH", "DtoD", "HtoH", "PtoP"):
         if kind in name:
@@ -155,8 +173,7 @@ def summarize(events: List[dict], top_gaps: int = 5) -> Dict[str, object]:
     summary["host_blocking_ms"] = blocking
     # Which host thread is which: the trace's thread names, and the thread that launched the
     # most kernels (the training thread; the tables' worker launches the GPU tier's few).
-    names = {str(e.get("tid")): str(e.get("args", {}).get("name", ""))
-             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = thread_names(events)
     summary["threads"] = {tid: {"name": names.get(tid, ""), "kernel_launches": n}
                           for tid, n in sorted(launches.items(), key=lambda kv: -kv[1])}
     if launches:
