@@ -84,6 +84,7 @@ FILE_SECONDS = {
     "test_family_plugin.py": 60, "test_parallel_sigma_lbl.py": 60, "test_start_refusals.py": 50,
     "test_cpu_presets_documented.py": 50, "test_parallel_stem_tables_fp16.py": 50,
     "test_gpu_evidence.py": 40, "test_launch_scripts.py": 40, "test_convert_plan.py": 40,
+    "test_adam_impl.py": 35, "test_vocab_ce.py": 25,
     "test_row_kernel_refusal_training.py": 30, "test_stem_worker_gil.py": 20,
 }
 
