@@ -641,6 +641,10 @@ GPU_TESTS_FIRST = [
     # The fused cross entropy's Triton kernels compiled (2026-11-28; its TP=2 training runs on
     # the CPU only).
     "tests/test_vocab_ce.py::test_cuda_kernels_compile_and_give_upstreams_numbers",
+    # The torch grouped experts in bf16 (torch._grouped_mm on sm90) and --ext-adam-impl auto's
+    # fused AdamW on the GPU (2026-11-28).
+    "tests/test_grouped_experts.py::test_cuda_bf16_grouped_experts_match_sequential",
+    "tests/test_adam_impl.py::test_auto_is_fused_on_the_gpu_and_gives_torchs_fused_adamw",
 ]
 # Then the rest: the kernels, lookup, prefetch, tiers, compat, TE, and the compiled regions
 # against eager on CUDA in bf16 and fp32 (Inductor's Triton kernels). With the first step, every

@@ -77,6 +77,21 @@ def test_every_optimizer_of_a_chain_is_switched():
     assert all(g["fused"] for o in opts for g in o.param_groups)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_is_fused_on_the_gpu_and_gives_torchs_fused_adamw():
+    ts = _tensors("cuda")
+    grads = [[torch.randn_like(t) for t in ts] for _ in range(3)]
+    switched = [torch.nn.Parameter(t.clone()) for t in ts]
+    built = [torch.nn.Parameter(t.clone()) for t in ts]
+    opt = _adam(switched)
+    assert adam_impl.select(types.SimpleNamespace(optimizer=opt), "auto") == \
+        "megatron-ext: torch AdamW, fused (--ext-adam-impl auto)"
+    _steps(opt, switched, grads)
+    _steps(_adam(built, fused=True), built, grads)
+    assert all(torch.equal(a, b) for a, b in zip(switched, built))
+    assert all(st["step"].is_cuda for st in opt.state.values())  # where the kernel reads it
+
+
 def test_auto_keeps_torchs_default_off_the_gpu_and_foreach_always():
     params = [torch.nn.Parameter(t) for t in _tensors()]
     for choice, said in (("auto", ""), ("foreach", "megatron-ext: torch AdamW, torch's default "

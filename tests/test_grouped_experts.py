@@ -343,3 +343,42 @@ def test_sigma_step_benchmark_builds_and_records_the_experts(mcore_single_rank):
             want = {"class": "TEGroupedMLP", "linear_fc1": "grouped_mm",
                     "linear_fc2": "grouped_mm"} if flag else {"class": "SequentialMLP"}
             assert sigma_step.experts_ran(model) == want, (flag, side)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_grouped_experts_match_sequential(mcore_single_rank):
+    """On a GPU, bf16, a Sigma-MoE-Tiny-sized expert (768 of H 1536), 16 experts with skewed
+    counts and an empty one: torch's grouped kernel where it runs (sm90; the loop elsewhere, the
+    reason named), outputs and gradients within bf16 rounding of SequentialMLP's (each side
+    rounds its own GEMMs)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=1536, num_attention_heads=8, ffn_hidden_size=768,
+        num_moe_experts=16, moe_ffn_hidden_size=768, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, moe_router_topk=1,
+        moe_router_pre_softmax=True, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none", hidden_dropout=0.0,
+        params_dtype=torch.bfloat16, bf16=True)
+    torch.manual_seed(0)
+    sequential = _sequential(cfg).cuda()
+    grouped = ge.grouped_experts_builder()(cfg.num_moe_experts, cfg, pg_collection=_pg())
+    _copy_weights(sequential, grouped)
+    counts = [400, 0, 200, 100, 75, 60, 50, 40, 30, 20, 10, 8, 4, 2, 1, 24]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = sum(counts)
+    x = torch.randn(rows, 1536, generator=g, device="cuda").to(torch.bfloat16)
+    probs = torch.rand(rows, generator=g, device="cuda")
+    dy = torch.randn(rows, 1536, generator=g, device="cuda").to(torch.bfloat16)
+    want = _run(sequential, x, counts, probs, dy)
+    got = _run(grouped, x, counts, probs, dy)
+    major = torch.cuda.get_device_capability()[0]
+    path = grouped.linear_fc1.last_path
+    assert path == "grouped_mm" if major == 9 else path.startswith("loop ("), path
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    for name in ("linear_fc1", "linear_fc2"):
+        want_w = torch.stack([getattr(e, name).weight.grad for e in sequential.local_experts])
+        torch.testing.assert_close(getattr(grouped, name).weight.grad.float(), want_w.float(),
+                                   rtol=2e-2, atol=2e-2)
