@@ -909,8 +909,8 @@ ESTIMATES = {
     # StructMoE and two Sigma models of 8 tiny layers, each timed (50 + 3) x 2 steps at a few
     # to a few tens of ms (about 15 s), triton's routing kernels' first compile (about 20 s).
     "host_overhead": 60,
-    # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), 1.24 B
-    # fp32 parameters, gradients and two optimizers' moments (30 GB) drawn, 3 parts x 2 sides
+    # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), 1.50 B
+    # fp32 parameters, gradients and two optimizers' moments (36 GB) drawn, 3 parts x 2 sides
     # x 2 runs x 12 calls of up to about 50 ms (about 10 s).
     "optimizer_step": 40,
     # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), two
