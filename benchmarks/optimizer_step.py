@@ -55,14 +55,14 @@ def parameter_shapes(flags: dict, vocab: int) -> List[tuple]:
 
 
 def load_preset(name: str) -> tuple:
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
-                        "presets", f"{name}.json")
-    with open(path) as f:
-        preset = json.load(f)
+    """The preset's flags and its vocabulary (the tokenizer's, or ``vocab-size``)."""
+    from megatron_ext.training.presets import load_preset_file
+
+    preset = load_preset_file(name)
     flags = preset["flags"]
     vocab = (preset.get("tokenizer") or {}).get("vocab_size") or flags.get("vocab-size")
     if not vocab:
-        raise SystemExit(f"--preset {name}: no vocabulary size in {path} (tokenizer.vocab_size)")
+        raise SystemExit(f"--preset {name}: no vocabulary size (tokenizer.vocab_size)")
     return flags, int(vocab)
 
 

@@ -157,12 +157,19 @@ def dense_layer_spec(use_te: bool, qk_layernorm: bool = False,
     return ModuleSpec(module=spec.module, params=dict(spec.params), submodules=new_sub)
 
 
-def _with_grouped_experts(moe):
-    """Upstream's local MoE layer spec (``partial(MoELayer, submodules=MoESubmodules(...))``)
-    with its experts built as grouped GEMMs (``TEGroupedMLP`` over torch grouped linears)."""
+def moe_submodules(moe) -> MoESubmodules:
+    """The ``MoESubmodules`` of upstream's MoE layer spec (``partial(MoELayer,
+    submodules=MoESubmodules(...))``, the MLP slot of its GPT layer spec)."""
     moe_sub = moe.keywords.get("submodules") if isinstance(moe, functools.partial) else None
     if not isinstance(moe_sub, MoESubmodules):
-        raise TypeError(f"cannot replace the experts of the MoE spec {moe!r}")
+        raise TypeError(f"cannot read the experts and router of the MoE spec {moe!r}")
+    return moe_sub
+
+
+def _with_grouped_experts(moe):
+    """Upstream's local MoE layer spec with its experts built as grouped GEMMs (``TEGroupedMLP``
+    over torch grouped linears)."""
+    moe_sub = moe_submodules(moe)
     return functools.partial(moe.func, *moe.args, **{
         **moe.keywords,
         "submodules": dataclasses.replace(moe_sub, experts=grouped_experts_builder())})

@@ -8,12 +8,12 @@ import dataclasses
 import functools
 from typing import Optional
 
-from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_ext.models.specs import dense_layer_spec, final_norm_impl, slice_for_stage
+from megatron_ext.models.specs import (dense_layer_spec, final_norm_impl, moe_submodules,
+                                       slice_for_stage)
 from megatron_ext.sigma.layer import SigmaMoELayer
 from megatron_ext.sigma.router import SigmaRouter
 
@@ -21,10 +21,7 @@ from megatron_ext.sigma.router import SigmaRouter
 def sigma_layer_spec(moe_spec: ModuleSpec, sigma, layer_index: int) -> ModuleSpec:
     """A Sigma layer: upstream's MoE layer spec (experts, dispatchers) with ``SigmaMoELayer`` (a
     top-k per layer) and ``SigmaRouter`` (global-batch / Top-1 load balancing)."""
-    mlp = moe_spec.submodules.mlp
-    moe_sub = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
-    if not isinstance(moe_sub, MoESubmodules):
-        raise TypeError(f"cannot derive the experts builder from the MoE spec {mlp!r}")
+    moe_sub = moe_submodules(moe_spec.submodules.mlp)
     submodules = dataclasses.replace(
         copy.deepcopy(moe_spec.submodules),
         mlp=functools.partial(

@@ -63,15 +63,19 @@ def _fused_supported(opt: torch.optim.Optimizer) -> str:
     return ""
 
 
+def _beside_fused_adam(choice: str) -> ValueError:
+    return ValueError(f"--ext-adam-impl {choice}: Megatron runs Transformer Engine's or Apex's "
+                      "FusedAdam here; the flag chooses among torch's AdamW implementations, "
+                      "used only without both")
+
+
 def check_args(args) -> None:
     """Before anything is built: a choice this setup cannot honour, in one line."""
     choice = getattr(args, "ext_adam_impl", "auto")
     if choice == "auto":
         return
     if not megatron_optimizer.USING_PYTORCH_OPTIMIZER:
-        raise ValueError(f"--ext-adam-impl {choice}: Megatron runs Transformer Engine's or Apex's "
-                         "FusedAdam here; the flag chooses among torch's AdamW implementations, "
-                         "used only without both")
+        raise _beside_fused_adam(choice)
     if getattr(args, "optimizer", "adam") != "adam" or getattr(args, "optimizer_cpu_offload",
                                                                  False):
         raise ValueError(f"--ext-adam-impl {choice}: for Megatron's GPU Adam (--optimizer adam "
@@ -84,13 +88,11 @@ def select(optimizer, choice: str) -> str:
     FusedAdam, or torch's default off the GPU)."""
     if choice not in CHOICES:
         raise ValueError(f"--ext-adam-impl {choice}: choose one of {', '.join(CHOICES)}")
-    adams = list(torch_adams(optimizer))
     if not megatron_optimizer.USING_PYTORCH_OPTIMIZER:
         if choice != "auto":
-            raise ValueError(f"--ext-adam-impl {choice}: Megatron runs Transformer Engine's or "
-                             "Apex's FusedAdam here; the flag chooses among torch's AdamW "
-                             "implementations, used only without both")
+            raise _beside_fused_adam(choice)
         return ""
+    adams = list(torch_adams(optimizer))
     if not adams:
         if choice == "fused":
             raise ValueError("--ext-adam-impl fused: the optimizer Megatron built has no torch "
