@@ -21,6 +21,13 @@ between the GEMMs compiled, ``structmoe/routed.py``); their first two steps, whe
 compile, are timed apart (``compile_s``) before their warm-up; the op recorder's census leaves
 them out (it sees aten ops, a compiled region's fused kernels are none).
 
+``--pad-to N`` adds, for each backend of ``--pad-backends`` (dense-masked), the same model with
+D'_ff stored as a multiple of N (``--structmoe-ffn-pad-to``; model ``<backend>+pad<N>``, and its
+compiled twin where the backend has one): 6618 is not a multiple of 8, which keeps bf16 GEMMs off
+cuBLAS's aligned tensor-core kernels; the padded model is the same model (zero columns that stay
+zero), so it competes for the goal. ``--alignment-check`` (off) instead times a smaller model,
+D'_ff rounded down to a multiple of 64, reported apart.
+
 ``--profile DIR`` traces a few steps of dense and of each backend instead of timing them
 (``benchmarks/common.py``'s ``profile_sides``): where the extra time over dense goes, per kernel.
 
@@ -49,9 +56,19 @@ from megatron_ext.tools import host_syncs  # noqa: E402
 
 BACKENDS = ("triton", "dense-masked", "grouped", "reference")
 COMPILED = "+compiled"  # the model of a backend with --structmoe-compile routed
+PADDED = "+pad"  # "<backend>+pad<N>": D'_ff stored as a multiple of N (--structmoe-ffn-pad-to)
 
 
-def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None, compile="none"):
+def side_model(name: str):
+    """``(backend, ffn_pad_to, compile)`` of a StructMoE side's name, e.g.
+    ``dense-masked+pad128+compiled``."""
+    parts = name.split("+")
+    pad = next((int(p[3:]) for p in parts[1:] if p.startswith("pad")), 1)
+    return parts[0], pad, "routed" if name.endswith(COMPILED) else "none"
+
+
+def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None, compile="none",
+          ffn_pad_to=1):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -70,7 +87,8 @@ def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None, compile="no
     if structmoe_backend is not None:
         layer_fn = structmoe_layers_fn(StructMoEConfig(
             num_experts=args.experts, rank=args.rank, topk=args.topk,
-            backend=structmoe_backend, ffn_hidden_size=ffn_hidden_size, compile=compile))
+            backend=structmoe_backend, ffn_hidden_size=ffn_hidden_size, compile=compile,
+            ffn_pad_to=ffn_pad_to))
     spec = block_spec(config, use_te=False, layer_fn=layer_fn)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                     max_sequence_length=args.seq, position_embedding_type="rope",
@@ -103,9 +121,15 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=BACKENDS,
                         default=["triton", "dense-masked", "grouped"] if gpu else
                         ["dense-masked", "grouped", "reference"])
-    parser.add_argument("--alignment-check", action=argparse.BooleanOptionalAction, default=gpu,
+    parser.add_argument("--pad-to", type=int, default=None, metavar="N",
+                        help="also time --pad-backends with D'_ff stored as a multiple of N "
+                             "(--structmoe-ffn-pad-to; the same model), and their compiled "
+                             "twins")
+    parser.add_argument("--pad-backends", nargs="+", choices=BACKENDS, default=["dense-masked"])
+    parser.add_argument("--alignment-check", action=argparse.BooleanOptionalAction,
+                        default=False,
                         help="also time dense-masked with D'_ff rounded down to a multiple of "
-                             "64 (default on a GPU)")
+                             "64 (a smaller model, reported apart)")
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                         help="also time dense-masked and grouped with --structmoe-compile routed "
                              "(models <backend>+compiled; not under --profile); default: on a "
@@ -124,14 +148,18 @@ def main() -> None:
                                           topk=args.topk), args.hidden, args.ffn, gated=False)
     torch.manual_seed(0)
     models = {"dense": wrap_ddp(build(args, dtype).to(device))}
-    for backend in args.backends:
-        models[backend] = wrap_ddp(build(args, dtype, backend).to(device))
+    eager = list(args.backends) + ([f"{b}{PADDED}{args.pad_to}" for b in args.pad_backends]
+                                   if args.pad_to and args.pad_to > 1 else [])
+    for name in eager:
+        backend, pad, _ = side_model(name)
+        models[name] = wrap_ddp(build(args, dtype, backend, ffn_pad_to=pad).to(device))
     compiled = (gpu if args.compiled is None else args.compiled) and not run.profile_dir
-    compiled_sides = [b + COMPILED for b in args.backends
-                      if compiled and b in ("dense-masked", "grouped")]
+    compiled_sides = [n + COMPILED for n in eager
+                      if compiled and side_model(n)[0] in ("dense-masked", "grouped")]
     for name in compiled_sides:
-        models[name] = wrap_ddp(build(args, dtype, name.removesuffix(COMPILED),
-                                      compile="routed").to(device))
+        backend, pad, mode = side_model(name)
+        models[name] = wrap_ddp(build(args, dtype, backend, compile=mode,
+                                      ffn_pad_to=pad).to(device))
     # Is D'_ff itself slow? Eq. 8 gives 6618, not a multiple of 8, which keeps bf16 GEMMs off
     # cuBLAS's aligned tensor-core kernels: the same model with D'_ff rounded down to a multiple
     # of 64 (fewer parameters than dense; reported apart, never the goal's backend).
@@ -139,6 +167,7 @@ def main() -> None:
     if args.alignment_check and budget.ffn >= 64:
         models[aligned] = wrap_ddp(build(args, dtype, "dense-masked",
                                          budget.ffn // 64 * 64).to(device))
+    # Stored parameters: a padded side counts its zero columns.
     counts = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
 
     g = torch.Generator().manual_seed(1)
@@ -149,7 +178,8 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(0) if gpu else \
         f"cpu ({torch.get_num_threads()} threads)"
     shape = {"dtype": dtype_name, "layers": args.layers, "hidden": args.hidden, "ffn": args.ffn,
-             "structmoe_ffn": budget.ffn, "experts": args.experts, "rank": args.rank,
+             "structmoe_ffn": budget.ffn, "structmoe_pad_to": args.pad_to,
+             "experts": args.experts, "rank": args.rank,
              "topk": args.topk, "tokens": args.seq * args.micro_batch, "vocab": args.vocab}
     steps = {name: step_fn(m, tokens, position_ids, labels) for name, m in models.items()}
     if run.profile_dir:

@@ -720,8 +720,11 @@ def plan() -> List[Step]:
         Step("structmoe_kernel", "StructMoE MLP per routed backend vs dense SwiGLU MLP",
              [PY, "benchmarks/structmoe_kernel.py", "--json", f"{RES}/structmoe_kernel.json"],
              240, "structmoe_kernel.json", _rows_overhead("structmoe_kernel", "MLP", "triton")),
+        # With dense-masked's D'_ff stored as 6656 (--structmoe-ffn-pad-to 128, the same
+        # model), eager and compiled: whether the unaligned 6618 is what costs the +29.7%.
         Step("structmoe_step", "StructMoE 0.9B GPT step vs dense, per routed backend",
-             [PY, "benchmarks/structmoe_step.py", "--json", f"{RES}/structmoe_step.json"],
+             [PY, "benchmarks/structmoe_step.py", "--pad-to", "128",
+              "--json", f"{RES}/structmoe_step.json"],
              300, "structmoe_step.json", _rows_overhead("structmoe_step", "step", "triton")),
         # Issue 50, capability 2: the same models at 4 x 4096 tokens per step. Memory, counted:
         # the loss upcasts the 16384 x 128256 logits (4.2 GB in bf16) to fp32 (8.4 GB, kept for
@@ -729,13 +732,14 @@ def plan() -> List[Step]:
         # 0.89 B parameters hold bf16 weights and gradient buffers (18 GB); with about 1.2 GB
         # of activations per layer at this size (SDPA attention: no [s, s] scores) the step
         # needs about 40-50 GB of an H100's 80. triton is left out (+143.8% at 2048 tokens,
-        # H100, 2026-11-27: it cannot be the fastest), and so is the D'_ff alignment check (a
-        # question of the GEMMs' shapes, answered at 2048); 5 timed steps per side and run
-        # (a step is about 8x the 2048-token one).
+        # H100, 2026-11-27: it cannot be the fastest), and so is grouped (+40.3% there, its
+        # permutation as linear in the tokens as dense-masked's extra FLOPs): dense-masked with
+        # D'_ff as it is and stored as 6656 (--structmoe-ffn-pad-to 128), each eager and
+        # compiled; 5 timed steps per side and run (a step is about 8x the 2048-token one).
         Step("structmoe_step_16k", "StructMoE 0.9B GPT step vs dense at 4 x 4096 tokens, "
-             "dense-masked and grouped",
+             "dense-masked with D'_ff as it is and padded",
              [PY, "benchmarks/structmoe_step.py", "--micro-batch", "4", "--seq", "4096",
-              "--backends", "dense-masked", "grouped", "--no-alignment-check", "--reps", "5",
+              "--backends", "dense-masked", "--pad-to", "128", "--reps", "5",
               "--json", f"{RES}/structmoe_step_16k.json"],
              300, "structmoe_step_16k.json",
              _rows_overhead("structmoe_step_16k", "step", None)),
@@ -890,8 +894,9 @@ ESTIMATES = {
     "stem_mlp": 55,  # 22.7 s, H100, 2026-11-27c (run1.log); + the compiled MLP's compile (guess)
     # 27.1 s, H100, 2026-11-24 (run6_evidence.json); + two compiled sides (guess).
     "structmoe_kernel": 75,
-    # 43.5 s, H100, 2026-11-27c (run1.log); + two compiled models' steps and compiles (guess).
-    "structmoe_step": 95,
+    # 43.5 s, H100, 2026-11-27c (run1.log); + three compiled models' steps and compiles
+    # (guess), the padded model in place of the alignment check's.
+    "structmoe_step": 110,
     # Counted from structmoe_step's 68.6 ms dense step (H100, 2026-11-27c): about 8x the tokens
     # and 1.1x the FLOPs per token (attention at 4096), about 0.6 s a dense step and 0.8 s a
     # StructMoE one; five models of (3 + 5) x 2 timed and warm-up steps and one census step

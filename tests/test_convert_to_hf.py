@@ -55,6 +55,10 @@ CASES = {
     "stem_dagger": (STEM + ["--stem-variant", "dagger"], TP2, {"pp2": PP2}, CUSTOM),
     "stem_gate": (STEM + ["--stem-variant", "gate"], PP2, {"tp2": TP2}, CUSTOM),
     "structmoe": (SMOE + GQA, TP2, {"tp2": TP2, "pp2": PP2}, CUSTOM),
+    # D'_ff = 112 stored as 128, trained at TP=2 (the padding on rank 1), read at PP=2: the
+    # export drops the zero padding.
+    "structmoe_padded": (SMOE + GQA + ["--structmoe-ffn-pad-to", "128"], TP2, {"pp2": PP2},
+                         CUSTOM),
 }
 TOL = 1e-4
 
@@ -143,6 +147,25 @@ def test_logits_match_megatron(case, converted, reference):
     # Converted models generate (greedy, with the KV cache).
     out_ids = hf.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
     assert out_ids.shape == (1, 12)
+
+
+def test_structmoe_export_drops_the_stored_padding(converted):
+    """The exported StructMoE has the model's D'_ff = 112 (the padded checkpoint's tensors are
+    128 wide), and its config says nothing of the padding."""
+    from safetensors import safe_open
+
+    out = converted("structmoe_padded")
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert {m["intermediate_size"] for m in cfg["mlp_layers"]} == {112}
+    assert not any(k.startswith("_") for m in cfg["mlp_layers"] for k in m)
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
+    shapes = {}
+    for name in ("gate_proj", "up_proj", "down_proj", "lore_b"):
+        key = f"model.layers.0.mlp.{name}" + ("" if name == "lore_b" else ".weight")
+        with safe_open(os.path.join(out, index[key]), "pt") as f:
+            shapes[name] = tuple(f.get_slice(key).get_shape())
+    assert shapes["gate_proj"][0] == shapes["up_proj"][0] == 112
+    assert shapes["down_proj"][1] == shapes["lore_b"][-1] == 112
 
 
 def test_lm_eval_scores_a_converted_stem_model(converted, tmp_path):

@@ -32,6 +32,9 @@ FIRST5 = [1, 2, 3, 4, 5]
 # unbroken, measured 2026-11-28).
 TRITON_STEPS = [1, 2, 3]
 LAYERS, EXPERTS = 4, 4
+# D'_ff = 112 stored as 128: under TP=2 rank 0 holds columns 0-63, rank 1 64-111 and the
+# padding 112-127.
+PAD = ["--structmoe-ffn-pad-to", "128"]
 
 
 def init_flags(path):
@@ -42,7 +45,8 @@ def init_flags(path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structmoe_parallel")
-    ck_tp2, ck_init, ck_gelu = (str(tmp / n) for n in ("ck_tp2", "init", "gelu_init"))
+    ck_tp2, ck_init, ck_gelu, ck_pad, ck_pad_end = (
+        str(tmp / n) for n in ("ck_tp2", "init", "gelu_init", "pad_init", "pad_end"))
     start, gelu_start = (["--load", ck, "--finetune"] for ck in (ck_init, ck_gelu))
     resume = ["--load", ck_tp2, "--ckpt-step", "3"]
     # In order; those of 2 ranks in one launch (tests/multirank.py, Launches).
@@ -63,9 +67,15 @@ def runs(tmp_path_factory):
     launches.add("tp2_sp_triton", SMOE + ITERS + start + TP2 +
                  ["--sequence-parallel", "--structmoe-backend", "triton", "--exit-interval", "3"])
     launches.add("dp1", SMOE + ITERS + start, nproc=1)  # 4 micro-batches
+    # D'_ff stored padded: its own first step from scratch (the unpadded init's draws), saved at
+    # TP=1 and continued at TP=2 + SP, where rank 1 holds the padding; saved at the end.
+    launches.add("pad_init", SMOE + PAD + init_flags(ck_pad))
+    launches.add("pad_tp2_sp", SMOE + PAD + ITERS + ["--load", ck_pad, "--finetune"] + TP2 +
+                 ["--sequence-parallel", "--save", ck_pad_end, "--save-interval", "6"])
     r = launches.run()
     require_ok(r["init"])
     require_ok(r.pop("gelu_init"))
+    r["pad_end"] = ck_pad_end
     return r
 
 
@@ -121,6 +131,43 @@ def test_router_metrics_logged(runs, name):
     ref_lbl = dict(require_ok(runs["ref"]).scalars["load_balancing_loss"])
     for step in FIRST5:
         assert math.isclose(lbl[step], ref_lbl[step], rel_tol=1e-5)
+
+
+def test_padded_storage_trains_the_unpadded_model(runs):
+    """``--structmoe-ffn-pad-to 128``: the first step from scratch is the unpadded model's, and
+    the TP=2 + SP continuation from it gives the unpadded TP=1 run's losses and gradient norms."""
+    init, pad_init = require_ok(runs["init"]), require_ok(runs["pad_init"])
+    assert "D'_ff=112, stored as 128 (--structmoe-ffn-pad-to)" in pad_init.log
+    assert_close_curves(pad_init, init, [1], tol=1e-6)
+    ref, run = require_ok(runs["ref"]), require_ok(runs["pad_tp2_sp"])
+    assert sorted(run.losses) == sorted(ref.losses)
+    assert_close_curves(run, ref, sorted(ref.losses))
+    assert_close_scalars(run, ref, "grad-norm", sorted(ref.losses))
+
+
+def test_padding_stays_zero_in_weights_and_adam_moments(runs):
+    """After 6 steps at TP=2 (weight decay on), the saved padding columns of W1' (both SwiGLU
+    halves), B and W2', and Adam's moments of them, are exactly zero; the real columns are not."""
+    from megatron_ext.checkpoint_reader import MegatronCheckpoint
+
+    ckpt = MegatronCheckpoint(runs["pad_end"], 6)
+    checked = []
+    for key in ckpt.metadata.state_dict_metadata:
+        if not key.endswith(("mlp.linear_fc1.weight", "mlp.lore_b", "mlp.linear_fc2.weight")):
+            continue
+        t = ckpt.read(key)
+        dim = {"weight": 1, "lore_b": 3}[key.rsplit(".", 1)[-1]]  # axis 0: the layers
+        if key.endswith("linear_fc2.weight"):
+            dim = 2
+        halves = t.chunk(2, dim) if key.endswith("linear_fc1.weight") else (t,)
+        for half in halves:
+            assert half.shape[dim] == 128, (key, t.shape)
+            assert bool((half.narrow(dim, 112, 16) == 0).all()), key
+            if "exp_avg" not in key:  # Adam's second moment of a column can be tiny, not 0
+                assert bool((half.narrow(dim, 0, 112).abs().amax() > 0)), key
+        checked.append(key)
+    kinds = {k.split("decoder.layers.")[0] for k in checked}
+    assert len(checked) >= 9 and len(kinds) >= 3, checked  # the weights and both moments
 
 
 def test_teardown_frees_every_training(runs):

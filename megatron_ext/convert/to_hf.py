@@ -115,6 +115,19 @@ def _refuse(cond: bool, msg: str) -> None:
         raise CheckpointError(msg)
 
 
+def unpadded(t: torch.Tensor, dim: int, width: int, name: str) -> torch.Tensor:
+    """``t``'s first ``width`` entries along ``dim``. Entries past them are a padded width's
+    (StructMoE's ``--structmoe-ffn-pad-to``): zeros in a model trained with it, refused
+    otherwise, since the exported model would then compute something else."""
+    if t.shape[dim] == width:
+        return t
+    pad = t.narrow(dim, width, t.shape[dim] - width)
+    _refuse(bool(pad.any()), f"{name}: its columns past {width} (the stored padding of "
+            f"{t.shape[dim]}) are not zero, so the model is not the width-{width} model the "
+            "export describes")
+    return t.narrow(dim, 0, width).contiguous()
+
+
 def hf_layer_positions(pattern: str) -> Tuple[List[int], List[int]]:
     """(attention positions, MLP positions) of a hybrid-path checkpoint's layers, Hugging Face
     layer ``i`` taking the i-th of each. A Llama-style layer is attention then MLP, so the
@@ -323,22 +336,38 @@ class Plan:
         self.add(p + "post_attention_layernorm.weight", (h,), self.layer(
             i, ["mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"], (h,)))
 
-    def fc(self, i: int, prefix: str, width: int, halves: Sequence[str]) -> None:
-        """``linear_fc1`` as one or two (gate, up) Hugging Face projections, and ``linear_fc2``."""
+    def fc(self, i: int, prefix: str, width: int, halves: Sequence[str],
+           stored: Optional[int] = None) -> None:
+        """``linear_fc1`` as one or two (gate, up) Hugging Face projections. ``stored``: the
+        checkpoint's width of each half when it is padded past ``width`` (``unpadded``)."""
         h = self.desc.hidden
         p = f"model.layers.{i}.mlp."
-        fc1 = self.layer(i, [f"{prefix}linear_fc1.weight"], (len(halves) * width, h))
+        s = width if stored is None else stored
+        fc1 = self.layer(i, [f"{prefix}linear_fc1.weight"], (len(halves) * s, h))
         if len(halves) == 2:
+            fn = split_gated_fc1 if s == width else (
+                lambda t: tuple(unpadded(x, 0, width, f"decoder.layers.{i}.{prefix}linear_fc1")
+                                for x in split_gated_fc1(t)))
             for j, name in enumerate(halves):
                 self.add(p + f"{name}.weight", (width, h),
-                         fc1 and self.split((i, prefix + "fc1"), fc1, split_gated_fc1, j))
+                         fc1 and self.split((i, prefix + "fc1"), fc1, fn, j))
         else:
-            self.add(p + f"{halves[0]}.weight", (width, h), fc1)
+            self.add(p + f"{halves[0]}.weight", (width, h),
+                     self.unpad(fc1, 0, width, f"decoder.layers.{i}.{prefix}linear_fc1"))
 
-    def down_proj(self, i: int, f: int) -> None:
+    def down_proj(self, i: int, f: int, stored: Optional[int] = None) -> None:
         h = self.desc.hidden
+        fc2 = self.layer(i, ["mlp.linear_fc2.weight"], (h, f if stored is None else stored))
         self.add(f"model.layers.{i}.mlp.down_proj.weight", (h, f),
-                 self.layer(i, ["mlp.linear_fc2.weight"], (h, f)))
+                 self.unpad(fc2, 1, f, f"decoder.layers.{i}.mlp.linear_fc2"))
+
+    @staticmethod
+    def unpad(read, dim: int, width: int, name: str):
+        """A reader of ``read()``'s first ``width`` entries along ``dim`` (all of it when that is
+        its size), refusing padding that is not zero."""
+        if read is None:
+            return None
+        return lambda: unpadded(read(), dim, width, name)
 
     def _mlp(self, i: int, m: dict) -> None:
         """The layer's MLP: a dense one here, another type by the family that exports it
@@ -460,7 +489,9 @@ def hf_config(desc: ModelDescription, dtype: torch.dtype, tokens: Dict[str, Opti
     else:
         cfg = MegatronExtConfig(
             hidden_act=desc.act, gated_mlp=desc.gated, qk_norm=desc.qk_norm,
-            rope_theta=desc.rope_theta, mlp_layers=desc.mlp_layers, **common)
+            rope_theta=desc.rope_theta, mlp_layers=[
+                {k: v for k, v in m.items() if not k.startswith("_")}  # "_": the export's own
+                for m in desc.mlp_layers], **common)
         cfg.auto_map = dict(AUTO_MAP)
     cfg.architectures = [native or "MegatronExtForCausalLM"]
     cfg.dtype = dtype

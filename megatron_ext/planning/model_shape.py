@@ -124,6 +124,7 @@ class ModelShape:
     stem_variant: str = "up"
     # StructMoE (every layer)
     smoe_ffn: int = 0  # D'_ff
+    smoe_stored_ffn: int = 0  # D'_ff as stored (--structmoe-ffn-pad-to); 0: smoe_ffn
     smoe_experts: int = 0
     smoe_rank: int = 0
     smoe_topk: int = 0

@@ -39,6 +39,8 @@ class StructMoEConfig:
     fusion: str = "additive"
     param_matched: bool = True
     ffn_hidden_size: Optional[int] = None  # explicit D'_ff; wins over param_matched
+    # D'_ff stored as a multiple of this (zero columns past D'_ff that stay zero): 1 = as is.
+    ffn_pad_to: int = 1
     aux_loss_coeff: float = 0.01
     init: str = "small"
     backend: str = "auto"
@@ -65,6 +67,9 @@ class StructMoEConfig:
             raise ValueError(f"--structmoe-aux-loss-coeff={self.aux_loss_coeff}: must be >= 0")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
             raise ValueError(f"--structmoe-ffn-hidden-size={self.ffn_hidden_size}: must be >= 1")
+        if self.ffn_pad_to < 1:
+            raise ValueError(f"--structmoe-ffn-pad-to={self.ffn_pad_to}: must be >= 1 (1: D'_ff "
+                             "stored as it is)")
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,13 @@ class LayerBudget:
     rank: int
     topk: int
     base_matrices: int  # 2 for a plain activation, 3 for SwiGLU
+    # D'_ff as stored (--structmoe-ffn-pad-to): the GEMMs' width; the columns past ``ffn`` are
+    # zeros. Parameters and FLOPs above count the model's D'_ff.
+    storage_ffn: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.storage_ffn:
+            object.__setattr__(self, "storage_ffn", self.ffn)
 
     @property
     def dense_params(self) -> int:
@@ -99,7 +111,10 @@ class LayerBudget:
                 + 2 * self.topk * r * (h + d))
 
     def describe(self) -> str:
-        return (f"StructMoE MLP: D'_ff={self.ffn} (dense D_ff={self.dense_ffn}), L={self.num_experts}"
+        stored = (f", stored as {self.storage_ffn} (--structmoe-ffn-pad-to)"
+                  if self.storage_ffn != self.ffn else "")
+        return (f"StructMoE MLP: D'_ff={self.ffn}{stored} (dense D_ff={self.dense_ffn}), "
+                f"L={self.num_experts}"
                 f" r={self.rank} k={self.topk} | params {self.params:,} vs dense "
                 f"{self.dense_params:,} ({self.params / self.dense_params - 1:+.3%}) | forward "
                 f"FLOPs/token {self.flops:,} vs dense {self.dense_flops:,} "
@@ -127,4 +142,5 @@ def layer_budget(cfg: StructMoEConfig, hidden: int, dense_ffn: int, gated: bool)
         ffn = param_matched_ffn(hidden, dense_ffn, cfg.num_experts, cfg.rank, m)
     else:
         ffn = dense_ffn
-    return LayerBudget(hidden, dense_ffn, ffn, cfg.num_experts, cfg.rank, cfg.topk, m)
+    return LayerBudget(hidden, dense_ffn, ffn, cfg.num_experts, cfg.rank, cfg.topk, m,
+                       storage_ffn=-(-ffn // cfg.ffn_pad_to) * cfg.ffn_pad_to)

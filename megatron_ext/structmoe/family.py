@@ -45,6 +45,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "default unless --structmoe-ffn-hidden-size is given)")
     smoe.add_argument("--structmoe-ffn-hidden-size", type=int, default=None,
                       help="explicit D'_ff (instead of --structmoe-param-matched)")
+    smoe.add_argument("--structmoe-ffn-pad-to", type=int, default=1, metavar="N",
+                      help="store D'_ff rounded up to a multiple of N, the extra columns of W1', "
+                           "B and W2' zeros that stay zero (the same model; GEMM widths that "
+                           "cuBLAS's aligned bf16 kernels take: 6618 is not a multiple of 8); "
+                           "1: as it is. Checkpoints hold the stored width")
     smoe.add_argument("--structmoe-init", choices=SMOE_INITS, default="small",
                       help="small: SmallInit for W1', A, B, W_R and DeepNorm-style W2' (Sec. 3.6); "
                            "megatron: Megatron's --init-method-std rules")
@@ -75,6 +80,7 @@ def config_from_args(args) -> StructMoEConfig:
         topk=args.structmoe_topk, fusion=args.structmoe_fusion,
         param_matched=param_matched,
         ffn_hidden_size=args.structmoe_ffn_hidden_size, init=args.structmoe_init,
+        ffn_pad_to=getattr(args, "structmoe_ffn_pad_to", 1),
         backend=args.structmoe_backend, aux_loss_coeff=args.structmoe_aux_loss_coeff,
         # Absent from the arguments of a checkpoint saved before the flag existed.
         compile=getattr(args, "structmoe_compile", "none"))
@@ -106,6 +112,10 @@ SETTINGS = (
     ("StructMoE D'_ff (--structmoe-ffn-hidden-size, or Eq. 8 with --structmoe-param-matched)",
      lambda a: layer_budget(config_from_args(a), a.hidden_size, a.ffn_hidden_size,
                             bool(a.swiglu)).ffn),
+    # The tensors' width: a checkpoint saved without padding has the model's D'_ff.
+    ("StructMoE D'_ff as stored (--structmoe-ffn-pad-to)",
+     lambda a: layer_budget(config_from_args(a), a.hidden_size, a.ffn_hidden_size,
+                            bool(a.swiglu)).storage_ffn),
 )
 
 
@@ -158,21 +168,27 @@ class StructMoERun(FamilyRun):
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:
     s = config_from_args(args)
-    d = layer_budget(s, args.hidden_size, args.ffn_hidden_size, gated).ffn
-    return [{"type": "structmoe", "intermediate_size": d, "num_experts": s.num_experts,
-             "rank": s.rank, "top_k": s.topk, "fusion": s.fusion}
-            for _ in range(mlp_block_count(args))]
+    budget = layer_budget(s, args.hidden_size, args.ffn_hidden_size, gated)
+    m = {"type": "structmoe", "intermediate_size": budget.ffn, "num_experts": s.num_experts,
+         "rank": s.rank, "top_k": s.topk, "fusion": s.fusion}
+    if budget.storage_ffn != budget.ffn:
+        m["_stored_size"] = budget.storage_ffn  # the export's own: not in the config it writes
+    return [dict(m) for _ in range(mlp_block_count(args))]
 
 
 def hf_structmoe_tensors(plan, i: int, m: dict) -> None:
-    """A StructMoE MLP: the dense projections of width D', the router and the LoREs."""
+    """A StructMoE MLP: the dense projections of width D', the router and the LoREs; a
+    checkpoint stored wider (``--structmoe-ffn-pad-to``) loses its zero padding."""
     h, f, L, r = plan.desc.hidden, m["intermediate_size"], m["num_experts"], m["rank"]
+    stored = m.get("_stored_size", f)
     p = f"model.layers.{i}.mlp."
-    plan.fc(i, "mlp.", f, ("gate_proj", "up_proj") if plan.desc.gated else ("up_proj",))
+    plan.fc(i, "mlp.", f, ("gate_proj", "up_proj") if plan.desc.gated else ("up_proj",),
+            stored=stored)
     plan.add(p + "router.weight", (L, h), plan.layer(i, ["mlp.router"], (L, h)))
     plan.add(p + "lore_a", (L, h, r), plan.layer(i, ["mlp.lore_a"], (L, h, r)))
-    plan.add(p + "lore_b", (L, r, f), plan.layer(i, ["mlp.lore_b"], (L, r, f)))
-    plan.down_proj(i, f)
+    plan.add(p + "lore_b", (L, r, f), plan.unpad(plan.layer(i, ["mlp.lore_b"], (L, r, stored)),
+                                                 2, f, f"decoder.layers.{i}.mlp.lore_b"))
+    plan.down_proj(i, f, stored=stored)
 
 
 class StructMoETerms(MLPTerms):
@@ -181,17 +197,23 @@ class StructMoETerms(MLPTerms):
 
     def spec_fields(self, args, smoe) -> dict:
         budget = layer_budget(smoe, args.hidden_size, args.ffn_hidden_size, bool(args.swiglu))
-        return dict(smoe_ffn=budget.ffn, smoe_experts=smoe.num_experts, smoe_rank=smoe.rank,
-                    smoe_topk=smoe.topk)
+        return dict(smoe_ffn=budget.ffn, smoe_stored_ffn=budget.storage_ffn,
+                    smoe_experts=smoe.num_experts, smoe_rank=smoe.rank, smoe_topk=smoe.topk)
+
+    @staticmethod
+    def stored(spec) -> int:
+        """The tensors' D'_ff: parameters and memory count the zero padding of
+        ``--structmoe-ffn-pad-to`` (it is held and saved), FLOPs the model's D'_ff."""
+        return spec.smoe_stored_ffn or spec.smoe_ffn
 
     def mlp_params(self, spec, layer: int, tp: int = 1) -> int:
         h, m = spec.hidden, spec.m
-        d, n, r = spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank
+        d, n, r = self.stored(spec), spec.smoe_experts, spec.smoe_rank
         base = m * h * d // tp + (((m - 1) * d // tp + h) if spec.bias else 0)
         return base + n * h + n * h * r + n * r * d // tp  # router and A replicated, B split
 
     def active_extra(self, spec, layer, topks) -> int:
-        h, d, e, r, k = (spec.hidden, spec.smoe_ffn, spec.smoe_experts, spec.smoe_rank,
+        h, d, e, r, k = (spec.hidden, self.stored(spec), spec.smoe_experts, spec.smoe_rank,
                          spec.smoe_topk)
         return -(e - k) * r * (h + d)  # the unselected LoREs are not used
 
@@ -201,11 +223,13 @@ class StructMoETerms(MLPTerms):
         return 3.0 * (2 * spec.m * h * d + 2 * h * n + 2 * k * r * (h + d))  # Eq. 9, x3
 
     def mlp_activation_bytes(self, spec, layout, layer, topks, s, b, sp) -> float:
-        d = spec.smoe_ffn / layout.tp
+        d = self.stored(spec) / layout.tp
         return (layout.act_bytes * s * b * d * ((5 if spec.gated else 2) + 1)
                 + 4 * s * b * spec.smoe_experts)
 
     def widths(self, spec):
+        if self.stored(spec) != spec.smoe_ffn:  # TP splits the stored width
+            return [("StructMoE D'_ff as stored (--structmoe-ffn-pad-to)", self.stored(spec))]
         return [("StructMoE D'_ff (Eq. 8; or --structmoe-ffn-hidden-size)", spec.smoe_ffn)]
 
 

@@ -18,6 +18,15 @@ Routed update ``R(x) = sum_{l in topk} s_l(x) x A_l B_l`` (Eq. 5) joins the base
 The GLU mode (Sec. 3.2: "the routed path modulates the activated base multiplicatively") is read as
 ``1 + R`` so that a small routed path starts near the dense MLP.
 
+Stored width (``--structmoe-ffn-pad-to N``): ``W1'``, ``B`` and ``W2'`` may be stored ``S`` wide,
+``D'`` rounded up to a multiple of ``N``, the columns ``D' .. S`` (of each half of a gated
+``W1'``) zeros. A zero column of ``W1'`` and ``B`` gives a zero pre-activation, ``act(0) = 0``
+(checked at construction) a zero input of ``W2'``'s zero column, so every gradient of the padding
+is exactly zero and AdamW (decay included) keeps it zero: the model is the ``D'`` model, whose
+GEMMs run at widths cuBLAS's aligned bf16 kernels take (``D' = 6618`` is not a multiple of 8). The
+padding sits at the global end of ``D'`` (under TP, on the last ranks), so the stored tensors do
+not depend on the TP size, and the real columns are drawn as the unpadded model draws them.
+
 Tensor parallelism: the routed codes ``s_l(x) x A_l`` are computed on the full (replicated or
 sequence-gathered) input on every TP rank, then pass Megatron's
 ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) before this rank's
@@ -60,6 +69,48 @@ def deepnorm_init(fan_in: int, num_layers: int):
     return lambda t: torch.nn.init.normal_(t, mean=0.0, std=std)
 
 
+def check_padding_activation(act) -> None:
+    """The padding stays zero only if ``act(0) = 0`` (module docstring)."""
+    if float(act(torch.zeros(1))[0]) != 0.0:
+        raise ValueError(f"--structmoe-ffn-pad-to: the activation {getattr(act, '__name__', act)}"
+                         " is not 0 at 0, so zero columns of D'_ff would not stay zero; use "
+                         "--structmoe-ffn-pad-to 1")
+
+
+def padded_init(init, real: int, stored: int, dim: int, halves: int):
+    """``init`` for a weight whose axis ``dim`` holds ``halves`` blocks ``stored`` wide (fc1's
+    ``[gate; up]``: 2). Given the whole weight (Megatron's CPU initialization draws it whole
+    before splitting it across TP ranks; any initialization at TP=1), it draws the unpadded
+    weight as the unpadded model would and places each block's ``real`` columns, zeros after
+    them; given one rank's partition (GPU initialization under TP), it draws the partition as it
+    is and the padding is zeroed after construction (``zero_padding``)."""
+    def run(t: torch.Tensor):
+        if t.shape[dim] != halves * stored:
+            return init(t)
+        shape = list(t.shape)
+        shape[dim] = halves * real
+        src = torch.empty(shape, dtype=t.dtype, device=t.device)
+        init(src)
+        with torch.no_grad():
+            t.zero_()
+            for h in range(halves):
+                t.narrow(dim, h * stored, real).copy_(src.narrow(dim, h * real, real))
+        return t
+    return run
+
+
+def zero_padding(weight: torch.Tensor, real: int, offset: int, dim: int, halves: int) -> None:
+    """Zero this rank's columns of the stored D'_ff past ``real``: axis ``dim`` of ``weight``
+    holds ``halves`` blocks, each this rank's slice of D'_ff starting at global column
+    ``offset``."""
+    width = weight.shape[dim] // halves
+    keep = max(0, min(width, real - offset))
+    if keep == width:
+        return
+    for h in range(halves):
+        weight.narrow(dim, h * width + keep, width - keep).zero_()
+
+
 class StructMoEMLP(MegatronModule):
     """``mlp_block`` (1-based) and ``num_mlp_blocks``: which MLP block of the model this is and how
     many there are, for the DeepNorm depth and the per-block router metrics. Not given (the GPT
@@ -79,30 +130,38 @@ class StructMoEMLP(MegatronModule):
         self.gated = bool(config.gated_linear_unit)
         self.budget = layer_budget(structmoe, config.hidden_size, config.ffn_hidden_size,
                                    self.gated)
-        ffn = self.budget.ffn
+        ffn, stored = self.budget.ffn, self.budget.storage_ffn
         self.tp_group = tp_group
         self.tp_size = tp_group.size() if tp_group is not None else 1
         self.tp_rank = tp_group.rank() if tp_group is not None else 0
-        if ffn % self.tp_size:
-            raise ValueError(f"StructMoE D'_ff={ffn} is not divisible by "
+        if stored % self.tp_size:
+            what = f"D'_ff={ffn}" + (f" stored as {stored}" if stored != ffn else "")
+            raise ValueError(f"StructMoE {what} is not divisible by "
                              f"--tensor-model-parallel-size={self.tp_size}; choose "
-                             "--structmoe-ffn-hidden-size explicitly")
-        self.ffn_per_partition = ffn // self.tp_size
+                             "--structmoe-ffn-hidden-size or --structmoe-ffn-pad-to")
+        if stored != ffn:
+            check_padding_activation(config.activation_func)
+        self.ffn_per_partition = stored // self.tp_size
         hidden, n_exp, rank = config.hidden_size, structmoe.num_experts, structmoe.rank
         small = structmoe.init == "small"
         fc1_init = small_init(hidden) if small else config.init_method
-        # DeepNorm's N is the number of MLP blocks (Sec. 3.6), not the hybrid path's symbols.
+        # DeepNorm's N is the number of MLP blocks (Sec. 3.6), not the hybrid path's symbols;
+        # its fan-in is the model's D'_ff, not the stored width.
         fc2_init = (deepnorm_init(ffn, self.num_mlp_blocks) if small
                     else config.output_layer_init_method)
+        halves = 2 if self.gated else 1
+        if stored != ffn:
+            fc1_init = padded_init(fc1_init, ffn, stored, 0, halves)
+            fc2_init = padded_init(fc2_init, ffn, stored, 1, 1)
 
         self.linear_fc1 = submodules.linear_fc1(
-            hidden, 2 * ffn if self.gated else ffn, config=config, init_method=fc1_init,
+            hidden, 2 * stored if self.gated else stored, config=config, init_method=fc1_init,
             gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
             tp_comm_buffer_name="fc1", tp_group=tp_group, stride=2 if self.gated else 1,
             name=(name + ".linear_fc1") if name is not None else None)
         self.activation_func = config.activation_func
         self.linear_fc2 = submodules.linear_fc2(
-            ffn, hidden, config=config, init_method=fc2_init, bias=False,
+            stored, hidden, config=config, init_method=fc2_init, bias=False,
             input_is_parallel=True, skip_bias_add=True, is_expert=False,
             tp_comm_buffer_name="fc2", tp_group=tp_group,
             name=(name + ".linear_fc2") if name is not None else None)
@@ -113,6 +172,8 @@ class StructMoEMLP(MegatronModule):
         self.router = torch.nn.Parameter(self._draw((n_exp, hidden), gen_init(hidden)))
         self.lore_a = torch.nn.Parameter(self._draw((n_exp, hidden, rank), gen_init(hidden)))
         full_b = self._draw((n_exp, rank, ffn), gen_init(rank))
+        if stored != ffn:
+            full_b = torch.nn.functional.pad(full_b, (0, stored - ffn))
         shard = slice(self.tp_rank * self.ffn_per_partition,
                       (self.tp_rank + 1) * self.ffn_per_partition)
         self.lore_b = torch.nn.Parameter(full_b[..., shard].contiguous())
@@ -120,6 +181,14 @@ class StructMoEMLP(MegatronModule):
             setattr(p, "tensor_model_parallel", parallel)
             setattr(p, "partition_dim", 2 if parallel else -1)
             setattr(p, "partition_stride", 1)
+        if stored != ffn:
+            # Whatever drew them (a rank's own partition under GPU initialization, Transformer
+            # Engine's linears, no initialization before a load), the padding starts at zero.
+            with torch.no_grad():
+                zero_padding(self.linear_fc1.weight, ffn, self.tp_rank * self.ffn_per_partition,
+                             0, halves)
+                zero_padding(self.linear_fc2.weight, ffn, self.tp_rank * self.ffn_per_partition,
+                             1, 1)
         self.backend = resolve_backend(structmoe.backend)
         # A fused backend (triton) computes the routing with the codes; the others run route().
         self.route_codes_fn, self.expand_fn = route_codes_stages(self.backend, structmoe.compile)
