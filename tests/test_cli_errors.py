@@ -45,6 +45,13 @@ SIGMA = ["--model-family", "sigma", "--num-experts", "4", "--moe-ffn-hidden-size
      "--ckpt-format torch"),
     (["--model-family", "structmoe", "--structmoe-aux-loss-coeff", "-1"],
      "--structmoe-aux-loss-coeff=-1.0: must be >= 0"),
+    (["--model-family", "structmoe", "--structmoe-ffn-pad-to", "0"],
+     "--structmoe-ffn-pad-to=0: must be >= 1"),
+    # D'_ff = 112 (Eq. 8 at the tiny shape) stored as 117 does not split over 2 TP ranks.
+    (["--model-family", "structmoe", "--structmoe-num-experts", "4", "--structmoe-rank", "4",
+      "--structmoe-ffn-pad-to", "9", "--tensor-model-parallel-size", "2"],
+     r"--structmoe-ffn-pad-to=9: StructMoE's D'_ff stored as 117 is not divisible by "
+     r"--tensor-model-parallel-size=2"),
     (["--model-family", "stem", "--stem-table-placement", "tiered"],
      "both tiers are sharded by vocabulary .* pass --stem-table-sharding vocab"),
     (["--model-family", "stem", "--stem-table-placement", "tiered", "--stem-table-sharding",

@@ -92,6 +92,14 @@ def validate_args(args, tokenizer_vocab_size: Optional[int] = None) -> None:
         raise ValueError("--calculate-per-token-loss with StructMoE's load-balancing loss is not "
                          "supported: drop the flag or pass --structmoe-aux-loss-coeff 0")
 
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if smoe.ffn_pad_to > 1 and args.ffn_hidden_size is not None:
+        stored = layer_budget(smoe, args.hidden_size, args.ffn_hidden_size,
+                              bool(args.swiglu)).storage_ffn
+        if stored % tp:
+            raise ValueError(f"--structmoe-ffn-pad-to={smoe.ffn_pad_to}: StructMoE's D'_ff "
+                             f"stored as {stored} is not divisible by "
+                             f"--tensor-model-parallel-size={tp}; choose a multiple of it")
     check_fused_backend(smoe.backend)  # --structmoe-backend triton where it cannot run
     if smoe.compile != "none":
         problem = check_compile(resolve_backend(smoe.backend), smoe.compile)
