@@ -32,6 +32,24 @@ def corpus(prefix: str, vocab=None):
     return torch.from_numpy(ids), vocab
 
 
+# StructMoE sides of the step and kernel benchmarks: "<backend>[+pad<N>][+compiled]".
+COMPILED = "+compiled"  # --structmoe-compile routed
+PADDED = "+pad"  # D'_ff stored as a multiple of N (--structmoe-ffn-pad-to N)
+
+
+def structmoe_side(name: str) -> Tuple[str, int, str]:
+    """``(backend, ffn_pad_to, compile)`` of a StructMoE side's name, e.g.
+    ``dense-masked+pad128+compiled`` -> ``("dense-masked", 128, "routed")``."""
+    parts = name.split("+")
+    pad = next((int(p[3:]) for p in parts[1:] if p.startswith("pad")), 1)
+    return parts[0], pad, "routed" if name.endswith(COMPILED) else "none"
+
+
+def padded_sides(backends: Sequence[str], pad_to: Optional[int]) -> List[str]:
+    """The ``<backend>+pad<N>`` sides of ``--pad-to N`` (none for N of 1 or none)."""
+    return [f"{b}{PADDED}{pad_to}" for b in backends] if pad_to and pad_to > 1 else []
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

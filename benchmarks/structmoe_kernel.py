@@ -21,6 +21,10 @@ On a GPU (or with ``--compiled``) dense-masked and grouped are also measured wit
 compiled, ``structmoe/routed.py``); their first two steps, where they compile, are timed apart
 (``compile_s``) before their warm-up.
 
+``--pad-to N`` adds dense-masked with D'_ff stored as a multiple of N (``--structmoe-ffn-pad-to``,
+the same layer: zero columns that stay zero; side ``dense-masked+pad<N>``, and its compiled twin):
+5319 is not a multiple of 8, which keeps bf16 GEMMs off cuBLAS's aligned tensor-core kernels.
+
 Without a GPU the script says so and exits 0; ``--cpu-smoke`` then runs a tiny shape in fp32
 (the triton backend under Triton's interpreter), wall-clock timed, to check the script runs: its
 numbers mean nothing about speed.
@@ -40,14 +44,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_run_args, alternate, compile_seconds,  # noqa: E402
-                    medians, run_ratios, timed, wrap_ddp)
+from common import (COMPILED, RunSetup, add_run_args, alternate,  # noqa: E402
+                    compile_seconds, medians, padded_sides, run_ratios, structmoe_side, timed,
+                    wrap_ddp)
 
 BACKENDS = ("triton", "dense-masked", "grouped")
 SMOKE = dict(hidden=64, ffn=176, tokens=64)
 
-
-COMPILED = "+compiled"  # the side of a backend with --structmoe-compile routed
 
 
 def build(args, dtype):
@@ -69,13 +72,13 @@ def build(args, dtype):
     torch.manual_seed(1)
     sides = {"dense": MLP.as_mlp_submodule(submodules=submodules, config=config, pg_collection=pgs,
                                            is_mtp_layer=False, ffn_hidden_size=args.ffn)}
-    for name in args.backends + args.compiled_sides:
+    for name in args.structmoe_sides:
+        backend, pad, mode = structmoe_side(name)
         torch.manual_seed(1)
         mlp = StructMoEMLP.as_mlp_submodule(
             submodules=submodules, config=config, pg_collection=pgs,
             structmoe=StructMoEConfig(num_experts=args.experts, rank=args.rank, topk=args.topk,
-                                      backend=name.removesuffix(COMPILED),
-                                      compile="routed" if name.endswith(COMPILED) else "none"))
+                                      backend=backend, compile=mode, ffn_pad_to=pad))
         mlp.set_layer_number(1)
         sides[name] = mlp
     if args.backends and not args.no_alignment_check:
@@ -162,6 +165,10 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--pad-to", type=int, default=None, metavar="N",
+                        help="also time dense-masked with D'_ff stored as a multiple of N "
+                             "(--structmoe-ffn-pad-to; the same layer: side "
+                             "dense-masked+pad<N>), and its compiled twin")
     parser.add_argument("--no-alignment-check", action="store_true",
                         help="leave out the dense MLP at D'_ff and StructMoE at D'_ff rounded "
                              "down to a multiple of 64")
@@ -176,7 +183,10 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     compiled = gpu if args.compiled is None else args.compiled
-    args.compiled_sides = [b + COMPILED for b in args.backends if compiled and b != "triton"]
+    eager = list(args.backends) + padded_sides(["dense-masked"], args.pad_to)
+    args.compiled_sides = [n + COMPILED for n in eager
+                           if compiled and structmoe_side(n)[0] != "triton"]
+    args.structmoe_sides = eager + args.compiled_sides
     if not gpu:
         if not args.cpu_smoke:
             print("benchmarks/structmoe_kernel.py measures the Triton kernel on a GPU: no CUDA "
@@ -199,7 +209,7 @@ def main() -> None:
     budget = next(m.module.budget for n, m in sides.items() if n != "dense") \
         if args.backends else None
     counts = {name: sum(p.numel() for p in m.parameters()) for name, m in sides.items()}
-    ours = args.backends + args.compiled_sides
+    ours = args.structmoe_sides
     # [s, b, h] with b = 1: the token count is what matters for the GEMMs.
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)

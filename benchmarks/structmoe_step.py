@@ -47,24 +47,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RunSetup, add_profile_args, add_run_args,  # noqa: E402
-                    alternate_timed, compile_seconds, medians, profile_sides, run_ratios,
-                    side_line, timed, wrap_ddp)
+from common import (COMPILED, RunSetup, add_profile_args, add_run_args,  # noqa: E402
+                    alternate_timed, compile_seconds, medians, padded_sides, profile_sides,
+                    run_ratios, side_line, structmoe_side, timed, wrap_ddp)
 
 from gpu_memory import PeakMemory  # noqa: E402
 from megatron_ext.tools import host_syncs  # noqa: E402
 
 BACKENDS = ("triton", "dense-masked", "grouped", "reference")
-COMPILED = "+compiled"  # the model of a backend with --structmoe-compile routed
-PADDED = "+pad"  # "<backend>+pad<N>": D'_ff stored as a multiple of N (--structmoe-ffn-pad-to)
-
-
-def side_model(name: str):
-    """``(backend, ffn_pad_to, compile)`` of a StructMoE side's name, e.g.
-    ``dense-masked+pad128+compiled``."""
-    parts = name.split("+")
-    pad = next((int(p[3:]) for p in parts[1:] if p.startswith("pad")), 1)
-    return parts[0], pad, "routed" if name.endswith(COMPILED) else "none"
 
 
 def build(args, dtype, structmoe_backend=None, ffn_hidden_size=None, compile="none",
@@ -148,16 +138,15 @@ def main() -> None:
                                           topk=args.topk), args.hidden, args.ffn, gated=False)
     torch.manual_seed(0)
     models = {"dense": wrap_ddp(build(args, dtype).to(device))}
-    eager = list(args.backends) + ([f"{b}{PADDED}{args.pad_to}" for b in args.pad_backends]
-                                   if args.pad_to and args.pad_to > 1 else [])
+    eager = list(args.backends) + padded_sides(args.pad_backends, args.pad_to)
     for name in eager:
-        backend, pad, _ = side_model(name)
+        backend, pad, _ = structmoe_side(name)
         models[name] = wrap_ddp(build(args, dtype, backend, ffn_pad_to=pad).to(device))
     compiled = (gpu if args.compiled is None else args.compiled) and not run.profile_dir
     compiled_sides = [n + COMPILED for n in eager
-                      if compiled and side_model(n)[0] in ("dense-masked", "grouped")]
+                      if compiled and structmoe_side(n)[0] in ("dense-masked", "grouped")]
     for name in compiled_sides:
-        backend, pad, mode = side_model(name)
+        backend, pad, mode = structmoe_side(name)
         models[name] = wrap_ddp(build(args, dtype, backend, compile=mode,
                                       ffn_pad_to=pad).to(device))
     # Is D'_ff itself slow? Eq. 8 gives 6618, not a multiple of 8, which keeps bf16 GEMMs off

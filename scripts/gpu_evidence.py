@@ -718,7 +718,8 @@ def plan() -> List[Step]:
              [PY, "benchmarks/stem_mlp.py", "--json", f"{RES}/stem_mlp.json"],
              240, "stem_mlp.json", _rows_stem_mlp),
         Step("structmoe_kernel", "StructMoE MLP per routed backend vs dense SwiGLU MLP",
-             [PY, "benchmarks/structmoe_kernel.py", "--json", f"{RES}/structmoe_kernel.json"],
+             [PY, "benchmarks/structmoe_kernel.py", "--pad-to", "128",
+              "--json", f"{RES}/structmoe_kernel.json"],
              240, "structmoe_kernel.json", _rows_overhead("structmoe_kernel", "MLP", "triton")),
         # With dense-masked's D'_ff stored as 6656 (--structmoe-ffn-pad-to 128, the same
         # model), eager and compiled: whether the unaligned 6618 is what costs the +29.7%.
@@ -892,8 +893,9 @@ ESTIMATES = {
     "gpu_tests": 330,
     "stem_gpu_tests": 100,  # 95.8 s and 85.6 s, H200, 2026-11-27 (evidence.json, both leases)
     "stem_mlp": 55,  # 22.7 s, H100, 2026-11-27c (run1.log); + the compiled MLP's compile (guess)
-    # 27.1 s, H100, 2026-11-24 (run6_evidence.json); + two compiled sides (guess).
-    "structmoe_kernel": 75,
+    # 27.1 s, H100, 2026-11-24 (run6_evidence.json); + three compiled sides and the padded
+    # eager one (guess).
+    "structmoe_kernel": 90,
     # 43.5 s, H100, 2026-11-27c (run1.log); + three compiled models' steps and compiles
     # (guess), the padded model in place of the alignment check's.
     "structmoe_step": 110,
