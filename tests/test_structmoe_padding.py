@@ -48,7 +48,7 @@ def split(t, dim, blocks, real):
             [p.narrow(dim, real, width - real) for p in parts])
 
 
-@pytest.mark.parametrize("backend", ["dense-masked", "grouped", "reference"])
+@pytest.mark.parametrize("backend", ["dense-masked", "grouped", "reference", "triton"])
 @pytest.mark.parametrize("fusion", ["additive", "glu"])
 @pytest.mark.parametrize("gated", [False, True])
 def test_padded_mlp_is_the_unpadded_one(mcore_single_rank, gated, fusion, backend):
