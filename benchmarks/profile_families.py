@@ -6,7 +6,8 @@
 Runs each family benchmark with ``--profile OUT/<benchmark>`` (``benchmarks/common.py``'s
 ``profile_sides``), one process each, in turn, each under ``--timeout`` seconds:
 
-* ``structmoe_step``: the 0.9B-shaped GPT step, dense against each StructMoE backend;
+* ``structmoe_step``: the 0.9B-shaped GPT step, dense against each StructMoE backend and
+  dense-masked with ``D'_ff`` stored padded (``--pad-to 128``, as the runner's timing step);
 * ``stem_mlp``: the MLP's forward + backward, dense SwiGLU against STEM (PyTorch path, and the
   fused kernel on a GPU with Triton);
 * ``sigma_step``: 8 layers at sequence 4096, upstream's aux-loss router against Sigma's.
@@ -40,10 +41,10 @@ from common import failure_reason  # noqa: E402
 # Per benchmark: its script and the flags of the shape profiled (the ones the runner's timing
 # steps use; the scripts' own defaults on a GPU), and of a tiny shape for the CPU.
 BENCHMARKS = {
-    "structmoe_step": ("benchmarks/structmoe_step.py", [],
+    "structmoe_step": ("benchmarks/structmoe_step.py", ["--pad-to", "128"],
                        ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128",
                         "--experts", "4", "--rank", "8", "--seq", "32", "--vocab", "256",
-                        "--warmup", "1", "--backends", "dense-masked"]),
+                        "--warmup", "1", "--backends", "dense-masked", "--pad-to", "128"]),
     "stem_mlp": ("benchmarks/stem_mlp.py", [],
                  ["--hidden", "64", "--ffn", "128", "--vocab", "256", "--tokens", "64",
                   "--warmup", "1"]),

@@ -910,8 +910,9 @@ ESTIMATES = {
     "sigma_step": 110,
     # Not yet timed on a GPU: three start-ups (about 10 s each), the timing steps' model
     # builds, 1 + 3 profiled steps per side and the traces' export; 47 s on this project's
-    # 2-core CPU (load about 8) at the tiny shapes (2026-11-28).
-    "profile": 150,
+    # 2-core CPU (load about 8) at the tiny shapes (2026-11-28); + the padded StructMoE side
+    # (guess: 10 s).
+    "profile": 160,
     # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), four
     # StructMoE and two Sigma models of 8 tiny layers, each timed (50 + 3) x 2 steps at a few
     # to a few tens of ms (about 15 s), triton's routing kernels' first compile (about 20 s).
