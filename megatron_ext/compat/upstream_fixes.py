@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import logging
 import sys
@@ -94,15 +95,27 @@ def _load_state_dict_own_steps(original):
     return load_state_dict
 
 
+class _StepsNotHeld(dict):
+    """The loaded tensors of one parameter, any other state key read as None: not a tensor, which
+    ``_set_main_param_and_optimizer_states`` leaves as it is."""
+
+    def __missing__(self, key):
+        return None
+
+
 def _set_states_without_autograd(original):
     """Bug 3 of 3: with fp32 parameters the "main" parameter shard is a view of the model
     parameter, which requires grad; ``_set_main_param_and_optimizer_states`` copies the loaded
-    values into it with autograd on and fails. The copy runs under ``torch.no_grad()``."""
+    values into it with autograd on and fails. The copy runs under ``torch.no_grad()``.
+    With ``--dist-ckpt-optim-fully-reshardable`` it also failed (KeyError 'step'): it copies
+    every tensor of torch's Adam state (``step`` among them) from the loaded tensors, and
+    ``load_parameter_state_from_fully_reshardable`` passes no ``step`` (the step is read from
+    the param groups, bug 2). A state key the loaded tensors lack is left as it is."""
 
     @functools.wraps(original)
-    def set_main_param_and_optimizer_states(self, *args, **kwargs):
+    def set_main_param_and_optimizer_states(self, model_param, tensors, *args, **kwargs):
         with torch.no_grad():
-            return original(self, *args, **kwargs)
+            return original(self, model_param, _StepsNotHeld(tensors), *args, **kwargs)
 
     return set_main_param_and_optimizer_states
 
@@ -238,6 +251,133 @@ def _scale_in_few_launches(original):
     return scale
 
 
+# Upstream's identifier of a parameter group on load (``param_group_identifier_keys``), less the
+# one key that depends on the expert-parallel layout.
+_LAYOUT_FREE_KEYS = tuple(k for k in megatron_optimizer.param_group_identifier_keys
+                          if k != "is_expert_parallel")
+
+
+def _group_identifier(group: dict) -> tuple:
+    """Upstream's ``_filter_and_reorder_param_groups`` identifier (NeMo's ``pre_`` aliases, a
+    missing key read as None) without ``is_expert_parallel``."""
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in _LAYOUT_FREE_KEYS)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
+    return a == b
+
+
+def _pooled(parts: Sequence[dict], where: str = "") -> dict:
+    """The common (non-tensor) state of the saved optimizers as one: their param groups pooled,
+    every other value the same in each (ChainedOptimizer keeps its optimizers' steps equal)."""
+    out = {}
+    for key in dict.fromkeys(k for part in parts for k in part):
+        values = [part[key] for part in parts if key in part]
+        if key == "param_groups":
+            out[key] = [group for groups in values for group in groups]
+        elif all(isinstance(v, dict) for v in values):
+            out[key] = _pooled(values, f"{where}{key}.")
+        elif all(_same(values[0], v) for v in values[1:]):
+            out[key] = values[0]
+        else:
+            raise RuntimeError(
+                f"the checkpoint's {len(parts)} optimizers (expert parallelism) hold different "
+                f"values of {where}{key}, which one optimizer keeps once: resume at the "
+                "--expert-model-parallel-size it was saved with")
+    return out
+
+
+def _groups_holder(state: dict) -> Optional[dict]:
+    """The dict holding ``param_groups`` in one optimizer's state: FP32Optimizer's own,
+    Float16OptimizerWithFloat16Params's and DistributedOptimizer's ``optimizer``."""
+    if "param_groups" in state:
+        return state
+    inner = state.get("optimizer")
+    return inner if isinstance(inner, dict) and "param_groups" in inner else None
+
+
+def _with_common(loaded: dict, common: dict) -> dict:
+    """``loaded`` (one optimizer's loaded tensors, in this run's layout) with the saved common
+    values it lacks."""
+    for key, value in common.items():
+        if key not in loaded:
+            loaded[key] = value
+        elif isinstance(loaded[key], dict) and isinstance(value, dict):
+            _with_common(loaded[key], value)
+    return loaded
+
+
+def _current_layout(chain, state_dict: dict) -> Optional[dict]:
+    """The state dict a ChainedOptimizer of this run's layout loads, built from one saved at
+    another chain length; None where the layouts agree (upstream's own load then) or where the
+    saved groups do not cover this run's (upstream's load names the missing group)."""
+    n = len(chain.chained_optimizers)
+    ints = sorted(k for k in state_dict if isinstance(k, int))
+    rest = {k: v for k, v in state_dict.items() if not isinstance(k, int)}
+    if n == 1 and ints:  # saved by a chain (EP > 1), loaded into one optimizer
+        saved, loaded = [state_dict[k] for k in ints], [rest]
+    elif n > 1 and rest and ints == list(range(n)):  # saved by one, loaded into a chain
+        saved, loaded = [rest], [state_dict[k] for k in ints]
+    else:
+        return None
+    common = _pooled(saved)
+    pool = (_groups_holder(common) or {}).get("param_groups")
+    if pool is None:
+        return None
+    parts = []
+    for optimizer, part in zip(chain.chained_optimizers, loaded):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or not hasattr(inner, "param_groups"):
+            return None
+        groups = []
+        for current in inner.param_groups:
+            alike = [g for g in pool if _group_identifier(g) == _group_identifier(current)]
+            if not alike:
+                return None
+            # A group of the same kind where there is one: equal but for that flag anyway.
+            alike.sort(key=lambda g: g.get("is_expert_parallel") != current["is_expert_parallel"])
+            group = {k: v for k, v in alike[0].items() if k != "params"}
+            group["is_expert_parallel"] = current["is_expert_parallel"]
+            groups.append(group)
+        own = _groups_holder(part)  # this run's groups with their params' ids, if loaded
+        own = own["param_groups"] if own and len(own["param_groups"]) == len(groups) else None
+        merged = _with_common(part, copy.deepcopy(common))
+        # Where the pooled groups came in with the common state (DistributedOptimizer's, all
+        # common) or beside this run's: this run's groups, in its order, with its ids.
+        _groups_holder(merged)["param_groups"] = [
+            dict(group, **({"params": own[i]["params"]} if own and "params" in own[i] else {}))
+            for i, group in enumerate(groups)]
+        parts.append(merged)
+    return parts[0] if n == 1 else dict(enumerate(parts))
+
+
+def _load_across_expert_parallel_sizes(original):
+    """A checkpoint saved at one expert-parallel size does not resume, optimizer state included,
+    at another. With expert parallelism (more exactly: expert parameters reduced over their own
+    group) Megatron builds a ChainedOptimizer of a dense and an expert optimizer, otherwise one
+    optimizer; the tensors (Adam's moments, fp32 main parameters, the distributed optimizer's
+    model-space formats) are saved under the model parameters' names and reshard, but the common
+    state (the param groups, the step) is saved per optimizer, nested by the chain's index. Loaded
+    at another chain length, upstream finds no group (``_filter_and_reorder_param_groups``: the
+    groups key on ``is_expert_parallel``), the wrong number of entries or no ``optimizer`` key.
+    The saved common state is pooled and mapped onto this run's optimizers: each of its param
+    groups takes the saved group of the same identifier but ``is_expert_parallel``, and the step
+    all saved optimizers shared."""
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        if isinstance(state_dict, dict):
+            remapped = _current_layout(self, state_dict)
+            if remapped is not None:
+                state_dict = remapped
+        return original(self, state_dict)
+
+    return load_state_dict
+
+
 _OPTIMIZER = distrib_optimizer.DistributedOptimizer
 _WHY_ADAM = ("bug of megatron-core 0.19: a --use-distributed-optimizer resume with torch's Adam "
              "(no Apex/TE); upstream has no hook in its optimizer's state handling")
@@ -253,6 +393,13 @@ FIXES: Dict[str, Tuple[Seam, ...]] = {
              applies=_no_apex_or_te),
         Seam(_OPTIMIZER, "_set_main_param_and_optimizer_states", _set_states_without_autograd,
              _WHY_ADAM, applies=_no_apex_or_te),
+    ),
+    "optimizer_state_across_expert_parallel_sizes": (
+        Seam(megatron_optimizer.ChainedOptimizer, "load_state_dict",
+             _load_across_expert_parallel_sizes,
+             "bug of megatron-core 0.19.2: the optimizer's common state is saved per optimizer of "
+             "the chain, whose length depends on expert parallelism; load_checkpoint calls the "
+             "optimizer's method, no hook"),
     ),
     "multi_tensor_fallbacks_on_the_device": (
         Seam(clip_grads, "l2_norm_impl", _l2_norm_without_host_reads,
