@@ -1,7 +1,8 @@
 """Checks at start-up, before Megatron builds anything, of paths and settings that would otherwise
 fail late or as tracebacks: the indexed datasets named by the data flags, the checkpoint
 directory, an asynchronous save that cannot run here, the parallel layout against the number of
-ranks, a resume whose learning-rate schedule differs from the checkpoint's, and the memory the
+ranks, a resume whose learning-rate schedule differs from the checkpoint's, a resume at another
+expert-parallel size of a distributed-optimizer state that cannot follow it, and the memory the
 managed STEM tables need against the memory available.
 
 A check raises ``ValueError`` with the one line to show; ``entry.py`` prints it through
@@ -21,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.datasets.object_storage_utils import is_object_storage_path
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training.training import get_optimizer_param_scheduler
@@ -282,10 +284,49 @@ def _number(text: str) -> str:
         return text
 
 
+def check_expert_parallel_resume(args) -> None:
+    """A resume at another ``--expert-model-parallel-size`` than the checkpoint's, whose
+    distributed-optimizer state was saved in Megatron's bucket layout (``dp_reshardable``, the
+    default without ``--dist-ckpt-optim-fully-reshardable``), refused before the model is built:
+    that layout follows the optimizer's buffers, which expert parallelism splits into a dense and
+    an expert optimizer (``chained_0.``/``chained_1.`` keys), so Megatron's load raised a
+    KeyError listing every key of the checkpoint. The other optimizer states resume at another
+    size (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``)."""
+    if not args.load or args.finetune or args.no_load_optim:
+        return
+    state = _saved_common_state(args)
+    saved_args = (state or {}).get("args")
+    saved = getattr(saved_args, "expert_model_parallel_size", None)
+    if saved is None or saved == args.expert_model_parallel_size or \
+            getattr(saved_args, "no_save_optim", False):
+        return
+    sharding = (dist_checkpointing.load_content_metadata(preloaded_state_dict=state) or {}).get(
+        "distrib_optim_sharding_type")
+    if sharding is None or sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
+        return
+    raise ValueError(
+        f"--load={args.load}: its distributed-optimizer state was saved at "
+        f"--expert-model-parallel-size {saved} in Megatron's bucket layout ({sharding}), which "
+        f"--expert-model-parallel-size {args.expert_model_parallel_size} cannot load; resume at "
+        f"--expert-model-parallel-size {saved}, or pass --no-load-optim (the weights load, "
+        "Adam's moments and step start afresh); saves with --dist-ckpt-optim-fully-reshardable "
+        "resume at any size")
+
+
 def _saved_schedule(args) -> Optional[dict]:
     """The scheduler state of the checkpoint ``--load`` (``--ckpt-step``) would resume, from a
     torch_dist checkpoint's common state; None where there is none to compare (no checkpoint, a
     release checkpoint, whose optimizer Megatron does not load, another format)."""
+    state = _saved_common_state(args)
+    if state is None:
+        return None
+    return state.get("opt_param_scheduler", state.get("lr_scheduler"))
+
+
+def _saved_common_state(args) -> Optional[dict]:
+    """The common state of the torch_dist checkpoint ``--load`` (``--ckpt-step``) would resume;
+    None where there is none (no checkpoint, a release checkpoint, whose optimizer Megatron does
+    not load, another format)."""
     if not has_checkpoint(args.load):
         return None
     iteration, release = -1, False
@@ -302,10 +343,9 @@ def _saved_schedule(args) -> Optional[dict]:
                                                    return_base_dir=True)
         if not dist_checkpointing.check_is_distributed_checkpoint(folder):
             return None
-        state = dist_checkpointing.load_common_state_dict(folder)
+        return dist_checkpointing.load_common_state_dict(folder)
     except Exception:  # noqa: BLE001 - see above: the load reports it
         return None
-    return state.get("opt_param_scheduler", state.get("lr_scheduler"))
 
 
 def _schedule(args):
