@@ -6,7 +6,13 @@ either side of it.
 ``--moe-grouped-gemm`` (without Transformer Engine: the torch grouped experts,
 ``megatron_ext/models/grouped_experts.py``) under EP=2 and TP=2 + SP + EP=2 must give the same
 losses, starting from the checkpoint saved with sequential experts; a checkpoint the grouped
-experts save (EP=2) resumes with sequential ones, optimizer state included.
+experts save (EP=2) resumes with sequential ones at EP=1, optimizer state included.
+
+A checkpoint resumes at another expert-parallel size, optimizer state included (EP=2 makes
+Megatron's optimizer a chain of a dense and an expert optimizer, EP=1 one optimizer:
+``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``): EP=1 -> EP=2
+(``resume_before``), EP=2 -> EP=1 (``resume_after``), and with the distributed optimizer's
+model-space format (``--dist-ckpt-optim-fully-reshardable``) EP=2 -> EP=1.
 
 Every run starts from one checkpoint (``--finetune``: with EP each rank initializes only its own
 experts, so fresh initializations would differ). fp32, CPU, gloo, global-batch LBL on (coefficient
@@ -40,6 +46,7 @@ AG = ["--moe-token-dispatcher-type", "allgather"]
 EP2 = ["--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 GROUPED = ["--moe-grouped-gemm"]
+DOPT = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
 STEPS = [1, 2, 3, 4, 5, 6]
 LAYERS = 4
 
@@ -50,6 +57,7 @@ def runs(tmp_path_factory):
     init = str(tmp / "init")
     ck = str(tmp / "ck")
     grouped_ck = str(tmp / "grouped_ck")
+    dopt_ck = str(tmp / "dopt_ck")
     start = ["--load", init, "--finetune"]
     # In order; those of one rank count in one launch (tests/multirank.py, Launches).
     launches = Launches(str(tmp))
@@ -62,30 +70,36 @@ def runs(tmp_path_factory):
     launches.add("grouped_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + GROUPED + [
         "--save", grouped_ck, "--save-interval", "4"])
     launches.add("ep2_allgather", SIGMA + AG + ITERS + start + EP2)
+    # The distributed optimizer at EP=2 (a dense and an expert one), saved at step 4 in its
+    # model-space format for resume_dopt_ep1.
+    launches.add("dopt_ep2", SIGMA + A2A + ITERS + start + EP2 + DOPT + [
+        "--save", dopt_ck, "--save-interval", "4"])
     # DP=1 (8 micro-batches) with PP=2 and full recompute (the no-grad first pass must not add
     # to the statistics; the per-layer logs come from both stages).
     launches.add("pp2_recompute", SIGMA + A2A + ITERS + start + [
         "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
         "--recompute-method", "uniform", "--recompute-num-layers", "1"])
-    launches.add("resume_before", SIGMA + A2A + ITERS + ["--load", ck, "--ckpt-step", "2"])
-    # After the switch, from the grouped experts' checkpoint (model and Adam's moments), with
-    # sequential experts; EP=2 as it was saved (Megatron's optimizer does not load an EP=2
-    # state, a dense and an expert optimizer, into EP=1's one).
-    launches.add("resume_after", SIGMA + A2A + ITERS + EP2 + ["--load", grouped_ck,
-                                                              "--ckpt-step", "4"])
+    # Before the switch, from the EP=1 checkpoint, at EP=2.
+    launches.add("resume_before", SIGMA + A2A + ITERS + EP2 + ["--load", ck, "--ckpt-step", "2"])
+    # After the switch, from the grouped experts' EP=2 checkpoint (model and Adam's moments),
+    # with sequential experts at EP=1.
+    launches.add("resume_after", SIGMA + A2A + ITERS + ["--load", grouped_ck, "--ckpt-step", "4"])
+    launches.add("resume_dopt_ep1", SIGMA + A2A + ITERS + DOPT + ["--load", dopt_ck,
+                                                                  "--ckpt-step", "4"])
     launches.add("tp2_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + TP2_SP, nproc=4)
     launches.add("tp2_ep2_allgather", SIGMA + AG + ITERS + start + EP2 + TP2_SP, nproc=4)
     launches.add("grouped_tp2_ep2_alltoall", SIGMA + A2A + ITERS + start + EP2 + TP2_SP +
                  GROUPED, nproc=4)
     r = launches.run()
     require_ok(r["init"])
-    r["checkpoints"] = {"sequential": ck, "grouped": grouped_ck}
+    r["checkpoints"] = {"sequential": ck, "grouped": grouped_ck, "dopt": dopt_ck}
     return r
 
 
 @pytest.mark.parametrize("layout", ["ep2_alltoall", "ep2_allgather", "tp2_ep2_alltoall",
                                     "tp2_ep2_allgather", "pp2_recompute",
-                                    "grouped_ep2_alltoall", "grouped_tp2_ep2_alltoall"])
+                                    "grouped_ep2_alltoall", "grouped_tp2_ep2_alltoall",
+                                    "dopt_ep2"])
 def test_expert_parallel_layouts_do_not_change_losses(runs, layout):
     ref = require_ok(runs["ref"])
     assert len({round(v, 4) for v in ref.losses.values()}) == len(STEPS)  # it trains
@@ -132,8 +146,11 @@ def test_topk_switches_at_its_step(runs):
 
 @pytest.mark.parametrize("name,first", [("resume_before", 3), ("resume_after", 5)])
 def test_resume_across_the_switch(runs, name, first):
-    """Resumed before the switch (from step 2) and after it (from step 4, of the grouped
-    experts' EP=2 run): same top-k per step and the uninterrupted run's losses."""
+    """Resumed before the switch (from step 2 of the EP=1 run, at EP=2) and after it (from step
+    4 of the grouped experts' EP=2 run, at EP=1): same top-k per step and the uninterrupted
+    run's losses. Before ``optimizer_state_across_expert_parallel_sizes`` both stopped in
+    Megatron's load: "Expected 2 entries in state dict, but got 4" and "Could not find parameter
+    group with key (..., False, False) in loaded checkpoint"."""
     run, ref = require_ok(runs[name]), require_ok(runs["ref"])
     steps = list(range(first, 7))
     assert sorted(run.losses) == steps
@@ -141,12 +158,24 @@ def test_resume_across_the_switch(runs, name, first):
     assert {s: v for s, v in topk_log(run, 0).items()} == {s: topk_log(ref, 0)[s] for s in steps}
 
 
+def test_distributed_optimizer_state_resumes_at_another_expert_parallel_size(runs):
+    """``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable`` saved at EP=2
+    (``dopt_ep2``, whose losses are the reference's), resumed from step 4 at EP=1: the
+    uninterrupted run's losses (steps 5-6, 1e-5; a resume of this model with
+    ``--no-load-optim`` moved its second step's loss by 2.5e-2). It stopped in Megatron's load on KeyError 'optimizer' (the chain's common state),
+    then KeyError 'step' (torch's Adam: no fully reshardable resume at any size)."""
+    resumed, ref = require_ok(runs["resume_dopt_ep1"]), require_ok(runs["ref"])
+    assert "dopt_ck/iter_0000004" in resumed.log
+    assert sorted(resumed.losses) == [5, 6]
+    assert_close_curves(resumed, ref, [5, 6])
+
+
 def test_grouped_experts_checkpoints_interchange_with_sequential_ones(runs):
     """The grouped runs built the torch grouped experts (their log says which GEMM ran: the
     CPU's grouped_mm in fp32) from the sequential experts' checkpoint (their losses:
     ``test_expert_parallel_layouts_do_not_change_losses``); sequential experts resumed from the
-    grouped experts' step-4 checkpoint (model and Adam's moments; ``resume_after``) continue
-    the uninterrupted run (steps 5-6, 1e-5)."""
+    grouped experts' step-4 checkpoint at EP=1 (model and Adam's moments; ``resume_after``)
+    continue the uninterrupted run (steps 5-6, 1e-5)."""
     for name in ("grouped_ep2_alltoall", "grouped_tp2_ep2_alltoall"):
         log = require_ok(runs[name]).log
         assert "megatron-ext: grouped experts, fc1: grouped_mm" in log, name
