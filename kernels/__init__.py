@@ -15,5 +15,7 @@ Each fast path sits beside the plain-PyTorch reference it is tested against:
 ``_triton_runtime`` holds what both Triton modules share: whether Triton can run here, the lazy
 import of the jitted kernels, and the offline GPU build that reports their resource use.
 ``_build_dir`` says where the JIT-built CPU extensions (``row_adam_cpu``'s kernels, DeepSpeed's
-``cpu_adam``) are built: a folder per virtualenv, torch version and CPU.
+``cpu_adam``) are built: a folder per virtualenv, torch version and CPU; ``deepspeed_builder``
+DeepSpeed's ``cpu_adam`` builder, its question about the CPU (a subprocess per call) answered once
+per machine and kept in that folder.
 """

@@ -48,7 +48,7 @@ from megatron_ext.stem.runtime import host_memory
 from megatron_ext.stem.runtime.direct_reads import DirectReads
 from megatron_ext.stem.runtime.tiers import TierGrads, TieredShard, layer_stack, split_grads
 from megatron_ext.stem.runtime.transfer import to_device
-from megatron_ext_kernels import row_adam_cpu, row_adam_gpu
+from megatron_ext_kernels import deepspeed_builder, row_adam_cpu, row_adam_gpu
 from megatron_ext_kernels._build_dir import build_environment
 
 logger = logging.getLogger(__name__)
@@ -74,10 +74,9 @@ DEEPSPEED_OPTIMIZER_ID = 1 << 20
 def deepspeed_op():
     """DeepSpeed's ``cpu_adam`` extension, or None if it cannot be loaded or built."""
     try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-
         with build_environment():  # a build folder per virtualenv and CPU (_build_dir.py)
-            op = CPUAdamBuilder().load(verbose=False)
+            # DeepSpeed's builder, its CPU flags asked once per machine (deepspeed_builder.py)
+            op = deepspeed_builder.builder().load(verbose=False)
         op.create_adam(DEEPSPEED_OPTIMIZER_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
         return op
     except Exception as exc:  # no compiler, no deepspeed: the torch kernel still works
