@@ -23,7 +23,7 @@ from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
 from megatron.training import get_args, training
 
-from megatron_ext.compat import seam
+from megatron_ext.compat import seam, sync_save
 from megatron_ext.compat.seam import Seam
 
 logger = logging.getLogger(__name__)
@@ -438,6 +438,8 @@ FIXES: Dict[str, Tuple[Seam, ...]] = {
              "bug of megatron-core 0.19.2: no --eval-interval is a TypeError; pretrain calls it "
              "by its module name, no hook")
         for name in ("get_train_valid_test_num_samples", "build_train_valid_test_data_loaders")),
+    # A synchronous torch_dist save's write results in a queue of the process (compat/sync_save.py)
+    "synchronous_save_results_in_process": sync_save.ROWS,
 }
 ROWS: Tuple[Seam, ...] = tuple(row for rows in FIXES.values() for row in rows)
 
