@@ -61,8 +61,8 @@ PATCH_CHECKS = {
         "seen.clear(); mtraining.initialize_megatron(); minit.initialize_megatron()\n"
         "assert seen == [{'allow_no_cuda': True}] * 2",
     "megatron.training.initialize._warmup_jit_function":
-        "s = torch.get_rng_state(); minit._warmup_jit_function()\n"
-        "assert torch.equal(s, torch.get_rng_state())",
+        "warmed.clear(); s = torch.get_rng_state(); minit._warmup_jit_function()\n"
+        "assert warmed == [] and torch.equal(s, torch.get_rng_state())",
     "torch.utils.data.DataLoader.__iter__":
         "s = torch.get_rng_state(); iter(torch.utils.data.DataLoader(range(4)))\n"
         "assert torch.equal(s, torch.get_rng_state())",
@@ -103,7 +103,8 @@ def test_every_listed_patch_is_in_effect():
         seen = []
         minit.initialize_megatron = mtraining.initialize_megatron = \\
             lambda *a, **k: seen.append(k)
-        minit._warmup_jit_function = lambda *a, **k: torch.rand(3)
+        warmed = []  # the stand-in warm-up's calls (each draws, as upstream's does)
+        minit._warmup_jit_function = lambda *a, **k: warmed.append(torch.rand(3))
         ORIGINAL = {{"gather": mappings._gather_along_first_dim,
                     "reduce_scatter": mappings._reduce_scatter_along_first_dim}}
         checks = {PATCH_CHECKS!r}

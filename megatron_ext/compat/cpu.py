@@ -15,9 +15,9 @@ Every patch is listed in :data:`PATCHES` with the reason it is needed. The appro
   model-parallel RNG tracker (``tensor_parallel.random``) forks the generator that CPU dropout
   actually uses.
 * A few Megatron functions are wrapped: ``initialize_megatron`` gets ``allow_no_cuda=True``,
-  the JIT warm-up leaves the generator as it found it, and so does a data loader's new iterator
-  (the "CUDA" generator is the CPU one here), and the MoE dispatcher's split sizes become host
-  lists for gloo's all-to-all.
+  the JIT warm-up is skipped (nothing it compiles is used before its first call), a data
+  loader's new iterator leaves the generator as it found it (the "CUDA" generator is the CPU one
+  here), and the MoE dispatcher's split sizes become host lists for gloo's all-to-all.
 """
 
 from __future__ import annotations
@@ -77,10 +77,14 @@ PATCHES: List[Patch] = [
           "they reach torch.cuda.default_generators through _lazy_call, which does not exist on CPU."),
     Patch("megatron.training.initialize.initialize_megatron(allow_no_cuda=True)",
           "pretrain() calls it without the flag and it asserts CUDA."),
-    Patch("megatron.training.initialize._warmup_jit_function keeps the generator state",
-          "its warm-up tensors are drawn from the 'CUDA' generator, i.e. the CPU one here, before "
-          "the model is built, and their sizes depend on the micro-batch size and TP: without "
-          "restoring the state the initial weights would depend on both (on a GPU they do not)."),
+    Patch("megatron.training.initialize._warmup_jit_function skipped",
+          "it compiles bias_swiglu (or bias_gelu) and bias_dropout_add with torch.compile before "
+          "training, ~1.7 s per process (2-4 s with two ranks on two cores): on the CPU the "
+          "SwiGLU fusion is off (CPU_DEFAULT_FLAGS), so that compile is never used, and "
+          "bias_dropout_add is compiled at its first call for the arguments the layers pass "
+          "(the warm-up's bias tensor is not what a model without linear biases passes). It "
+          "also drew its tensors from the 'CUDA' generator, the CPU one here, in sizes that "
+          "depend on the micro-batch size and TP (a wrapper restored the state before)."),
     Patch("torch.utils.data.DataLoader.__iter__ keeps the generator state",
           "a new iterator of a data loader without a generator of its own draws its workers' base "
           "seed from the CPU generator, which here is also dropout's ('CUDA') generator. "
@@ -343,15 +347,9 @@ def _patch_megatron() -> None:
     _set(minit, "initialize_megatron", initialize_megatron)
     _set(mtraining, "initialize_megatron", initialize_megatron)
 
-    original_warmup = minit._warmup_jit_function
-
-    @functools.wraps(original_warmup)
+    @functools.wraps(minit._warmup_jit_function)
     def warmup_jit_function(*args, **kwargs):
-        state = torch.get_rng_state()
-        try:
-            return original_warmup(*args, **kwargs)
-        finally:
-            torch.set_rng_state(state)
+        """Nothing to warm up on the CPU (``PATCHES``): the fusions compile at first use."""
 
     _set(minit, "_warmup_jit_function", warmup_jit_function)
 
