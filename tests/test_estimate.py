@@ -325,6 +325,9 @@ BUILT = {
     "structmoe_tp2_dp2_distopt": ["--preset", "structmoe_cpu", "--structmoe-backend", "reference",
                                   "--tensor-model-parallel-size", "2",
                                   "--use-distributed-optimizer"],
+    # D'_ff = 168 stored as 192: rank 1 of TP=2 holds 72 real columns and the 24 of padding.
+    "structmoe_padded_tp2": ["--preset", "structmoe_cpu", "--structmoe-backend", "reference",
+                             "--structmoe-ffn-pad-to", "64", "--tensor-model-parallel-size", "2"],
     "sigma_tp2sp_pp2_ep2": ["--preset", "sigma_cpu", "--tensor-model-parallel-size", "2",
                             "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                             "--expert-model-parallel-size", "2",
@@ -392,6 +395,10 @@ def test_estimate_matches_the_built_model(name, built):
     if name.startswith("structmoe"):
         h, L, rk, layers = 64, 4, 4, 4
         expected += (2 - 1) * layers * 6 * (h * L + 1 * rk * h)
+    if name == "structmoe_padded_tp2":
+        # The estimate counts the model's D'_ff (168) in FLOPs; the GEMMs run the stored 192
+        # columns: W1' and W2' (GELU: two matrices) and the selected expert's B (k = 1).
+        expected += 4 * 6 * (192 - 168) * (2 * 64 + 1 * 4)
     if "_sdpa_" in name:  # the counter has no formula for PyTorch's CPU flash kernel
         measured += 4 * 12 * 64 * 64  # the core's 12 s h per layer, stem_cpu's 4 layers
     assert measured == pytest.approx(expected, rel=1e-9)
