@@ -123,6 +123,10 @@ def test_the_device_fallbacks_are_in_place_without_apex_or_te():
         if module is clip_grads:
             assert clip_grads.l2_norm_impl.__qualname__.startswith("_l2_norm_without_host_reads")
         assert module.multi_tensor_scale_impl.__qualname__.startswith("_scale_in_few_launches")
+    # --log-params-norm's norm (megatron.training.utils.calc_params_l2_norm) too.
+    from megatron.training.utils import common_utils
+
+    assert common_utils.multi_tensor_l2norm.__qualname__.startswith("_l2_norm_without_host_reads")
 
 
 def test_gradient_norm_is_upstreams_bit_for_bit_and_reads_nothing_on_the_host():

@@ -22,6 +22,7 @@ from megatron.core.optimizer import clip_grads, distrib_optimizer
 from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
 from megatron.training import get_args, training
+from megatron.training.utils import common_utils as training_utils
 
 from megatron_ext.compat import seam, sync_save
 from megatron_ext.compat.seam import Seam
@@ -407,6 +408,12 @@ FIXES: Dict[str, Tuple[Seam, ...]] = {
              "gradient tensor in every gradient norm; get_grad_norm_fp32 reads the module "
              "global, no hook",
              applies=_upstream_fallback(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)),
+        Seam(training_utils, "multi_tensor_l2norm", _l2_norm_without_host_reads,
+             "the same fallback in --log-params-norm's norm (calc_params_l2_norm: a host read "
+             "per parameter tensor at every logged step); _compute_norm_2 reads the module "
+             "global, no hook",
+             applies=_upstream_fallback(training_utils, "multi_tensor_l2norm",
+                                        local_multi_tensor_l2_norm)),
         Seam(clip_grads, "multi_tensor_scale_impl", _scale_in_few_launches,
              "performance bug of the same fallback: two launches per tensor when gradients are "
              "clipped; module global, no hook",
