@@ -233,13 +233,15 @@ def saved_at_ep2(tmp_path, mcore_single_rank):
     (``_build_sharded_state_dict_metadata``), one per sharding type."""
     from megatron.core import dist_checkpointing
 
-    def save(sharding, no_save_optim=False):
-        root = tmp_path / (sharding or "no_dist_opt")
+    def save(sharding, no_save_optim=False, ep=2, etp=None):
+        root = tmp_path / f"{sharding or 'no_dist_opt'}_ep{ep}_etp{etp}"
         folder = root / "iter_0000004"
         folder.mkdir(parents=True)
-        saved_args = argparse.Namespace(expert_model_parallel_size=2,
+        saved_args = argparse.Namespace(expert_model_parallel_size=ep,
                                         use_distributed_optimizer=sharding is not None,
                                         no_save_optim=no_save_optim)
+        if etp is not None:
+            saved_args.expert_tensor_parallel_size = etp
         metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         if sharding:
             metadata["distrib_optim_sharding_type"] = sharding
@@ -278,6 +280,30 @@ def test_a_bucket_layout_state_at_another_expert_parallel_size_is_refused(
     with pytest.raises(ValueError) as error:
         check_expert_parallel_resume(args)
     assert str(error.value) == REFUSAL.format(load)
+
+
+def test_a_bucket_layout_state_at_another_expert_tensor_parallel_size_is_refused(saved_at_ep2):
+    """The expert-TP size splits the expert optimizer's buffers as EP does (Megatron's load of a
+    TP=2 checkpoint saved at expert-TP 2, resumed at expert-TP 1, raised the KeyError listing
+    every key); the line names what changed."""
+    from megatron_ext.training.preflight import check_expert_parallel_resume
+
+    load = saved_at_ep2("dp_reshardable", ep=1, etp=2)
+    args = parse(["--load", load, "--use-distributed-optimizer"], world_size=2)
+    with pytest.raises(ValueError) as error:
+        check_expert_parallel_resume(args)
+    assert str(error.value).startswith(
+        f"--load={load}: its distributed-optimizer state was saved at "
+        "--expert-tensor-parallel-size 2 in Megatron's bucket layout (dp_reshardable), which "
+        "--expert-tensor-parallel-size 1 cannot load; resume at --expert-tensor-parallel-size 2")
+    both = saved_at_ep2("dp_reshardable", ep=2, etp=2)
+    with pytest.raises(ValueError, match="saved at --expert-model-parallel-size 2 "
+                                         "--expert-tensor-parallel-size 2 in"):
+        check_expert_parallel_resume(parse(["--load", both, "--use-distributed-optimizer"],
+                                           world_size=2))
+    same = saved_at_ep2("dp_reshardable", ep=1, etp=1)
+    check_expert_parallel_resume(parse(["--load", same, "--use-distributed-optimizer"],
+                                       world_size=2))
 
 
 def test_a_checkpoint_saved_without_optimizer_state_is_not_refused(saved_at_ep2):

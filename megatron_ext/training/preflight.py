@@ -296,21 +296,30 @@ def check_expert_parallel_resume(args) -> None:
         return
     state = _saved_common_state(args)
     saved_args = (state or {}).get("args")
-    saved = getattr(saved_args, "expert_model_parallel_size", None)
-    if saved is None or saved == args.expert_model_parallel_size or \
-            getattr(saved_args, "no_save_optim", False):
+    # The expert-tensor-parallel size splits the expert optimizer's buffers too (Megatron's own
+    # check compares TP and PP only; a change of either of these failed with the KeyError).
+    def etp(a):  # unset: Megatron's validate_args makes it the TP size
+        return getattr(a, "expert_tensor_parallel_size", None) or \
+            getattr(a, "tensor_model_parallel_size", None)
+
+    changed = [(flag, size(saved_args), size(args)) for flag, size in (
+        ("--expert-model-parallel-size", lambda a: getattr(a, "expert_model_parallel_size", None)),
+        ("--expert-tensor-parallel-size", etp))]
+    changed = [(flag, then, now) for flag, then, now in changed
+               if then is not None and now is not None and then != now]
+    if not changed or getattr(saved_args, "no_save_optim", False):
         return
     sharding = (dist_checkpointing.load_content_metadata(preloaded_state_dict=state) or {}).get(
         "distrib_optim_sharding_type")
     if sharding is None or sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
         return
+    then = " ".join(f"{flag} {value}" for flag, value, _ in changed)
+    now = " ".join(f"{flag} {value}" for flag, _, value in changed)
     raise ValueError(
-        f"--load={args.load}: its distributed-optimizer state was saved at "
-        f"--expert-model-parallel-size {saved} in Megatron's bucket layout ({sharding}), which "
-        f"--expert-model-parallel-size {args.expert_model_parallel_size} cannot load; resume at "
-        f"--expert-model-parallel-size {saved}, or pass --no-load-optim (the weights load, "
-        "Adam's moments and step start afresh); saves with --dist-ckpt-optim-fully-reshardable "
-        "resume at any size")
+        f"--load={args.load}: its distributed-optimizer state was saved at {then} in Megatron's "
+        f"bucket layout ({sharding}), which {now} cannot load; resume at {then}, or pass "
+        "--no-load-optim (the weights load, Adam's moments and step start afresh); saves with "
+        "--dist-ckpt-optim-fully-reshardable resume at any size")
 
 
 def _saved_schedule(args) -> Optional[dict]:
