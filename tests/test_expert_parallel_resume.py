@@ -1,7 +1,7 @@
 """A checkpoint saved at one expert-parallel size resumes at another, optimizer state included
 (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``), or is refused
 before the model is built where it cannot (``training/preflight.py``,
-``check_expert_parallel_resume``: a distributed-optimizer state in Megatron's bucket layout).
+``check_bucket_layout_resume``: a distributed-optimizer state in Megatron's bucket layout).
 
 With expert parallelism Megatron builds a ChainedOptimizer of a dense and an expert optimizer,
 without it one optimizer. The trainings that resume EP=2 -> EP=1 and EP=1 -> EP=2 and continue
@@ -233,8 +233,8 @@ def saved_at_ep2(tmp_path, mcore_single_rank):
     (``_build_sharded_state_dict_metadata``), one per sharding type."""
     from megatron.core import dist_checkpointing
 
-    def save(sharding, no_save_optim=False, ep=2, etp=None):
-        root = tmp_path / f"{sharding or 'no_dist_opt'}_ep{ep}_etp{etp}"
+    def save(sharding, no_save_optim=False, ep=2, etp=None, tp=None):
+        root = tmp_path / f"{sharding or 'no_dist_opt'}_ep{ep}_etp{etp}_tp{tp}"
         folder = root / "iter_0000004"
         folder.mkdir(parents=True)
         saved_args = argparse.Namespace(expert_model_parallel_size=ep,
@@ -242,6 +242,8 @@ def saved_at_ep2(tmp_path, mcore_single_rank):
                                         no_save_optim=no_save_optim)
         if etp is not None:
             saved_args.expert_tensor_parallel_size = etp
+        if tp is not None:
+            saved_args.tensor_model_parallel_size = tp
         metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         if sharding:
             metadata["distrib_optim_sharding_type"] = sharding
@@ -270,15 +272,15 @@ REFUSAL = ("--load={}: its distributed-optimizer state was saved at --expert-mod
 ])
 def test_a_bucket_layout_state_at_another_expert_parallel_size_is_refused(
         saved_at_ep2, sharding, extra, refused):
-    from megatron_ext.training.preflight import check_expert_parallel_resume
+    from megatron_ext.training.preflight import check_bucket_layout_resume
 
     load = saved_at_ep2(sharding)
     args = parse(["--load", load, "--use-distributed-optimizer", *extra], world_size=2)
     if not refused:
-        check_expert_parallel_resume(args)
+        check_bucket_layout_resume(args)
         return
     with pytest.raises(ValueError) as error:
-        check_expert_parallel_resume(args)
+        check_bucket_layout_resume(args)
     assert str(error.value) == REFUSAL.format(load)
 
 
@@ -286,12 +288,14 @@ def test_a_bucket_layout_state_at_another_expert_tensor_parallel_size_is_refused
     """The expert-TP size splits the expert optimizer's buffers as EP does (Megatron's load of a
     TP=2 checkpoint saved at expert-TP 2, resumed at expert-TP 1, raised the KeyError listing
     every key); the line names what changed."""
-    from megatron_ext.training.preflight import check_expert_parallel_resume
+    from test_cli_errors import SIGMA
+
+    from megatron_ext.training.preflight import check_bucket_layout_resume
 
     load = saved_at_ep2("dp_reshardable", ep=1, etp=2)
-    args = parse(["--load", load, "--use-distributed-optimizer"], world_size=2)
+    args = parse(["--load", load, "--use-distributed-optimizer", *SIGMA], world_size=2)
     with pytest.raises(ValueError) as error:
-        check_expert_parallel_resume(args)
+        check_bucket_layout_resume(args)
     assert str(error.value).startswith(
         f"--load={load}: its distributed-optimizer state was saved at "
         "--expert-tensor-parallel-size 2 in Megatron's bucket layout (dp_reshardable), which "
@@ -299,18 +303,32 @@ def test_a_bucket_layout_state_at_another_expert_tensor_parallel_size_is_refused
     both = saved_at_ep2("dp_reshardable", ep=2, etp=2)
     with pytest.raises(ValueError, match="saved at --expert-model-parallel-size 2 "
                                          "--expert-tensor-parallel-size 2 in"):
-        check_expert_parallel_resume(parse(["--load", both, "--use-distributed-optimizer"],
-                                           world_size=2))
+        check_bucket_layout_resume(parse(["--load", both, "--use-distributed-optimizer",
+                                          *SIGMA], world_size=2))
     same = saved_at_ep2("dp_reshardable", ep=1, etp=1)
-    check_expert_parallel_resume(parse(["--load", same, "--use-distributed-optimizer"],
-                                       world_size=2))
+    check_bucket_layout_resume(parse(["--load", same, "--use-distributed-optimizer", *SIGMA],
+                                     world_size=2))
+
+
+def test_a_bucket_layout_state_at_another_tensor_parallel_size_is_refused(saved_at_ep2):
+    """Megatron refuses it too, but after building the model and with advice that does not help
+    (``--ckpt-fully-parallel-save``); a dense model's line says nothing of expert sizes."""
+    from megatron_ext.training.preflight import check_bucket_layout_resume
+
+    load = saved_at_ep2("dp_reshardable", ep=1, tp=2)
+    with pytest.raises(ValueError) as error:
+        check_bucket_layout_resume(parse(["--load", load, "--use-distributed-optimizer"],
+                                         world_size=2))
+    assert ("saved at --tensor-model-parallel-size 2 in Megatron's bucket layout "
+            "(dp_reshardable), which --tensor-model-parallel-size 1 cannot load") in str(error.value)
+
 
 
 def test_a_checkpoint_saved_without_optimizer_state_is_not_refused(saved_at_ep2):
-    from megatron_ext.training.preflight import check_expert_parallel_resume
+    from megatron_ext.training.preflight import check_bucket_layout_resume
 
     load = saved_at_ep2("dp_reshardable", no_save_optim=True)
-    check_expert_parallel_resume(parse(["--load", load, "--use-distributed-optimizer"],
+    check_bucket_layout_resume(parse(["--load", load, "--use-distributed-optimizer"],
                                        world_size=2))
 
 

@@ -39,7 +39,7 @@ from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
     check_async_save,
     check_data_paths,
-    check_expert_parallel_resume,
+    check_bucket_layout_resume,
     check_grouped_experts,
     check_layout,
     check_load_dir,
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
             print("megatron-ext: cross entropy: fused (--ext-cross-entropy fused; "
                   "megatron_ext_kernels/vocab_ce.py)", flush=True)
         check_schedule_resume(args)
-        check_expert_parallel_resume(args)
+        check_bucket_layout_resume(args)
         check_table_memory(args)  # before the model draws the tables' rows
     except ValueError as exc:
         refuse(str(exc))

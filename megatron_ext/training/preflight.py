@@ -284,26 +284,36 @@ def _number(text: str) -> str:
         return text
 
 
-def check_expert_parallel_resume(args) -> None:
-    """A resume at another ``--expert-model-parallel-size`` than the checkpoint's, whose
-    distributed-optimizer state was saved in Megatron's bucket layout (``dp_reshardable``, the
+def check_bucket_layout_resume(args) -> None:
+    """A resume whose model-parallel layout differs from the checkpoint's, of a
+    distributed-optimizer state saved in Megatron's bucket layout (``dp_reshardable``, the
     default without ``--dist-ckpt-optim-fully-reshardable``), refused before the model is built:
-    that layout follows the optimizer's buffers, which expert parallelism splits into a dense and
-    an expert optimizer (``chained_0.``/``chained_1.`` keys), so Megatron's load raised a
-    KeyError listing every key of the checkpoint. The other optimizer states resume at another
-    size (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``)."""
+    that layout follows the optimizer's buffers, which only a change of the data-parallel size
+    leaves loadable. Another expert-parallel or expert-TP size (the buffers split into a dense
+    and an expert optimizer, ``chained_0.``/``chained_1.`` keys) failed in Megatron's load with a
+    KeyError listing every key of the checkpoint; another TP or PP size with Megatron's
+    RuntimeError after the model was built, which advises ``--ckpt-fully-parallel-save`` (not
+    the flag that helps). The other optimizer states resume at another EP size
+    (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``)."""
     if not args.load or args.finetune or args.no_load_optim:
         return
     state = _saved_common_state(args)
     saved_args = (state or {}).get("args")
-    # The expert-tensor-parallel size splits the expert optimizer's buffers too (Megatron's own
-    # check compares TP and PP only; a change of either of these failed with the KeyError).
-    def etp(a):  # unset: Megatron's validate_args makes it the TP size
+    # Megatron's own check compares TP and PP, after the model is built; EP and expert-TP,
+    # which split the expert optimizer's buffers, it does not compare (the KeyError).
+    def etp(a):  # unset: Megatron's validate_args makes it the TP size; a model without experts
+        if not getattr(args, "num_experts", None):  # has none to split
+            return None
         return getattr(a, "expert_tensor_parallel_size", None) or \
             getattr(a, "tensor_model_parallel_size", None)
 
+    def named(name):
+        return lambda a: getattr(a, name, None)
+
     changed = [(flag, size(saved_args), size(args)) for flag, size in (
-        ("--expert-model-parallel-size", lambda a: getattr(a, "expert_model_parallel_size", None)),
+        ("--tensor-model-parallel-size", named("tensor_model_parallel_size")),
+        ("--pipeline-model-parallel-size", named("pipeline_model_parallel_size")),
+        ("--expert-model-parallel-size", named("expert_model_parallel_size")),
         ("--expert-tensor-parallel-size", etp))]
     changed = [(flag, then, now) for flag, then, now in changed
                if then is not None and now is not None and then != now]
