@@ -985,7 +985,8 @@ SESSION = [
     Call(["gpu_tests_first", "stem_mlp", "structmoe_step", "structmoe_step_16k"], 510,
          "issue 48 capabilities 1-2 (the SIGSEGV's file on the host it died on, the refusals "
          "with 16 threads, the CUDA tests new since); issue 50 capabilities 2-3 (StructMoE at "
-         "2048 and at 4 x 4096 tokens per step, STEM's MLP, each compiled side's speed)"),
+         "2048 and at 4 x 4096 tokens per step, with D'_ff as it is and stored aligned, STEM's MLP, "
+         "each compiled side's speed)"),
     Call(["sigma_step", "profile"], 330,
          "issue 50 capabilities 4 and 1 (Sigma's router and its compiled side; each family's "
          "profile: where the extra time goes)"),
