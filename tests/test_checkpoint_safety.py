@@ -303,6 +303,9 @@ STRUCTMOE = ["--model-family", "structmoe"]
      "--structmoe-fusion: additive in the checkpoint, glu in this run"),
     ("structmoe", STRUCTMOE, STRUCTMOE + ["--structmoe-rank", "8"],
      "--structmoe-rank: 16 in the checkpoint, 8 in this run; StructMoE D'_ff"),
+    # D'_ff = 16 at this shape (Eq. 8), stored as 128: the tensors' width differs.
+    ("structmoe", STRUCTMOE, STRUCTMOE + ["--structmoe-ffn-pad-to", "128"],
+     "StructMoE D'_ff as stored (--structmoe-ffn-pad-to): 16 in the checkpoint, 128 in this run"),
     ("stem", ["--model-family", "stem", "--stem-layers", "1,3"],
      ["--model-family", "stem", "--stem-ratio", "1/2", "--stem-variant", "dagger"],
      "--stem-variant: up in the checkpoint, dagger in this run"),
@@ -329,6 +332,8 @@ def test_a_resume_that_builds_another_model_is_refused(mcore_single_rank, tmp_pa
     (SIGMA, SIGMA + ["--sigma-lbl", "top1", "--sigma-lbl-coeff", "0.1"]),
     (STRUCTMOE, STRUCTMOE + ["--structmoe-backend", "reference", "--structmoe-init", "megatron",
                              "--structmoe-aux-loss-coeff", "0"]),
+    # A padding multiple that stores the same width (D'_ff = 16 is a multiple of 8).
+    (STRUCTMOE, STRUCTMOE + ["--structmoe-ffn-pad-to", "8"]),
     ([], ["--lr", "1e-2", "--seed", "7", "--hidden-dropout", "0.1"]),
 ])
 def test_settings_that_keep_the_model_stay_free(mcore_single_rank, tmp_path, saved, resumed):
