@@ -213,6 +213,27 @@ def saved_schedule(tmp_path, mcore_single_rank):
     return str(tmp_path / "ck")
 
 
+def test_the_resume_checks_read_the_checkpoint_once(saved_schedule, monkeypatch):
+    """The schedule and the optimizer layout checks at start-up share one read of the
+    checkpoint's common state (each read it before)."""
+    from megatron.training import global_vars
+
+    from megatron_ext.training import preflight
+
+    reads = []
+    read = preflight._saved_common_state
+    monkeypatch.setattr(preflight, "_saved_common_state",
+                        lambda args: reads.append(args.load) or read(args))
+    args = schedule_args(["--load", saved_schedule, "--train-iters", "3",
+                          "--use-distributed-optimizer"])
+    global_vars.set_args(args)
+    try:
+        preflight.check_resume(args)
+    finally:
+        global_vars.set_args(None)
+    assert reads == [saved_schedule]
+
+
 @pytest.mark.parametrize("extra,refused", [
     (["--train-iters", "6"], "warmup iterations: 2.4 in the checkpoint, 4.8 with these flags"),
     # the decay's length kept, the weight-decay ramp still follows --train-iters

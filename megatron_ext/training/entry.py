@@ -39,13 +39,12 @@ from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
     check_async_save,
     check_data_paths,
-    check_bucket_layout_resume,
     check_grouped_experts,
     check_layout,
     check_load_dir,
     check_required_flags,
+    check_resume,
     check_save_dir,
-    check_schedule_resume,
     check_table_memory,
 )
 from megatron_ext.training.presets import expand_argv
@@ -195,8 +194,7 @@ def main(argv=None) -> None:
         if cross_entropy.check_args(args) == "fused" and launch_rank() == 0:
             print("megatron-ext: cross entropy: fused (--ext-cross-entropy fused; "
                   "megatron_ext_kernels/vocab_ce.py)", flush=True)
-        check_schedule_resume(args)
-        check_bucket_layout_resume(args)
+        check_resume(args)  # the schedule and the optimizer's layout, one read of the state
         check_table_memory(args)  # before the model draws the tables' rows
     except ValueError as exc:
         refuse(str(exc))

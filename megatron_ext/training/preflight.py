@@ -2,7 +2,7 @@
 fail late or as tracebacks: the indexed datasets named by the data flags, the checkpoint
 directory, an asynchronous save that cannot run here, the parallel layout against the number of
 ranks, a resume whose learning-rate schedule differs from the checkpoint's, a resume at another
-expert-parallel size of a distributed-optimizer state that cannot follow it, and the memory the
+model-parallel layout of a distributed-optimizer state that cannot follow it, and the memory the
 managed STEM tables need against the memory available.
 
 A check raises ``ValueError`` with the one line to show; ``entry.py`` prints it through
@@ -233,7 +233,19 @@ _SCHEDULE_MISMATCH = re.compile(r"class input value (.*) and checkpoint ?value (
                                 r"not match")
 
 
-def check_schedule_resume(args) -> None:
+# ``common`` of the resume checks not given: they read the checkpoint's common state themselves.
+_UNREAD = object()
+
+
+def check_resume(args) -> None:
+    """The resume checks on the checkpoint's common state, read once for both
+    (:func:`check_schedule_resume`, :func:`check_bucket_layout_resume`)."""
+    common = _saved_common_state(args) if args.load else None
+    check_schedule_resume(args, common)
+    check_bucket_layout_resume(args, common)
+
+
+def check_schedule_resume(args, common=_UNREAD) -> None:
     """A resume whose learning-rate schedule (warm-up, decay, their lengths, the rates, weight
     decay) differs from the checkpoint's, refused before the model is built: Megatron asserts
     on it in ``OptimizerParamScheduler.load_state_dict`` after building the model, as a
@@ -250,7 +262,7 @@ def check_schedule_resume(args) -> None:
     if (not args.load or args.finetune or args.no_load_optim
             or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler):
         return
-    saved = _saved_schedule(args)
+    saved = _schedule_state(_common_state(args, common))
     if saved is None:
         return
     try:
@@ -284,7 +296,7 @@ def _number(text: str) -> str:
         return text
 
 
-def check_bucket_layout_resume(args) -> None:
+def check_bucket_layout_resume(args, common=_UNREAD) -> None:
     """A resume whose model-parallel layout differs from the checkpoint's, of a
     distributed-optimizer state saved in Megatron's bucket layout (``dp_reshardable``, the
     default without ``--dist-ckpt-optim-fully-reshardable``), refused before the model is built:
@@ -297,7 +309,7 @@ def check_bucket_layout_resume(args) -> None:
     (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``)."""
     if not args.load or args.finetune or args.no_load_optim:
         return
-    state = _saved_common_state(args)
+    state = _common_state(args, common)
     saved_args = (state or {}).get("args")
     # Megatron's own check compares TP and PP, after the model is built; EP and expert-TP,
     # which split the expert optimizer's buffers, it does not compare (the KeyError).
@@ -332,11 +344,15 @@ def check_bucket_layout_resume(args) -> None:
         "--dist-ckpt-optim-fully-reshardable resume at any size")
 
 
-def _saved_schedule(args) -> Optional[dict]:
-    """The scheduler state of the checkpoint ``--load`` (``--ckpt-step``) would resume, from a
-    torch_dist checkpoint's common state; None where there is none to compare (no checkpoint, a
-    release checkpoint, whose optimizer Megatron does not load, another format)."""
-    state = _saved_common_state(args)
+def _common_state(args, common):
+    """``common`` as a resume check was given it, else the checkpoint's, read now."""
+    return _saved_common_state(args) if common is _UNREAD else common
+
+
+def _schedule_state(state: Optional[dict]) -> Optional[dict]:
+    """The scheduler state in the common state of the checkpoint ``--load`` (``--ckpt-step``)
+    would resume; None where there is none to compare (no checkpoint, a release checkpoint,
+    whose optimizer Megatron does not load, another format)."""
     if state is None:
         return None
     return state.get("opt_param_scheduler", state.get("lr_scheduler"))
