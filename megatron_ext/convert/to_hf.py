@@ -344,16 +344,15 @@ class Plan:
         p = f"model.layers.{i}.mlp."
         s = width if stored is None else stored
         fc1 = self.layer(i, [f"{prefix}linear_fc1.weight"], (len(halves) * s, h))
+        name = f"decoder.layers.{i}.{prefix}linear_fc1"
         if len(halves) == 2:
-            fn = split_gated_fc1 if s == width else (
-                lambda t: tuple(unpadded(x, 0, width, f"decoder.layers.{i}.{prefix}linear_fc1")
-                                for x in split_gated_fc1(t)))
-            for j, name in enumerate(halves):
-                self.add(p + f"{name}.weight", (width, h),
-                         fc1 and self.split((i, prefix + "fc1"), fc1, fn, j))
+            def gate_up(t):  # each half without its padding (unpadded: as it is when none)
+                return tuple(unpadded(x, 0, width, name) for x in split_gated_fc1(t))
+            for j, half in enumerate(halves):
+                self.add(p + f"{half}.weight", (width, h),
+                         fc1 and self.split((i, prefix + "fc1"), fc1, gate_up, j))
         else:
-            self.add(p + f"{halves[0]}.weight", (width, h),
-                     self.unpad(fc1, 0, width, f"decoder.layers.{i}.{prefix}linear_fc1"))
+            self.add(p + f"{halves[0]}.weight", (width, h), self.unpad(fc1, 0, width, name))
 
     def down_proj(self, i: int, f: int, stored: Optional[int] = None) -> None:
         h = self.desc.hidden

@@ -85,11 +85,7 @@ class LayerBudget:
     base_matrices: int  # 2 for a plain activation, 3 for SwiGLU
     # D'_ff as stored (--structmoe-ffn-pad-to): the GEMMs' width; the columns past ``ffn`` are
     # zeros. Parameters and FLOPs above count the model's D'_ff.
-    storage_ffn: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.storage_ffn:
-            object.__setattr__(self, "storage_ffn", self.ffn)
+    storage_ffn: int
 
     @property
     def dense_params(self) -> int:
@@ -143,4 +139,4 @@ def layer_budget(cfg: StructMoEConfig, hidden: int, dense_ffn: int, gated: bool)
     else:
         ffn = dense_ffn
     return LayerBudget(hidden, dense_ffn, ffn, cfg.num_experts, cfg.rank, cfg.topk, m,
-                       storage_ffn=-(-ffn // cfg.ffn_pad_to) * cfg.ffn_pad_to)
+                       -(-ffn // cfg.ffn_pad_to) * cfg.ffn_pad_to)
