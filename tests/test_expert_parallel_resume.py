@@ -255,11 +255,13 @@ def saved_at_ep2(tmp_path, mcore_single_rank):
     return save
 
 
-REFUSAL = ("--load={}: its distributed-optimizer state was saved at --expert-model-parallel-size "
+REFUSAL = ("--load={0}: its distributed-optimizer state was saved at --expert-model-parallel-size "
            "2 in Megatron's bucket layout (dp_reshardable), which --expert-model-parallel-size 1 "
-           "cannot load; resume at --expert-model-parallel-size 2, or pass --no-load-optim (the "
-           "weights load, Adam's moments and step start afresh); saves with "
-           "--dist-ckpt-optim-fully-reshardable resume at any size")
+           "cannot load; to keep Adam's moments and step, re-save it in the fully reshardable "
+           "format with `python -m megatron_ext.tools.reshardable --load {0} --save "
+           "{0}_reshardable` and resume with --load {0}_reshardable; or resume at "
+           "--expert-model-parallel-size 2, or pass --no-load-optim (the weights load, Adam's "
+           "moments and step start afresh)")
 
 
 @pytest.mark.parametrize("sharding,extra,refused", [
@@ -299,7 +301,8 @@ def test_a_bucket_layout_state_at_another_expert_tensor_parallel_size_is_refused
     assert str(error.value).startswith(
         f"--load={load}: its distributed-optimizer state was saved at "
         "--expert-tensor-parallel-size 2 in Megatron's bucket layout (dp_reshardable), which "
-        "--expert-tensor-parallel-size 1 cannot load; resume at --expert-tensor-parallel-size 2")
+        "--expert-tensor-parallel-size 1 cannot load; to keep Adam's moments and step")
+    assert "; or resume at --expert-tensor-parallel-size 2, or pass" in str(error.value)
     both = saved_at_ep2("dp_reshardable", ep=2, etp=2)
     with pytest.raises(ValueError, match="saved at --expert-model-parallel-size 2 "
                                          "--expert-tensor-parallel-size 2 in"):

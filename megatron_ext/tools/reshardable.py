@@ -48,7 +48,7 @@ from megatron_ext.checkpoint_manifest import (MANIFEST, CheckpointError, read_tr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
-PROG = "python -m megatron_ext.tools.reshardable"
+PROG = "python -m megatron_ext.tools.reshardable"  # preflight.reshardable_command's words
 
 # What the conversion run does not take from the saved args, by reason (dest names).
 SKIPPED: Dict[str, str] = {}
@@ -368,18 +368,6 @@ def check_saved_args(common: dict, written_common: dict) -> List[str]:
 
 # ---------------------------------------------------------------------------------------------
 # the launch
-
-
-def command(load: str, save: str, step: Optional[int] = None) -> str:
-    """The command line of this tool for ``load`` and ``save`` (the start-up refusal names it)."""
-    words = [PROG, "--load", load, "--save", save]
-    if step is not None:
-        words += ["--ckpt-step", str(step)]
-    return " ".join(shlex.quote(w) if w != PROG else w for w in words)
-
-
-def suggested_save(load: str) -> str:
-    return os.path.normpath(load) + "_reshardable"
 
 
 def _say(line: str) -> None:

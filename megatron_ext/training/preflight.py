@@ -16,6 +16,7 @@ import copy
 import logging
 import os
 import re
+import shlex
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
@@ -306,7 +307,9 @@ def check_bucket_layout_resume(args, common=_UNREAD) -> None:
     KeyError listing every key of the checkpoint; another TP or PP size with Megatron's
     RuntimeError after the model was built, which advises ``--ckpt-fully-parallel-save`` (not
     the flag that helps). The other optimizer states resume at another EP size
-    (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``)."""
+    (``compat/upstream_fixes.py``, ``optimizer_state_across_expert_parallel_sizes``). The line
+    names the command that re-saves the checkpoint in the fully reshardable format at its own
+    layout (``tools/reshardable.py``), from which this layout resumes with Adam's state."""
     if not args.load or args.finetune or args.no_load_optim:
         return
     state = _common_state(args, common)
@@ -337,11 +340,26 @@ def check_bucket_layout_resume(args, common=_UNREAD) -> None:
         return
     then = " ".join(f"{flag} {value}" for flag, value, _ in changed)
     now = " ".join(f"{flag} {value}" for flag, _, value in changed)
+    converted = reshardable_save(args.load)
     raise ValueError(
         f"--load={args.load}: its distributed-optimizer state was saved at {then} in Megatron's "
-        f"bucket layout ({sharding}), which {now} cannot load; resume at {then}, or pass "
-        "--no-load-optim (the weights load, Adam's moments and step start afresh); saves with "
-        "--dist-ckpt-optim-fully-reshardable resume at any size")
+        f"bucket layout ({sharding}), which {now} cannot load; to keep Adam's moments and step, "
+        f"re-save it in the fully reshardable format with "
+        f"`{reshardable_command(args.load, converted, getattr(args, 'ckpt_step', None))}` "
+        f"and resume with --load {shlex.quote(converted)}; or resume at {then}, or pass "
+        "--no-load-optim (the weights load, Adam's moments and step start afresh)")
+
+
+def reshardable_save(load: str) -> str:
+    """Where the refusal above suggests writing ``load``'s fully reshardable copy."""
+    return os.path.normpath(load) + "_reshardable"
+
+
+def reshardable_command(load: str, save: str, step: Optional[int] = None) -> str:
+    """The command that re-saves ``load`` (iteration ``step``, else its latest) as ``save`` in
+    the fully reshardable format (``megatron_ext/tools/reshardable.py``)."""
+    words = ["--load", load, "--save", save] + (["--ckpt-step", str(step)] if step else [])
+    return "python -m megatron_ext.tools.reshardable " + " ".join(shlex.quote(w) for w in words)
 
 
 def _common_state(args, common):
