@@ -441,6 +441,20 @@ def _rows_cross_entropy(path: str) -> List[Row]:
                               f"runs){mem}")]
 
 
+def _rows_rope(path: str) -> List[Row]:
+    """``benchmarks/rope.py``: the fused RoPE over upstream's unfused one, the worse run's
+    ratio."""
+    s = _load(path)
+    err = s["max_error"]
+    return [Row("rope", f"fused RoPE over upstream's unfused, fwd+bwd of one layer's queries and "
+                f"keys, {s['seq']} x {s['micro_batch']} tokens, {s['heads']}/{s['groups']} "
+                f"heads of {s['head_dim']}, {s['dtype']}", max(s["ratio_runs"]), "x", None,
+                "lower", note=f"upstream {s['median_ms']['upstream']:.3f} ms, fused "
+                              f"{s['median_ms']['fused']:.3f} ms (medians of {s['repeats']} "
+                              f"runs); max error vs float64: upstream {err['upstream']:.3g}, "
+                              f"fused {err['fused']:.3g}")]
+
+
 def _rows_host_optimizer(path: str) -> List[Row]:
     s = _load(path)
     return [Row("host_optimizer", "sparse CPU AdamW over DeepSpeed dense CPU Adam, this host",
@@ -641,6 +655,8 @@ GPU_TESTS_FIRST = [
     # The fused cross entropy's Triton kernels compiled (2026-11-28; its TP=2 training runs on
     # the CPU only).
     "tests/test_vocab_ce.py::test_cuda_kernels_compile_and_give_upstreams_numbers",
+    # The fused RoPE's Triton kernel compiled, at dense_1b's attention (2026-11-28).
+    "tests/test_rope.py::test_cuda_kernel_compiles_and_gives_upstreams_numbers",
     # The torch grouped experts in bf16 (torch._grouped_mm on sm90) and --ext-adam-impl auto's
     # fused AdamW on the GPU (2026-11-28).
     "tests/test_grouped_experts.py::test_cuda_bf16_grouped_experts_match_sequential",
@@ -791,6 +807,13 @@ def plan() -> List[Step]:
              "4 x 4096 tokens, vocab 128256, bf16, fwd+bwd",
              [PY, "benchmarks/cross_entropy.py", "--json", f"{RES}/cross_entropy.json"],
              120, "cross_entropy.json", _rows_cross_entropy),
+        # Issue 51: the attention's RoPE without Transformer Engine, Megatron's unfused ops
+        # against the fused kernel (--ext-rope fused) at dense_1b's attention: its speed decides
+        # --ext-rope auto.
+        Step("rope", "the attention's RoPE: upstream's unfused ops vs the fused kernel, "
+             "dense_1b's queries and keys, 2 x 4096 tokens, bf16, fwd+bwd",
+             [PY, "benchmarks/rope.py", "--json", f"{RES}/rope.json"],
+             90, "rope.json", _rows_rope),
         # Issue 50, capability 5, the STEM tables in training, in pieces of four 1B trainings
         # (about 100 s each on an H100, 70 s on an H200): the six of one step took about 600 s,
         # past a device call's 10 minutes. Each ratio's baseline trains in the same piece
@@ -924,6 +947,9 @@ ESTIMATES = {
     # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), two
     # Triton compiles (about 5 s), 2 x 2 x 12 calls of about 5-50 ms.
     "cross_entropy": 30,
+    # Not yet timed on a GPU (guess): a start-up with torch and Megatron (about 15 s), one
+    # Triton compile each way (about 5 s), 2 x 2 x 23 calls of about 1-3 ms.
+    "rope": 25,
     # Not yet timed on a GPU (guess): sigma_step's 110 s less the experts' share of its steps.
     "sigma_step_grouped": 100,
     # Not yet timed on a GPU (guess): a start-up (about 15 s), two sets of 96 experts of

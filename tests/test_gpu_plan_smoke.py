@@ -68,6 +68,9 @@ TINY = {
                            "1"],
     # The kernels under Triton's interpreter (conftest sets it without CUDA), fp32.
     "cross_entropy": ["--tokens", "16", "--vocab", "64", "--reps", "1", "--warmup", "1"],
+    # The kernel under Triton's interpreter, fp32.
+    "rope": ["--seq", "8", "--heads", "4", "--groups", "2", "--head-dim", "8", "--reps", "1",
+             "--warmup", "1"],
     "host_optimizer": ["--vocab", "512", "--d-ff", "64", "--tokens", "256", "--reps", "2"],
     "host_gather": ["--shard-rows", "64", "--width", "40", "--rows", "20", "--reps", "2"],
     # The direct read under Triton's interpreter on the CPU (conftest sets it without CUDA).

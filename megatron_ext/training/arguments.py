@@ -22,6 +22,7 @@ from megatron_ext.models.registry import families, family_of, registered_familie
 from megatron_ext.models.specs import CORE_ATTENTION_CHOICES, te_available
 from megatron_ext.training.adam_impl import CHOICES as ADAM_CHOICES
 from megatron_ext.training.cross_entropy import CHOICES as CROSS_ENTROPY_CHOICES
+from megatron_ext.training.rope import CHOICES as ROPE_CHOICES
 
 
 def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,6 +62,12 @@ def add_extension_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "--cross-entropy-loss-fusion: fused (Triton: no fp32 copy of the "
                             "logits), upstream (Megatron's); auto: upstream's until a GPU run "
                             "has measured the fused one")
+
+    group.add_argument("--ext-rope", choices=ROPE_CHOICES, default="auto",
+                       help="the attention's rotary position embedding when Megatron's rope "
+                            "fusion is off (no Transformer Engine): fused (one Triton kernel "
+                            "each way), upstream (Megatron's unfused ops); auto: upstream's "
+                            "until a GPU run has measured the fused one")
 
     launch = parser.add_argument_group("megatron-ext launch")
     launch.add_argument("--preset", default=None,

@@ -24,7 +24,7 @@ from megatron_ext.flags import flag_value, has_flag
 from megatron_ext.models.family import FamilyRun
 from megatron_ext.models.registry import family_of, load_plugins
 from megatron_ext.models.specs import te_available, te_problem
-from megatron_ext.training import adam_impl, cross_entropy, profiler
+from megatron_ext.training import adam_impl, cross_entropy, profiler, rope
 from megatron_ext.training.arguments import (
     add_extension_args,
     check_family_args,
@@ -194,6 +194,9 @@ def main(argv=None) -> None:
         if cross_entropy.check_args(args) == "fused" and launch_rank() == 0:
             print("megatron-ext: cross entropy: fused (--ext-cross-entropy fused; "
                   "megatron_ext_kernels/vocab_ce.py)", flush=True)
+        if rope.check_args(args) == "fused" and launch_rank() == 0:
+            print("megatron-ext: rope: fused (--ext-rope fused; megatron_ext_kernels/rope.py)",
+                  flush=True)
         check_resume(args)  # the schedule and the optimizer's layout, one read of the state
         check_table_memory(args)  # before the model draws the tables' rows
     except ValueError as exc:

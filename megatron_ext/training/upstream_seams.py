@@ -29,12 +29,13 @@ from typing import Any, Callable, Iterable, List, Sequence, Tuple
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import gpt_checkpoint_interop
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training import training
 
 from megatron_ext.compat import seam, upstream_fixes
 from megatron_ext.compat.seam import Seam
-from megatron_ext.training import checkpoint_hooks, cross_entropy, family_hooks, log_hooks
+from megatron_ext.training import checkpoint_hooks, cross_entropy, family_hooks, log_hooks, rope
 
 
 def _training_log(upstream, run):
@@ -47,6 +48,10 @@ def _get_megatron_optimizer(upstream, run):
 
 def _cross_entropy(upstream, run):
     return cross_entropy.wrap(upstream)
+
+
+def _rope(upstream, run):
+    return rope.wrap(upstream)
 
 
 def _initialize_megatron(upstream, run):
@@ -72,6 +77,10 @@ HOOKS: Tuple[Seam, ...] = (
          "LanguageModule.compute_language_model_loss calls it by its package's name; no option "
          "for another loss kernel without Transformer Engine; --ext-cross-entropy's choice",
          per_run=True),
+    Seam(rope_utils, "_apply_rotary_pos_emb_bshd", _rope,
+         "apply_rotary_pos_emb calls it by its module's name when apply_rope_fusion is off (as "
+         "it must be without Transformer Engine); no option for another RoPE kernel; "
+         "--ext-rope's choice", per_run=True),
     Seam(training, "initialize_megatron", _initialize_megatron,
          "no hook between initialization and the first write into --save; --save's lock",
          per_run=True),
