@@ -463,6 +463,12 @@ launch_build_megatron_args() {
         # A restarted (requeued) job resumes from its own last checkpoint.
         : "${LAUNCH_LOAD:=$LAUNCH_SAVE}"
     fi
+    if [[ -n $LAUNCH_SAVE ]] || launch_extra_has --save; then
+        # SIGTERM (a scheduler's stop before its SIGKILL) makes Megatron save a checkpoint after
+        # the current iteration and exit; without it the work since the last --save-interval
+        # checkpoint is lost.
+        launch_add_default --exit-signal-handler
+    fi
     [[ -n $LAUNCH_LOAD ]] && MEGATRON_ARGS+=(--load "$LAUNCH_LOAD")
     launch_add_default --ckpt-format torch_dist
 
@@ -564,6 +570,14 @@ launch_run() {
         launch_quote "$@"
     } >>"$log"
     launch_note "console log: $log"
+    # A scheduler's stop (Slurm's time limit, scancel: SIGTERM to every process of the step) or
+    # Ctrl-C (SIGINT to the terminal's group) also reaches this shell and tee, not only torchrun,
+    # which hands it to the ranks (Megatron's --exit-signal-handler saves a checkpoint then).
+    # Dead at once, tee closed the pipe and the ranks' next line (the save's) killed them, and
+    # the script reported the signal instead of torchrun's status. So tee ignores these signals
+    # (it ends when the command closes its output) and this shell traps them (bash runs the trap
+    # after the foreground pipeline ends; the command gets the default handlers back).
+    trap : INT TERM HUP
     # pipefail (set by the scripts): the status is the command's, not tee's.
-    "$@" 2>&1 | tee -a "$log"
+    "$@" 2>&1 | (trap '' INT TERM HUP && exec tee -a "$log")
 }
