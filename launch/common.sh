@@ -411,6 +411,21 @@ launch_setup() {
     fi
 }
 
+# launch_check_rdzv_host SOURCE ENDPOINT: the rendezvous host of HOST:PORT resolves on this node.
+# torchrun retries an unknown host for a minute and more with a C++ stack per try, and a node whose
+# endpoint names another store than the others waits silently for torchrun's 600 s join timeout;
+# the first is a typo this catches. IP literals are left to torchrun.
+launch_check_rdzv_host() {
+    local source=$1 host=${2%:*}
+    host=${host#[}
+    host=${host%]}
+    [[ $host =~ ^[0-9.]+$ || $host == *:* ]] && return 0
+    command -v getent >/dev/null 2>&1 || return 0
+    getent hosts "$host" >/dev/null 2>&1 || launch_die "${source}: the rendezvous host '${host}'" \
+        "does not resolve on this node ($(hostname)): give the first node's name or address, the" \
+        "same on every node"
+}
+
 launch_add_default() {  # launch_add_default FLAG [VALUE]: added unless FLAG is after '--'
     launch_extra_has "$1" || MEGATRON_ARGS+=("$@")
 }

@@ -27,11 +27,14 @@ fi
 if [[ -n $LAUNCH_RDZV_ENDPOINT ]]; then
     ENDPOINT=$LAUNCH_RDZV_ENDPOINT
     [[ $ENDPOINT == *:* ]] || ENDPOINT="${ENDPOINT}:${LAUNCH_MASTER_PORT:-29500}"
+    HOST_SOURCE="option --rdzv-endpoint"
 else
     HOST=${LAUNCH_MASTER_ADDR:-${MASTER_ADDR:-}}
     [[ -n $HOST ]] || launch_die "option --master-addr is required: the first node's address," \
         "the same on every node (or --rdzv-endpoint HOST:PORT, or MASTER_ADDR)"
     ENDPOINT="${HOST}:${LAUNCH_MASTER_PORT:-${MASTER_PORT:-29500}}"
+    HOST_SOURCE="option --master-addr"
+    [[ -n $LAUNCH_MASTER_ADDR ]] || HOST_SOURCE="MASTER_ADDR (environment)"
 fi
 RDZV_ID=${LAUNCH_RDZV_ID:-${SLURM_JOB_ID:-megatron-ext}}
 NODE_NAME=${LAUNCH_NODE_RANK:-${SLURM_NODEID:-${NODE_RANK:-$(hostname -s)}}}
@@ -44,10 +47,14 @@ if ((LAUNCH_DRY_RUN)); then
     launch_run "" "${LAUNCH_CMD[@]}"
 fi
 
+((LAUNCH_PRINT_ONLY)) || launch_check_rdzv_host "$HOST_SOURCE" "$ENDPOINT"
 LOG_FILE=""
 if [[ -n $LAUNCH_LOG_DIR ]]; then
     LOG_FILE="${LAUNCH_LOG_DIR%/}/logs/$(launch_timestamp)_node${NODE_NAME}.log"
 fi
+((LAUNCH_PRINT_ONLY)) || launch_note "rendezvous ${ENDPOINT}, id ${RDZV_ID}: waiting for" \
+    "${LAUNCH_NODES} node(s); every node needs the same --nodes, endpoint and --rdzv-id" \
+    "(torchrun gives up after 600 s)"
 launch_run "$LOG_FILE" "$(launch_torchrun)" --nnodes="$LAUNCH_NODES" \
     --nproc-per-node="$LAUNCH_GPUS_PER_NODE" --rdzv-backend=c10d --rdzv-endpoint="$ENDPOINT" \
     --rdzv-id="$RDZV_ID" "$LAUNCH_ROOT/launch/pretrain.py" "${MEGATRON_ARGS[@]}"
