@@ -40,11 +40,12 @@ def kernels(module: str) -> ModuleType:
 
 def offline_build(fn, pointers: Mapping[str, str], ints: Sequence[str],
                   constexprs: Mapping[str, object], arch: int, options: Mapping[str, object],
-                  aligned: Sequence[str] = ()) -> Dict[str, int]:
+                  aligned: Sequence[str] = (), floats: Sequence[str] = ()) -> Dict[str, int]:
     """Compile the jitted ``fn`` for ``sm_<arch>`` without a GPU and return its shared memory and
     per-thread registers and local memory (register spills), read with the ``cuobjdump`` Triton
     ships. ``pointers``: argument -> element type (``"bf16"``, ``"i64"``, ...); ``ints``: i32
-    arguments; pointers and the ``aligned`` ints get the 16-divisibility a launch specialises
+    arguments, then ``floats`` fp32 ones (the signature in that order, as the kernel's
+    arguments); pointers and the ``aligned`` ints get the 16-divisibility a launch specialises
     them with. Needs a process whose Triton was imported without ``TRITON_INTERPRET=1``."""
     import triton
     from triton import knobs
@@ -54,7 +55,7 @@ def offline_build(fn, pointers: Mapping[str, str], ints: Sequence[str],
     if interpreted():
         raise RuntimeError("offline_build needs Triton's compiler: unset TRITON_INTERPRET")
     signature = {**{p: "*" + t for p, t in pointers.items()}, **{i: "i32" for i in ints},
-                 **{c: "constexpr" for c in constexprs}}
+                 **{f: "fp32" for f in floats}, **{c: "constexpr" for c in constexprs}}
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
              if a in pointers or a in aligned}

@@ -11,7 +11,7 @@ moved per layer forward and 0.25 GB backward, against 0.04 GB each way here; ove
 6 GB per sequence, 2-3 ms of HBM time, about 3% of that model's step at 40% MFU. Not yet measured
 on a GPU (``benchmarks/rope.py``).
 
-Here one Triton kernel (``_rope_triton.py``) reads each element and its rotation partner once,
+Here one Triton kernel (``_rope_triton.py``) reads each pair of features a rotation mixes once,
 computes ``x cos + R x sin`` in fp32 from fp32 ``cos``/``sin`` of the frequencies, and writes the
 result once, rounded to nearest; the backward is the same kernel applying the transpose,
 ``g cos + R^T (g sin)``. So in fp32 the numbers are upstream's up to the rounding of ``cos``/``sin``
@@ -31,7 +31,8 @@ import torch
 
 from megatron_ext_kernels._triton_runtime import available, kernels
 
-BLOCK_ELEMENTS = 4096  # rows x heads x features per program
+BLOCK_ELEMENTS = 1024  # rows x heads x rotated features per program
+NUM_WARPS = 4
 
 
 def _kernels():
@@ -51,6 +52,22 @@ def supports(t: torch.Tensor, freqs: torch.Tensor) -> bool:
             and t.device == freqs.device)
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _blocks(rows: int, heads: int, d: int, rot: int) -> tuple:
+    """Rows, heads and rotated pairs per program, and the copied features' block (0: none):
+    pairs and copied features padded to powers of two, then heads and rows as many as
+    ``BLOCK_ELEMENTS`` allow (about 8 elements a thread at 4 warps: the offline build of sm_80
+    and sm_90 holds them in registers without spilling, ``tests/test_rope.py``)."""
+    block_p = _pow2(rot // 2)
+    block_rest = _pow2(d - rot) if d > rot else 0
+    block_h = max(1, min(_pow2(heads), BLOCK_ELEMENTS // (2 * block_p)))
+    block_r = max(1, min(_pow2(rows), BLOCK_ELEMENTS // (2 * block_p * block_h)))
+    return block_r, block_h, block_p, block_rest
+
+
 def _apply(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float,
            backward: bool) -> torch.Tensor:
     if x.stride(-1) != 1:
@@ -59,20 +76,32 @@ def _apply(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: floa
         freqs = freqs.contiguous()
     s, b, heads, d = x.shape
     out = torch.empty((s, b, heads, d), dtype=x.dtype, device=x.device)
-    rows = s * b
-    block_d = 1 << max(0, (d - 1).bit_length())
-    block_h = max(1, min(1 << max(0, (heads - 1).bit_length()), BLOCK_ELEMENTS // block_d))
-    # Rows per program: as many as the block's elements allow (Triton's interpreter pays per
-    # program, a GPU wants a few thousand elements per program).
-    block_r = max(1, min(1 << max(0, (rows - 1).bit_length()),
-                         BLOCK_ELEMENTS // (block_d * block_h)))
+    rows, rot = s * b, freqs.shape[-1]
+    block_r, block_h, block_p, block_rest = _blocks(rows, heads, d, rot)
     stride_fb = freqs.stride(1) if freqs.shape[1] > 1 else 0
     grid = ((rows + block_r - 1) // block_r, (heads + block_h - 1) // block_h)
     _kernels().rope[grid](x, out, freqs, rows, b, heads, x.stride(0), x.stride(1), x.stride(2),
-                          freqs.stride(0), stride_fb, freqs.shape[-1], d, float(mscale),
-                          BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
-                          INTERLEAVED=bool(interleaved), BACKWARD=backward)
+                          freqs.stride(0), stride_fb, rot, d, float(mscale),
+                          BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p,
+                          BLOCK_REST=block_rest, INTERLEAVED=bool(interleaved),
+                          BACKWARD=backward, num_warps=NUM_WARPS)
     return out
+
+
+def offline_build(arch: int, dtype: str = "bf16", heads: int = 32, head_dim: int = 64,
+                  rot_dim: int = 64, rows: int = 8192, interleaved: bool = False,
+                  backward: bool = False) -> dict:
+    """The kernel compiled for ``sm_<arch>`` without a GPU with the blocks and warps a launch at
+    this shape uses: its registers, shared and local memory (``_triton_runtime.offline_build``)."""
+    from megatron_ext_kernels._triton_runtime import offline_build as build
+
+    block_r, block_h, block_p, block_rest = _blocks(rows, heads, head_dim, rot_dim)
+    return build(_kernels().rope, dict(x=dtype, out=dtype, freqs="fp32"),
+                 ("rows", "batch", "heads", "stride_xs", "stride_xb", "stride_xh", "stride_fs",
+                  "stride_fb", "rot_dim", "head_dim"),
+                 dict(BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_REST=block_rest,
+                      INTERLEAVED=interleaved, BACKWARD=backward),
+                 arch, dict(num_warps=NUM_WARPS), floats=("mscale",))
 
 
 class FusedRope(torch.autograd.Function):

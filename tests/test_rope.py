@@ -82,17 +82,19 @@ def test_fp32_forward_and_backward_are_upstreams(s, b, heads, d, rot, interleave
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_backward_is_the_transpose_for_any_frequencies(interleaved):
-    """Frequencies whose two copies of an angle differ (not Megatron's layout): the backward
-    still equals autograd through upstream's ops, so it applies the exact transpose rather than
-    a rotation by minus the angle."""
+def test_any_frequencies_forward_and_backward(interleaved):
+    """Frequencies whose two copies of an angle differ (not Megatron's layout): the forward
+    takes each feature's own angle as upstream does, and the backward still equals autograd
+    through upstream's ops, so it applies the exact transpose rather than a rotation by minus
+    the angle."""
     g = torch.Generator().manual_seed(1)
     t = torch.randn(4, 2, 3, 12, generator=g)
     grad = torch.randn(4, 2, 3, 12, generator=g)
     freqs = torch.rand(4, 1, 1, 12, generator=g) * 6
     up = _upstream()
-    _, g_up = _fwd_bwd(lambda x: up(x, freqs, rotary_interleaved=interleaved), t, grad)
-    _, gx = _fwd_bwd(rope.fused_rope, t, grad, freqs, interleaved, 1.0)
+    y_up, g_up = _fwd_bwd(lambda x: up(x, freqs, rotary_interleaved=interleaved), t, grad)
+    y, gx = _fwd_bwd(rope.fused_rope, t, grad, freqs, interleaved, 1.0)
+    torch.testing.assert_close(y, y_up, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gx, g_up, rtol=1e-6, atol=1e-6)
 
 
@@ -198,6 +200,33 @@ def test_the_seam_chooses_per_training_and_per_call(monkeypatch):
     monkeypatch.setattr(rope_choice, "get_args", lambda: fn_args)
     up(t, freqs)
     assert calls == [((4, 1, 1, 8), False)]
+
+
+def test_compiles_for_the_gpu_without_spills():
+    """The GPU build, checked offline (no device needed): forward and backward, bf16 and fp32,
+    halves, pairs and a half rotary dimension, at dense_1b's query and key shapes, compile for
+    A100 and H100 (sm_80, sm_90) with the blocks and warps a launch uses, in few registers. The
+    32 bytes of local memory are libdevice's ``sinf``/``cosf`` frame for arguments past 1e5
+    radians (none without them; RoPE's angles stay below the sequence length): more would be
+    spills. In a fresh process: this one's Triton may run the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from megatron_ext_kernels.rope import offline_build; "
+            "print(json.dumps([offline_build(a, t, heads=h, rot_dim=r, interleaved=i, "
+            "backward=w) for a in (80, 90) for t in ('bf16', 'fp32') for w in (False, True) "
+            "for h, r, i in [(32, 64, False), (8, 64, True), (8, 32, False)]]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(reports) == 24
+    for use in reports:
+        assert use["local"] <= 32, use
+        # Four programs of 4 warps per SM at least: loads of one overlap another's stores.
+        assert use["registers"] * 32 * rope.NUM_WARPS * 4 <= 65536, use
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
