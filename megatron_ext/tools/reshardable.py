@@ -42,17 +42,23 @@ import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.training.arguments import add_megatron_arguments, validate_args
 
 from megatron_ext.checkpoint_manifest import (MANIFEST, CheckpointError, read_tracker,
                                               resolve_checkpoint_dir)
+from megatron_ext.compat import cpu
+from megatron_ext.models.registry import load_plugins
+from megatron_ext.training.arguments import add_extension_args
+from megatron_ext.training.presets import expand_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
 PROG = "python -m megatron_ext.tools.reshardable"  # preflight.reshardable_command's words
 
 # What the conversion run does not take from the saved args, by reason (dest names).
-SKIPPED: Dict[str, str] = {}
-for _reason, _dests in {
+SKIPPED_BY_REASON = {
     # this tool sets them: the checkpoint, its iteration, Megatron's conversion path
     "set here": ("load", "save", "ckpt_step", "ckpt_convert_format", "ckpt_convert_save",
                  "dist_ckpt_optim_fully_reshardable", "use_distributed_optimizer",
@@ -73,8 +79,8 @@ for _reason, _dests in {
                        "bias_swiglu_fusion", "apply_rope_fusion", "transformer_impl"),
     # presets only add flags: every value is given explicitly
     "explicit": ("preset", "sigma_preset"),
-}.items():
-    SKIPPED.update(dict.fromkeys(_dests, _reason))
+}
+SKIPPED = frozenset(d for dests in SKIPPED_BY_REASON.values() for d in dests)
 
 HYBRID_DERIVED = ("num_layers", "mtp_num_layers")
 
@@ -83,11 +89,10 @@ DERIVED = ("encoder_num_layers", "encoder_seq_length", "start_weight_decay", "en
            "eval_micro_batch_size", "eval_global_batch_size", "kv_channels", "ffn_hidden_size",
            "moe_ffn_hidden_size", "expert_tensor_parallel_size", "bias_gelu_fusion",
            "align_param_gather", "overlap_p2p_comm", "dataloader_type", "async_strategy",
-           "inprocess_active_world_size", "tensor_parallel_num_weight_shards",
-           "expert_tensor_parallel_num_weight_shards", "main_grads_dtype", "main_params_dtype",
-           "exp_avg_dtype", "exp_avg_sq_dtype", "megatron_fsdp_main_params_dtype",
-           "mamba_inference_conv_states_dtype", "mamba_inference_ssm_states_dtype",
-           "inference_cuda_graph_scope", "padded_vocab_size", "lr_decay_iters")
+           "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards",
+           "main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+           "megatron_fsdp_main_params_dtype", "mamba_inference_conv_states_dtype",
+           "mamba_inference_ssm_states_dtype", "inference_cuda_graph_scope")
 
 # torch dtypes of the saved args, back to the words of their flags.
 _DTYPE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -120,8 +125,6 @@ class ReshardError(ValueError):
 def saved_state(load: str, step: Optional[int]) -> Tuple[str, int, dict]:
     """The folder of ``load``'s iteration (``step``, else the tracker's), the iteration and its
     common state (args, content metadata), read without loading a tensor."""
-    from megatron.core import dist_checkpointing
-
     try:
         folder, iteration = resolve_checkpoint_dir(load, step)
     except CheckpointError as exc:
@@ -145,7 +148,6 @@ def saved_state(load: str, step: Optional[int]) -> Tuple[str, int, dict]:
 
 
 def sharding_type(common: dict) -> Optional[str]:
-    from megatron.core import dist_checkpointing
 
     return (dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}).get(
         "distrib_optim_sharding_type")
@@ -173,8 +175,6 @@ def check_convertible(load: str, folder: str, common: dict) -> None:
         raise ReshardError(f"--load={load}: {folder} holds no optimizer state (--no-save-optim): "
                            "it resumes at any layout as it is")
     kind = sharding_type(common)
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     if kind is None or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats:
         raise ReshardError(f"--load={load}: {folder} holds its optimizer state in the "
                            f"{kind or 'model-space'} format already, which resumes at any "
@@ -188,11 +188,6 @@ def check_convertible(load: str, folder: str, common: dict) -> None:
 def parser_for(saved) -> argparse.ArgumentParser:
     """Megatron's parser with ours, the families of the run's ``--ext-plugin`` modules included
     (the parser the run had)."""
-    from megatron.training.arguments import add_megatron_arguments
-
-    from megatron_ext.models.registry import load_plugins
-    from megatron_ext.training.arguments import add_extension_args
-
     plugins = [a for m in (getattr(saved, "ext_plugin", None) or []) for a in ("--ext-plugin", m)]
     load_plugins(plugins)
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -224,14 +219,12 @@ def _words(value, action) -> Optional[List[str]]:
     return words
 
 
-def saved_flags(saved, parser: argparse.ArgumentParser) -> Tuple[Dict[str, List[str]],
-                                                                   List[str]]:
+def saved_flags(saved, parser: argparse.ArgumentParser) -> Dict[str, List[str]]:
     """Each flag whose saved value in ``saved`` differs from the parser's default, as its words
-    by dest, less ``SKIPPED``; and the dests whose saved value no flag gives back (a value
-    Megatron derived, e.g. ``None`` where the default is a word)."""
+    by dest, less ``SKIPPED``. A value no flag gives back (``None`` where the default is a word,
+    set by Megatron) is left out: :func:`training_flags` compares what Megatron derives now."""
     defaults = vars(parser.parse_args([]))
     by_dest: Dict[str, List[str]] = {}
-    unexpressed = set()
     for action in parser._actions:
         dest = action.dest
         if not action.option_strings or dest in SKIPPED or dest in by_dest \
@@ -243,36 +236,23 @@ def saved_flags(saved, parser: argparse.ArgumentParser) -> Tuple[Dict[str, List[
         flag = action.option_strings[0]
         kind = type(action).__name__
         if kind in ("_StoreTrueAction", "_StoreFalseAction", "_StoreConstAction"):
-            if _same(value, action.const):
+            if _same(value, action.const):  # else its opposite (--no-X of --X) may give it
                 by_dest[dest] = [flag]
-                unexpressed.discard(dest)
-            else:  # its opposite action (--no-X of --X) may give it
-                unexpressed.add(dest)
             continue
         if kind == "_AppendAction":
             words = [w for item in (value or []) for w in (_words(item, action) or [None])]
-            if None in words:
-                unexpressed.add(dest)
-            else:
+            if None not in words:
                 by_dest[dest] = [w for word in words for w in (flag, word)]
             continue
         words = _words(value, action) if kind == "_StoreAction" else None
-        if words is None:
-            unexpressed.add(dest)
-        else:
+        if words is not None:
             by_dest[dest] = [flag, *words]
-            unexpressed.discard(dest)
-    return by_dest, sorted(unexpressed - set(by_dest))
+    return by_dest
 
 
 def validated(parser: argparse.ArgumentParser, flags: Sequence[str], world: int):
     """``flags`` parsed and validated by Megatron's ``validate_args`` as a rank of ``world``
     would (its printing held back); a refusal of it as a :class:`ReshardError`."""
-    from megatron.training.arguments import validate_args
-
-    from megatron_ext.compat import cpu
-    from megatron_ext.training.presets import expand_argv
-
     argv = expand_argv(flags)  # the family's fixed flags where absent, as the entry adds them
     ns = parser.parse_args(argv)
     ns.rank, ns.world_size = 0, world
@@ -298,7 +278,7 @@ def training_flags(saved, extra: Sequence[str] = (),
     ``--encoder-num-layers`` with ``--num-layers``). Returns them and the args whose rebuilt value
     still differs from the saved one (``dest: saved -> rebuilt``)."""
     parser = parser or parser_for(saved)
-    by_dest, unexpressed = saved_flags(saved, parser)
+    by_dest = saved_flags(saved, parser)
     world = int(saved.world_size)
     # On the hybrid path the pattern gives the layer counts, which validate_args then refuses
     # beside it ("should not be set at the same time as hybrid_layer_pattern").
@@ -319,7 +299,6 @@ def training_flags(saved, extra: Sequence[str] = (),
               and not dest.startswith("_") and hasattr(ns, dest)
               and not _same(getattr(ns, dest), value)
               and not _same_words(value, getattr(ns, dest), _store(dest, parser))]
-    del unexpressed  # values Megatron derives: compared above with what it derives now
     return flags + list(extra), differ
 
 
