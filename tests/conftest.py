@@ -77,7 +77,7 @@ FILE_SECONDS = {
     "test_parallel_hybrid.py": 160, "test_gpu_plan_smoke.py": 160,
     "test_convert_to_hf_hybrid.py": 160, "test_estimate.py": 120, "test_parallel_stem.py": 110,
     "test_parallel_hybrid_sigma.py": 110, "test_parallel_structmoe.py": 100,
-    "test_convert_from_hf.py": 100, "test_checkpoint_safety.py": 90,
+    "test_convert_from_hf.py": 100, "test_reshardable.py": 110, "test_checkpoint_safety.py": 90,
     "test_parallel_hybrid_structmoe.py": 80, "test_scaling_harness.py": 80,
     "test_parallel_stem_tp_padding.py": 70, "test_compat.py": 70,
     "test_compiled_training.py": 60, "test_host_read_training.py": 60,
