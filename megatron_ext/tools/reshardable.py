@@ -453,6 +453,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
+        usage="%(prog)s --load A --save B [--ckpt-step N] [--device auto|cpu|gpu] [-- FLAGS...]",
         epilog="FLAGS after -- are added to the flags rebuilt from the checkpoint's args, and "
                "win (e.g. --data-path NEW, where the data moved).")
     p.add_argument("--load", required=True, help="the checkpoint directory (--save of its run)")
