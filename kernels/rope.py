@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext_kernels._triton_runtime import available, kernels
+from megatron_ext_kernels._triton_runtime import offline_build as _offline_build
 
 BLOCK_ELEMENTS = 1024  # rows x heads x rotated features per program
 NUM_WARPS = 4
@@ -93,15 +94,14 @@ def offline_build(arch: int, dtype: str = "bf16", heads: int = 32, head_dim: int
                   backward: bool = False) -> dict:
     """The kernel compiled for ``sm_<arch>`` without a GPU with the blocks and warps a launch at
     this shape uses: its registers, shared and local memory (``_triton_runtime.offline_build``)."""
-    from megatron_ext_kernels._triton_runtime import offline_build as build
-
     block_r, block_h, block_p, block_rest = _blocks(rows, heads, head_dim, rot_dim)
-    return build(_kernels().rope, dict(x=dtype, out=dtype, freqs="fp32"),
-                 ("rows", "batch", "heads", "stride_xs", "stride_xb", "stride_xh", "stride_fs",
-                  "stride_fb", "rot_dim", "head_dim"),
-                 dict(BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_REST=block_rest,
-                      INTERLEAVED=interleaved, BACKWARD=backward),
-                 arch, dict(num_warps=NUM_WARPS), floats=("mscale",))
+    return _offline_build(_kernels().rope, dict(x=dtype, out=dtype, freqs="fp32"),
+                          ("rows", "batch", "heads", "stride_xs", "stride_xb", "stride_xh",
+                           "stride_fs", "stride_fb", "rot_dim", "head_dim"),
+                          dict(BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p,
+                               BLOCK_REST=block_rest, INTERLEAVED=interleaved,
+                               BACKWARD=backward),
+                          arch, dict(num_warps=NUM_WARPS), floats=("mscale",))
 
 
 class FusedRope(torch.autograd.Function):
