@@ -16,7 +16,6 @@ shape.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_order, timed  # noqa: E402
+from benchmarks.common import run_order, timed, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -97,9 +96,7 @@ def main() -> None:
         extra = f", peak {peak[name]:.2f} GiB above the logits" if name in peak else ""
         print(f"  {name:8s}: {result['median_ms'][name]:8.3f} ms{extra}")
     print(f"  fused / upstream per run: {', '.join(f'{r:.3f}' for r in ratios)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ with a float64 rotation of the same inputs (``max_error``): the fused one rounds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_order, timed  # noqa: E402
+from benchmarks.common import run_order, timed, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -102,9 +101,7 @@ def main() -> None:
         print(f"  {name:8s}: {result['median_ms'][name]:8.3f} ms, max error vs float64 "
               f"{max_error[name]:.3g}")
     print(f"  fused / upstream per run: {', '.join(f'{r:.3f}' for r in ratios)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ PyTorch path of ``StemMLP`` (``stem_gate_reference``) is compared too.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_ext_kernels import stem_gate as sg
+from tests_helpers import offline_builds
 
 pytestmark = pytest.mark.skipif(not sg.available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -290,21 +289,12 @@ def test_stem_mlp_with_the_kernel_equals_the_pytorch_path(mcore_single_rank, var
 def test_compiles_for_the_gpu_without_spills():
     """The GPU build, checked offline (no device needed): every variant in bf16, and dagger in
     fp32 at a TP-split width, compile for A100 and H100 (sm_80, sm_90) with the launch options
-    ``stem_gate`` uses (the forward, the backward and its carry pass), without register spills. In a fresh process: this one's Triton may run
-    the interpreter."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from megatron_ext_kernels.stem_gate import offline_build; "
-            "print(json.dumps([offline_build(a, d, v, n) for a in (80, 90) for d, v, n in "
-            "[('bf16', 'up', 5632), ('bf16', 'gate', 5632), ('bf16', 'dagger', 5632), "
-            "('fp32', 'dagger', 704)]]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    ``stem_gate`` uses (the forward, the backward and its carry pass), without register
+    spills."""
+    reports = offline_builds(
+        "stem_gate", "[offline_build(a, d, v, n) for a in (80, 90) for d, v, n in "
+        "[('bf16', 'up', 5632), ('bf16', 'gate', 5632), ('bf16', 'dagger', 5632), "
+        "('fp32', 'dagger', 704)]]")
     assert len(reports) == 8
     for report in reports:
         for name, use in report.items():

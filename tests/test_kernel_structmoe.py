@@ -12,7 +12,6 @@ up to 0.7%; a wrong mask or score is off by tens of percent).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -30,6 +29,7 @@ from megatron_ext.structmoe.routed import (  # noqa: E402
     routed,
     triton_route_codes,
 )
+from tests_helpers import offline_builds  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_TOL = 2e-2
@@ -304,17 +304,9 @@ def test_compiles_for_the_gpu_without_spills():
     """The GPU build, checked offline (no device needed): forward and backward at the default
     L = r = 16 in bf16 (k = 2: both top-k loops) compile for A100 and H100 (sm_80, sm_90) with the
     wrapper's launch options, within one block's shared memory (163 / 227 KiB), without register
-    spills. In a fresh process: this one's Triton runs the interpreter."""
-    import json
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from megatron_ext_kernels.structmoe_routed import offline_build; "
-            "print(json.dumps({a: offline_build(a, 'bf16', 16, 16, 2) for a in (80, 90)}))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    spills."""
+    report = offline_builds("structmoe_routed",
+                            "{a: offline_build(a, 'bf16', 16, 16, 2) for a in (80, 90)}")
     for arch, limit in (("80", 163 * 1024), ("90", 227 * 1024)):
         for name, use in report[arch].items():
             assert use["shared"] <= limit, (arch, name, use)

@@ -17,8 +17,10 @@ from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_ext.compat import seam
 from megatron_ext.training import rope as rope_choice
+from megatron_ext.training import kernel_choice
 from megatron_ext_kernels import rope
 from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
+from tests_helpers import offline_builds
 
 pytestmark = pytest.mark.skipif(not rope.available(),
                                 reason="needs Triton (its interpreter on the CPU)")
@@ -164,7 +166,7 @@ def test_the_flag_refuses_in_one_line(monkeypatch):
             **{**vars(args), "position_embedding_type": "learned_absolute"}))
     with pytest.raises(ValueError, match=r"^--ext-rope best: choose one of auto, upstream, fused"):
         rope_choice.resolve("best")
-    monkeypatch.setattr(rope_choice, "available", lambda: False)
+    monkeypatch.setattr(kernel_choice, "available", lambda: False)
     with pytest.raises(ValueError, match=r"^--ext-rope fused needs Triton"):
         rope_choice.resolve("fused")
 
@@ -208,20 +210,11 @@ def test_compiles_for_the_gpu_without_spills():
     A100 and H100 (sm_80, sm_90) with the blocks and warps a launch uses, in few registers. The
     32 bytes of local memory are libdevice's ``sinf``/``cosf`` frame for arguments past 1e5
     radians (none without them; RoPE's angles stay below the sequence length): more would be
-    spills. In a fresh process: this one's Triton may run the interpreter."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from megatron_ext_kernels.rope import offline_build; "
-            "print(json.dumps([offline_build(a, t, heads=h, rot_dim=r, interleaved=i, "
-            "backward=w) for a in (80, 90) for t in ('bf16', 'fp32') for w in (False, True) "
-            "for h, r, i in [(32, 64, False), (8, 64, True), (8, 32, False)]]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    spills."""
+    reports = offline_builds(
+        "rope", "[offline_build(a, t, heads=h, rot_dim=r, interleaved=i, backward=w) "
+        "for a in (80, 90) for t in ('bf16', 'fp32') for w in (False, True) "
+        "for h, r, i in [(32, 64, False), (8, 64, True), (8, 32, False)]]")
     assert len(reports) == 24
     for use in reports:
         assert use["local"] <= 32, use

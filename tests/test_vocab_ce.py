@@ -16,6 +16,7 @@ import torch
 
 from megatron_ext_kernels import vocab_ce
 from megatron_ext.training import cross_entropy
+from megatron_ext.training import kernel_choice
 from multirank import TINY_GPT, Launches, assert_close_curves, require_ok
 
 pytestmark = pytest.mark.skipif(not vocab_ce.available(),
@@ -111,7 +112,7 @@ def test_refusals_name_the_flag(monkeypatch):
     assert cross_entropy.check_args(types.SimpleNamespace(ext_cross_entropy="auto")) == "upstream"
     with pytest.raises(ValueError, match="targets of torch.float32"):
         vocab_ce.fused_vocab_parallel_cross_entropy(torch.zeros(2, 1, 8), torch.zeros(2, 1))
-    monkeypatch.setattr(cross_entropy, "available", lambda: False)
+    monkeypatch.setattr(kernel_choice, "available", lambda: False)
     with pytest.raises(ValueError, match=r"^--ext-cross-entropy fused needs Triton"):
         cross_entropy.resolve("fused")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 
 import torch.nn.functional as F
@@ -19,6 +21,19 @@ def load_script(relpath: str, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def offline_builds(module: str, expression: str, timeout: int = 600):
+    """``expression`` (built from ``offline_build`` of ``megatron_ext_kernels.<module>``: the
+    kernels compiled for a GPU without one) evaluated in a fresh process without
+    ``TRITON_INTERPRET`` (this one's Triton may run the interpreter), its value through JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import json; from megatron_ext_kernels.{module} import offline_build; "
+            f"print(json.dumps({expression}))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def build_tiny_stem_mlp(variant: str = "up", hidden: int = 16, ffn: int = 24, vocab: int = 30,

@@ -19,21 +19,16 @@ from typing import Callable
 from megatron.core import parallel_state
 from megatron.training import get_args
 
+from megatron_ext.training import kernel_choice
 from megatron_ext_kernels import vocab_ce
-from megatron_ext_kernels._triton_runtime import available
 
-CHOICES = ("auto", "upstream", "fused")
+CHOICES = kernel_choice.CHOICES
 
 
 def resolve(choice: str) -> str:
     """``fused`` or ``upstream`` for the flag's value; a choice this machine cannot run, in one
     line."""
-    if choice not in CHOICES:
-        raise ValueError(f"--ext-cross-entropy {choice}: choose one of {', '.join(CHOICES)}")
-    if choice == "fused" and not available():
-        raise ValueError("--ext-cross-entropy fused needs Triton and a CUDA device (or "
-                         "TRITON_INTERPRET=1 on the CPU); use --ext-cross-entropy upstream")
-    return "fused" if choice == "fused" else "upstream"
+    return kernel_choice.resolve("--ext-cross-entropy", choice)
 
 
 def check_args(args) -> str:

@@ -18,21 +18,16 @@ from typing import Callable
 
 from megatron.training import get_args
 
+from megatron_ext.training import kernel_choice
 from megatron_ext_kernels import rope
-from megatron_ext_kernels._triton_runtime import available
 
-CHOICES = ("auto", "upstream", "fused")
+CHOICES = kernel_choice.CHOICES
 
 
 def resolve(choice: str) -> str:
     """``fused`` or ``upstream`` for the flag's value; a choice this machine cannot run, in one
     line."""
-    if choice not in CHOICES:
-        raise ValueError(f"--ext-rope {choice}: choose one of {', '.join(CHOICES)}")
-    if choice == "fused" and not available():
-        raise ValueError("--ext-rope fused needs Triton and a CUDA device (or TRITON_INTERPRET=1 "
-                         "on the CPU); use --ext-rope upstream")
-    return "fused" if choice == "fused" else "upstream"
+    return kernel_choice.resolve("--ext-rope", choice)
 
 
 def check_args(args) -> str:
