@@ -32,6 +32,7 @@ from megatron.training.utils import has_nvrx_checkpointing_async_support
 from megatron_ext.checkpoint_manifest import TRACKER
 from megatron_ext.checkpoint_state import unloadable_reason
 from megatron_ext.data_paths import data_args_list, dataset_prefixes, per_split_lists
+from megatron_ext.models import saved_settings
 from megatron_ext.models.grouped_experts import unsupported as grouped_experts_unsupported
 from megatron_ext.planning.estimate import LABELS, table_memory
 from megatron_ext.planning.layout import Layout, validate_layout
@@ -239,9 +240,19 @@ _UNREAD = object()
 
 
 def check_resume(args) -> None:
-    """The resume checks on the checkpoint's common state, read once for both
-    (:func:`check_schedule_resume`, :func:`check_bucket_layout_resume`)."""
+    """The resume checks on the checkpoint's common state, read once for all: the model's
+    settings every family has (``saved_settings.COMMON``: the family, widths, layers), then
+    :func:`check_schedule_resume`, :func:`check_bucket_layout_resume`. The model comes first:
+    another model's checkpoint was refused for its schedule, with advice to override it, and
+    for the model only once the model was built (the trainer's load check, which also runs the
+    family's own checks)."""
     common = _saved_common_state(args) if args.load else None
+    saved = (common or {}).get("args")
+    # Megatron saves a training's whole args; ones without a model width hold no model to
+    # compare (the family is then read as gpt's, Megatron's own).
+    if getattr(saved, "hidden_size", None) is not None:
+        saved_settings.check(args.load, getattr(args, "ckpt_step", None), args,
+                             saved_settings.COMMON, saved=saved)
     check_schedule_resume(args, common)
     check_bucket_layout_resume(args, common)
 
