@@ -5,14 +5,21 @@
 1. builds (or reuses) the offline corpus with ``megatron_ext.tools.data_prep``;
 2. trains the dense baseline (``--model-family gpt``) and STEM-1/3 (``--model-family stem
    --stem-ratio 1/3`` with the tables managed as recommended at scale: ``STEM_TABLES``) with
-   ``torchrun launch/pretrain.py``: same data, seed and hyperparameters, no checkpoints, each
-   with its own log file and tensorboard directory;
+   ``torchrun launch/pretrain.py``: same data, seed and hyperparameters, each with its own log
+   file, tensorboard directory and checkpoints (``RUN/ckpt``, every quarter of the run, each
+   with its checksum manifest; the last one kept);
 3. reads Megatron's tensorboard scalars (``lm loss``, ``iteration-time``, ``lm loss validation``)
    and prints a summary table (losses, tokens/s and step time beside dense's) with the analytic
    counts of ``megatron_ext.planning.model_shape``; writes
    ``summary.json`` and ``loss_curves.png`` into ``--out``.
 
 The preset (model shape and schedule) keeps the whole job under ten minutes on a 2-core CPU.
+
+The same command again resumes: a run whose settings are unchanged (``RUN/run.json``) and whose
+last checkpoint is its final iteration is not trained again (its logs are read); one stopped
+part-way (a crash, Ctrl-C) resumes from its last checkpoint; one whose settings changed trains
+from scratch. Step times leave out the first iterations after every start, so a resumed run's
+warm-up is not counted twice.
 
 ``--repeats R`` trains the pair R times, in the order dense, STEM, STEM, dense, dense, STEM, ...
 (so a drift of the machine's speed that is linear in time slows both alike), and reports the
@@ -61,6 +68,10 @@ RUNS = (
     ("stem-1/3", ["--model-family", "stem", "--stem-ratio", "1/3", *STEM_TABLES]),
 )
 ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.eE+-]+)")
+# A run's own record beside its logs: the flags it trained with, the iterations it (re)started
+# at, its wall time and whether it finished; what the next job compares to resume or skip it.
+RUN_RECORD = "run.json"
+CHECKPOINTS_PER_RUN = 4
 
 
 class JobError(RuntimeError):
@@ -91,9 +102,14 @@ def pretrain_command(nproc: int, flags: Sequence[str]) -> List[str]:
 
 
 def megatron_flags(iters: int, seed: int, data_args: Sequence[str], tensorboard_dir: str,
-                   cache_dir: str) -> List[str]:
+                   cache_dir: str, checkpoint_dir: Optional[str] = None) -> List[str]:
     m, t = MODEL, TRAIN
     eval_interval = max(1, math.ceil(iters / t["evaluations"]))
+    # --load is --save: a second job resumes a run stopped part-way (the entry point says that
+    # a first run starts from scratch). Megatron keeps checkpoint time out of the step time.
+    saving = [] if checkpoint_dir is None else [
+        "--save", checkpoint_dir, "--load", checkpoint_dir, "--ckpt-format", "torch_dist",
+        "--save-interval", str(max(1, math.ceil(iters / CHECKPOINTS_PER_RUN)))]
     return [
         "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
         "--ffn-hidden-size", str(m["ffn_hidden_size"]),
@@ -117,6 +133,7 @@ def megatron_flags(iters: int, seed: int, data_args: Sequence[str], tensorboard_
         "--distributed-backend", distributed_backend(), "--use-cpu-initialization",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
         "--no-bias-swiglu-fusion", "--no-rope-fusion",
+        *saving,
     ]
 
 
@@ -129,12 +146,13 @@ def distributed_backend() -> str:
 class Progress:
     """A tqdm bar on a terminal; one line per tenth of the run otherwise (logs, CI)."""
 
-    def __init__(self, name: str, total: int):
-        self.name, self.total, self.n, self.bar = name, total, 0, None
+    def __init__(self, name: str, total: int, start: int = 0):
+        self.name, self.total, self.n, self.bar = name, total, start, None
         if sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=f"{name:>9}", unit="it", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=start, desc=f"{name:>9}", unit="it",
+                            dynamic_ncols=True)
         self.every = max(1, total // 10)
 
     def update(self, iteration: int, loss: float) -> None:
@@ -150,13 +168,14 @@ class Progress:
             self.bar.close()
 
 
-def run_training(name: str, cmd: List[str], log_path: str, iters: int) -> float:
-    """Run one torchrun job, streaming its output to ``log_path`` and showing progress."""
+def run_training(name: str, cmd: List[str], log_path: str, iters: int, first: int = 0) -> float:
+    """Run one torchrun job, streaming its output to ``log_path`` (appended to: a resumed run's
+    log keeps the earlier attempts) and showing progress from iteration ``first``."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     start = time.perf_counter()
-    progress = Progress(name, iters)
-    with open(log_path, "w") as logf:
+    progress = Progress(name, iters, first)
+    with open(log_path, "a") as logf:
         logf.write("$ " + " ".join(cmd) + "\n")
         logf.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -180,7 +199,7 @@ def run_training(name: str, cmd: List[str], log_path: str, iters: int) -> float:
             tail = "".join(f.readlines()[-25:])
         raise JobError(f"run {name!r} failed with exit code {rc} after {wall:.0f}s; last lines "
                        f"of {log_path}:\n{tail}")
-    if progress.n == 0:
+    if progress.n <= first:
         raise JobError(f"run {name!r} finished but logged no training iteration; see {log_path}")
     return wall
 
@@ -200,7 +219,10 @@ def parameters_from_log(log_path: str) -> Optional[int]:
 
 
 def run_metrics(name: str, scalars: Dict[str, List[Tuple[int, float]]], iters: int,
-                tokens_per_iter: int) -> Dict[str, object]:
+                tokens_per_iter: int, starts: Sequence[int] = (0,)) -> Dict[str, object]:
+    """The run's numbers from its tensorboard scalars; ``starts``: the iterations each of its
+    launches began at (0, then those it resumed from), whose first iterations (warm-up) are
+    left out of the step times."""
     loss = scalars.get("lm loss", [])
     if len(loss) < iters:
         raise JobError(f"run {name!r}: tensorboard holds {len(loss)} of {iters} training losses")
@@ -211,8 +233,9 @@ def run_metrics(name: str, scalars: Dict[str, List[Tuple[int, float]]], iters: i
     # falls on the last iteration when the interval divides it: average what it logged there.
     last_step = max(step for step, _ in valid)
     final_valid = [v for step, v in valid if step == last_step]
+    skip = TRAIN["timing_skip_iters"]
     times = [v for step, v in scalars.get("iteration-time", [])
-             if step > TRAIN["timing_skip_iters"]]
+             if not any(start < step <= start + skip for start in starts)]
     if not times:
         raise JobError(f"run {name!r}: no iteration-time in tensorboard")
     k = TRAIN["last_iters_for_loss"]
@@ -228,6 +251,59 @@ def run_metrics(name: str, scalars: Dict[str, List[Tuple[int, float]]], iters: i
         "seconds_per_iter_median": statistics.median(times),
         "tokens_per_s": tokens_per_iter / mean_time,
     }
+
+
+def checkpoint_iteration(checkpoint_dir: str) -> Optional[int]:
+    """The iteration of the last complete checkpoint in ``checkpoint_dir`` (the tracker Megatron
+    writes after a whole save), or None."""
+    from megatron_ext.checkpoint_manifest import read_tracker
+
+    text = read_tracker(checkpoint_dir) if os.path.isdir(checkpoint_dir) else None
+    return int(text) if text and text.isdigit() else None
+
+
+def read_record(run_dir: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(run_dir, RUN_RECORD)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def plan_run(run_dir: str, flags: Sequence[str], iters: int) -> Tuple[str, dict]:
+    """What a job does with the run in ``run_dir``, and the run's record: ``"done"`` (trained to
+    ``iters`` with these flags: its logs are read), ``"resume"`` (stopped part-way with these
+    flags: from its last checkpoint) or ``"fresh"`` (none, or other flags: the folder is
+    emptied; a line says why)."""
+    record = read_record(run_dir)
+    done = checkpoint_iteration(os.path.join(run_dir, "ckpt"))
+    if record is not None and record.get("flags") == list(flags) and done is not None:
+        # Its final checkpoint is written after its last logged iteration: done, even where the
+        # launch failed after it.
+        return ("done" if done >= iters else "resume"), record
+    if os.path.isdir(run_dir) and os.listdir(run_dir):
+        why = ("its settings changed" if record is not None and record.get("flags") != list(flags)
+               else "no checkpoint of its settings there")
+        log(f"{os.path.basename(run_dir)}: training from scratch ({why}); removing its old "
+            "logs and checkpoints")
+        shutil.rmtree(run_dir)
+    return "fresh", {"flags": list(flags), "starts": [], "wall_s": 0.0, "complete": False}
+
+
+def write_record(run_dir: str, record: dict) -> None:
+    write_json(os.path.join(run_dir, RUN_RECORD), record)
+
+
+def drop_older_checkpoints(checkpoint_dir: str) -> None:
+    """Remove the iteration folders before the tracker's (the run is finished: only its last
+    checkpoint is of use, to resume or convert)."""
+    last = checkpoint_iteration(checkpoint_dir)
+    if last is None:
+        return
+    for name in os.listdir(checkpoint_dir):
+        m = re.fullmatch(r"iter_(\d+)", name)
+        if m and int(m.group(1)) < last:
+            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
 
 
 def run_order(repeats: int) -> List[Tuple[int, str, List[str]]]:
@@ -452,17 +528,34 @@ def main(argv=None) -> int:
         results = per_repeat[repeat]
         run_dir = os.path.join(out, run_dir_name(name, repeat))
         tb_dir = os.path.join(run_dir, "tensorboard")
-        shutil.rmtree(tb_dir, ignore_errors=True)  # old event files would mix into the curves
+        ckpt_dir = os.path.join(run_dir, "ckpt")
+        flags = [*megatron_flags(args.iters, args.seed, data_args, tb_dir,
+                                 os.path.join(out, "cache"), ckpt_dir), *family_args]
+        state, record = plan_run(run_dir, flags, args.iters)
         os.makedirs(run_dir, exist_ok=True)
-        cmd = pretrain_command(args.nproc, [
-            *megatron_flags(args.iters, args.seed, data_args, tb_dir, os.path.join(out, "cache")),
-            *family_args])
         log_path = os.path.join(run_dir, "train.log")
         of = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
-        log(f"training {name}{of} for {args.iters} iterations ({tokens_per_iter} tokens "
-            f"each), log: {log_path}")
-        wall = run_training(name, cmd, log_path, args.iters)
-        metrics = run_metrics(name, read_tensorboard_scalars(tb_dir), args.iters, tokens_per_iter)
+        if state == "done":
+            log(f"{name}{of}: trained already with these settings (checkpoint of iteration "
+                f"{args.iters} in {ckpt_dir}): reading its logs")
+        else:
+            first = (checkpoint_iteration(ckpt_dir) or 0) if state == "resume" else 0
+            if state == "resume":
+                log(f"resuming {name}{of} from its checkpoint of iteration {first} "
+                    f"({ckpt_dir}), log: {log_path}")
+            else:
+                log(f"training {name}{of} for {args.iters} iterations ({tokens_per_iter} tokens "
+                    f"each), log: {log_path}")
+            record["starts"].append(first)
+            write_record(run_dir, record)
+            record["wall_s"] += run_training(name, pretrain_command(args.nproc, flags), log_path,
+                                             args.iters, first)
+            record["complete"] = True
+            write_record(run_dir, record)
+            drop_older_checkpoints(ckpt_dir)
+        wall = record["wall_s"]
+        metrics = run_metrics(name, read_tensorboard_scalars(tb_dir), args.iters, tokens_per_iter,
+                              record["starts"])
         analytic = model_shape.summary(shapes[name])
         megatron_params = parameters_from_log(log_path)
         # Managed STEM tables are not Megatron parameters (stem/runtime/tables.py): its count omits them.
@@ -471,7 +564,7 @@ def main(argv=None) -> int:
         if megatron_params is not None and megatron_params != expected:
             log(f"WARNING: {name}: Megatron reports {megatron_params:,} parameters, the analytic "
                 f"count is {expected:,}")
-        results[name] = {**metrics, **analytic, "wall_s": wall,
+        results[name] = {**metrics, **analytic, "wall_s": wall, "starts": record["starts"],
                          "megatron_reported_params": megatron_params,
                          "total_train_flops": analytic["train_flops_per_token"] * tokens_per_iter
                          * args.iters}
