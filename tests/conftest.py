@@ -86,7 +86,7 @@ FILE_SECONDS = {
     "test_gpu_evidence.py": 40, "test_launch_scripts.py": 40, "test_convert_plan.py": 40,
     "test_adam_impl.py": 35, "test_vocab_ce.py": 25,
     "test_row_kernel_refusal_training.py": 30, "test_stem_worker_gil.py": 20,
-    "test_expert_parallel_resume.py": 12,
+    "test_expert_parallel_resume.py": 12, "test_fsdp.py": 90,
 }
 
 

@@ -217,9 +217,10 @@ def test_cpu_defaults_fill_only_what_the_user_left_out(monkeypatch):
     argv, added = cpu.default_flags(["--num-layers", "2", "--distributed-backend=nccl",
                                      "--no-rope-fusion"])
     assert added == ["--use-cpu-initialization", "--no-gradient-accumulation-fusion",
-                     "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion"]
+                     "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+                     "--no-gradient-reduce-div-fusion"]
     assert argv == ["--num-layers", "2", "--distributed-backend=nccl", "--no-rope-fusion", *added]
     _, added = cpu.default_flags([])
-    assert added[:2] == ["--distributed-backend", "gloo"] and len(added) == 7
+    assert added[:2] == ["--distributed-backend", "gloo"] and len(added) == 8
     monkeypatch.setattr(cpu, "_INSTALLED", False)
     assert cpu.default_flags(["--seed", "1"]) == (["--seed", "1"], [])

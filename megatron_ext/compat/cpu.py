@@ -393,6 +393,11 @@ CPU_DEFAULT_FLAGS = [
     ("--no-masked-softmax-fusion", None, ("--no-masked-softmax-fusion",)),
     ("--no-bias-swiglu-fusion", None, ("--no-bias-swiglu-fusion",)),
     ("--no-rope-fusion", None, ("--no-rope-fusion",)),
+    # Megatron-FSDP divides gradients inside the reduction with NCCL's PREMUL_SUM, which gloo
+    # refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); without the fusion it scales the
+    # gradients, then sums (megatron_fsdp/param_and_grad_buffer.py gradient_reduce_preprocessing,
+    # the path bf16 gradients take on a GPU too). DDP does not read the flag.
+    ("--no-gradient-reduce-div-fusion", None, ("--no-gradient-reduce-div-fusion",)),
 ]
 
 

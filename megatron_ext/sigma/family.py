@@ -18,7 +18,6 @@ import sys
 from typing import Optional
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
-from megatron.core.utils import unwrap_model
 
 from megatron_ext.models import hybrid_specs, saved_settings
 from megatron_ext.models.family import Family, FamilyRun
@@ -218,13 +217,13 @@ class SigmaRun(FamilyRun):
     def before_forward(self, model) -> None:
         """Progressive sparsification: every layer's top-k for this step (a function of the
         step)."""
-        apply_schedule(self.layers[unwrap_model(model)], self.sigma, self.args.curr_iteration,
+        apply_schedule(self.layers[inner_model(model)], self.sigma, self.args.curr_iteration,
                        self.args.train_iters)
 
     def at_iteration(self, chunks, iteration: Optional[int]) -> None:
         """A checkpoint of ``iteration`` loaded for evaluation: the top-k of that step."""
         for m in chunks:
-            apply_schedule(self.layers[unwrap_model(m)], self.sigma, iteration,
+            apply_schedule(self.layers[inner_model(m)], self.sigma, iteration,
                            self.args.train_iters)
 
     def close(self) -> None:
@@ -232,6 +231,15 @@ class SigmaRun(FamilyRun):
         dropped (``layer.release_layers``) and the layers let go."""
         release_layers([layer for layers in self.layers.values() for layer in layers])
         self.layers.clear()
+
+
+def inner_model(model):
+    """The model inside Megatron's wrappers (DDP, Float16Module, and Megatron-FSDP's two levels:
+    ``FullyShardedDataParallel`` holds a ``MegatronFSDP``, which holds the model, where
+    ``megatron.core.utils.unwrap_model`` stops at the ``MegatronFSDP``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def hf_mlp_layers(args, iteration, gated: bool, refuse) -> list:

@@ -39,6 +39,7 @@ from megatron_ext.training.model_provider import model_provider
 from megatron_ext.training.preflight import (
     check_async_save,
     check_data_paths,
+    check_fully_sharded,
     check_grouped_experts,
     check_layout,
     check_load_dir,
@@ -140,8 +141,12 @@ def main(argv=None) -> None:
     exit_with_launcher()
 
     # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
-    # scripts export it. A value set by the user wins.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # scripts export it. A value set by the user wins. Not with Megatron-FSDP, which refuses 1
+    # (it overlaps its all-gathers and reduce-scatters with compute on several queues) and
+    # only warns with TP/CP.
+    requested = sys.argv[1:] if argv is None else list(argv)
+    if "--use-megatron-fsdp" not in requested:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     cpu.install()
     upstream_fixes.install()
@@ -189,6 +194,7 @@ def main(argv=None) -> None:
             print(f"megatron-ext: {note}", flush=True)
         check_save_dir(args.save, launch_rank())
         check_async_save(args, cpu_backend=cpu.is_installed())
+        check_fully_sharded(args, cpu_backend=cpu.is_installed())
         check_grouped_experts(args)
         adam_impl.check_args(args)
         if cross_entropy.check_args(args) == "fused" and launch_rank() == 0:

@@ -196,6 +196,58 @@ def check_async_save(args, cpu_backend: bool, nvrx_available=None) -> None:
                              "--async-strategy mcore (Megatron's own asynchronous writer)")
 
 
+def check_fully_sharded(args, cpu_backend: bool) -> None:
+    """Sharded data parallelism (``--use-megatron-fsdp``, ``--use-torch-fsdp2``) refused at
+    start-up where it would fail or train differently from DDP (measured on 2-4 CPU ranks,
+    megatron-core 0.19.2; docs/scaling.md, "Megatron-FSDP"):
+
+    * ``--use-torch-fsdp2`` on the CPU backend: torch's ``fully_shard`` expects every parameter
+      on ``cuda:0`` and stops when the model is wrapped;
+    * ``--use-megatron-fsdp`` with ``--save``/``--load``: its ``fsdp_dtensor`` save does not
+      complete (with ``--swiglu`` ``handle_swiglu_in_state_dict`` looks up
+      ``module.module.<name>`` and fails at the first checkpoint; without it the ranks waited on
+      each other in ``preprocess_state_dict_for_uneven_dtensor``);
+    * ``--use-megatron-fsdp`` with experts whose data-parallel group is one rank while the
+      dense parameters have several, and more than one micro-batch per step: such an expert
+      gradient buffer is not sharded, so Megatron-FSDP reduces it in place every micro-batch
+      and its division by the data-parallel size (``gradient_reduce_preprocessing``) lands on
+      the gradients already accumulated: micro-batch ``i`` of ``n`` ends up scaled by
+      ``DP**-(n-i+1)`` instead of ``1/DP`` (Sigma at EP=2 on 2 ranks, 4 micro-batches: each
+      expert's squared gradient norm up to 98% below DDP's, the loss 7e-5 off by step 6)."""
+    if getattr(args, "use_torch_fsdp2", False) and cpu_backend:
+        raise ValueError("--use-torch-fsdp2 needs CUDA: torch's fully_shard expects every "
+                         "parameter on cuda:0; on the CPU backend shard with "
+                         "--use-megatron-fsdp --ckpt-format fsdp_dtensor, or drop the flag")
+    if not getattr(args, "use_megatron_fsdp", False):
+        return
+    for flag, path in (("--save", args.save), ("--load", args.load)):
+        if path:
+            raise ValueError(
+                f"--use-megatron-fsdp with {flag} {path}: megatron-core 0.19.2's fsdp_dtensor "
+                "checkpoints do not complete here (with --swiglu its save fails at the first "
+                "checkpoint, without it the ranks wait on each other); train runs that save "
+                "with --use-distributed-optimizer and torch_dist instead, or drop --save/--load")
+    if not args.num_experts or getattr(args, "calculate_per_token_loss", False):
+        return
+    pp = args.pipeline_model_parallel_size
+    expert_dp = args.world_size // (pp * args.expert_model_parallel_size *
+                                    (args.expert_tensor_parallel_size or 1))
+    dp = args.data_parallel_size * args.context_parallel_size
+    micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if expert_dp == 1 and dp > 1 and micro_batches > 1:
+        family = getattr(args, "model_family", None)
+        raise ValueError(
+            f"--use-megatron-fsdp with --expert-model-parallel-size "
+            f"{args.expert_model_parallel_size}"
+            + (f" (--model-family {family})" if family else "")
+            + f" leaves each expert one data-parallel rank while DP={dp} accumulates "
+            f"{micro_batches} micro-batches per step: Megatron-FSDP divides the expert "
+            "gradients it has accumulated by DP again at every micro-batch; use one "
+            f"micro-batch per step (--global-batch-size "
+            f"{args.micro_batch_size * args.data_parallel_size}), an expert parallelism that "
+            "leaves the experts several data-parallel ranks, or DDP (drop --use-megatron-fsdp)")
+
+
 def check_grouped_experts(args) -> None:
     """``--moe-grouped-gemm`` on the local backend builds the torch grouped experts
     (``models/grouped_experts.py``): what they do not support (FP8, expert biases, delayed
