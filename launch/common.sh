@@ -320,8 +320,12 @@ launch_env_defaults() {
         return 0
     fi
     # One hardware work queue: TP/SP communication kernels are issued before the GEMMs they
-    # overlap with, which Megatron requires for TP/SP communication overlap.
-    : "${CUDA_DEVICE_MAX_CONNECTIONS:=1}"
+    # overlap with, which Megatron requires for TP/SP communication overlap. Not with
+    # Megatron-FSDP, which refuses 1 (its all-gathers and reduce-scatters overlap compute on
+    # several queues): left unset, as the entry point leaves it then.
+    if ! launch_extra_has --use-megatron-fsdp; then
+        : "${CUDA_DEVICE_MAX_CONNECTIONS:=1}"
+    fi
     # A failed or timed-out collective ends the process without aborting the communicator (which
     # can itself hang), so torchrun/srun end the job instead of waiting for the wall-clock
     # limit. 3 is the default of the torch we pin; set so that other versions behave alike.

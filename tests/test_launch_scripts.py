@@ -97,6 +97,18 @@ def test_help_needs_no_preset(script):
     assert proc.returncode == 0 and "--preset NAME" in proc.stdout and "--print-only" in proc.stdout
 
 
+def test_megatron_fsdp_leaves_the_device_connections_unset():
+    """Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, the scripts' default for TP/SP
+    overlap: with --use-megatron-fsdp among the flags they leave it unset (the entry point then
+    leaves it unset too)."""
+    proc = run_script("single_node.sh", "--preset", "dense_1b", *GPU_H100, "--mock-data",
+                      "--print-only", "--", "--use-megatron-fsdp")
+    p = Printed(proc)
+    assert count(p.megatron, "--use-megatron-fsdp") == 1
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in p.env
+    assert p.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
 def test_single_node_print_only(tmp_path):
     logs = tmp_path / "logs"
     proc = run_script("single_node.sh", "--preset", "stem_1b", *GPU_H100, "--tp", "2", "--pp", "2",

@@ -140,14 +140,6 @@ def exit_with_launcher() -> None:
 def main(argv=None) -> None:
     exit_with_launcher()
 
-    # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
-    # scripts export it. A value set by the user wins. Not with Megatron-FSDP, which refuses 1
-    # (it overlaps its all-gathers and reduce-scatters with compute on several queues) and
-    # only warns with TP/CP.
-    requested = sys.argv[1:] if argv is None else list(argv)
-    if "--use-megatron-fsdp" not in requested:
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-
     cpu.install()
     upstream_fixes.install()
     if argv is not None:
@@ -159,6 +151,13 @@ def main(argv=None) -> None:
         expanded = expand_argv(raw_argv)
     except ValueError as exc:
         refuse(str(exc))
+    # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
+    # scripts export it. A value set by the user wins. Not with Megatron-FSDP, which refuses 1
+    # (it overlaps its all-gathers and reduce-scatters with compute on several queues) and
+    # only warns with TP/CP. Read from the flags with the preset's (nothing before this point
+    # creates a CUDA context, where the driver reads the variable).
+    if "--use-megatron-fsdp" not in expanded:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if "--dry-run" in expanded:
         # Numbers only: no process group, no model (megatron_ext/training/dry_run.py). Megatron's
         # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
