@@ -36,6 +36,21 @@ def offline_builds(module: str, expression: str, timeout: int = 600):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def refusal(check, args):
+    """The text of the ``ValueError`` ``check(args)`` raises with ``args`` as Megatron's global
+    arguments (set for the call, cleared after), or ``None`` when it passes."""
+    from megatron.training import global_vars
+
+    global_vars.set_args(args)
+    try:
+        check(args)
+    except ValueError as error:
+        return str(error)
+    finally:
+        global_vars.set_args(None)
+    return None
+
+
 def build_tiny_stem_mlp(variant: str = "up", hidden: int = 16, ffn: int = 24, vocab: int = 30,
                         init: str = "fan-in", **config_overrides):
     """A ``StemMLP`` with Megatron-Core's local linear layers (needs the parallel state)."""
