@@ -9,6 +9,8 @@ default: gloo has no PREMUL_SUM)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from types import SimpleNamespace
 
@@ -123,3 +125,24 @@ def test_torch_fsdp2_is_refused_on_the_cpu_backend_only():
     args = fsdp_args(use_megatron_fsdp=False, use_torch_fsdp2=True)
     assert refusal(args).startswith("--use-torch-fsdp2 needs CUDA")
     check_fully_sharded(args, cpu_backend=False)
+
+
+def test_device_connections_are_left_unset_for_megatron_fsdp_even_from_a_preset(monkeypatch,
+                                                                               tmp_path):
+    """The entry point sets CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's requirement for TP/CP)
+    unless the flags, a preset's included, ask for Megatron-FSDP, which refuses 1; a value the
+    user set wins either way."""
+    from megatron_ext.training.entry import set_device_connections
+    from megatron_ext.training.presets import expand_argv
+
+    preset = tmp_path / "fsdp.json"
+    preset.write_text(json.dumps({"flags": {"model-family": "gpt", "use-megatron-fsdp": True}}))
+    for flags, want in ((["--model-family", "gpt"], "1"),
+                        (expand_argv(["--preset", str(preset)]), None),
+                        (["--use-megatron-fsdp"], None)):
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        set_device_connections(flags)
+        assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == want, flags
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    set_device_connections(["--model-family", "gpt"])
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"

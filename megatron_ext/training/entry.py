@@ -11,6 +11,7 @@ import signal
 import sys
 import traceback
 from functools import partial
+from typing import List
 
 import megatron.training
 from megatron.core.enums import ModelType
@@ -137,6 +138,15 @@ def exit_with_launcher() -> None:
         raise SystemExit("megatron-ext: the launcher of this process is gone; exiting")
 
 
+def set_device_connections(flags: List[str]) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set: Megatron requires it for TP/CP (kernel
+    ordering of TP communication) and its own launch scripts export it. Not with Megatron-FSDP
+    among ``flags`` (a preset's expanded), which refuses 1 (it overlaps its all-gathers and
+    reduce-scatters with compute on several queues) and only warns with TP/CP."""
+    if "--use-megatron-fsdp" not in flags:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 def main(argv=None) -> None:
     exit_with_launcher()
 
@@ -151,13 +161,8 @@ def main(argv=None) -> None:
         expanded = expand_argv(raw_argv)
     except ValueError as exc:
         refuse(str(exc))
-    # Megatron requires it for TP/CP (kernel ordering of TP communication); its own launch
-    # scripts export it. A value set by the user wins. Not with Megatron-FSDP, which refuses 1
-    # (it overlaps its all-gathers and reduce-scatters with compute on several queues) and
-    # only warns with TP/CP. Read from the flags with the preset's (nothing before this point
-    # creates a CUDA context, where the driver reads the variable).
-    if "--use-megatron-fsdp" not in expanded:
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Nothing before this point creates a CUDA context, where the driver reads the variable.
+    set_device_connections(expanded)
     if "--dry-run" in expanded:
         # Numbers only: no process group, no model (megatron_ext/training/dry_run.py). Megatron's
         # default backend (Transformer Engine) is kept: the estimate is for the cluster's run.
