@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from test_start_refusals import schedule_args
+from test_start_refusals import schedule_args, scheduler_state
 from tests_helpers import refusal
 
 
@@ -19,16 +19,9 @@ def saved_stem(tmp_path, mcore_single_rank):
     of TINY_GPT's shape and the scheduler of ``--train-iters 3`` (what Megatron's save writes
     there; no tensor is needed by the checks)."""
     from megatron.core import dist_checkpointing
-    from megatron.training import global_vars
-
-    from megatron_ext.training.preflight import _schedule
 
     args = schedule_args(["--train-iters", "3"])
-    global_vars.set_args(args)
-    try:
-        state = _schedule(args).state_dict()
-    finally:
-        global_vars.set_args(None)
+    state = scheduler_state(args)
     saved = copy.deepcopy(args)
     saved.model_family = "stem"
     folder = tmp_path / "ck" / "iter_0000003"

@@ -191,22 +191,29 @@ def schedule_args(extra):
     return args
 
 
+def scheduler_state(args) -> dict:
+    """The state dict of the learning-rate scheduler ``args`` build (upstream's, as a save
+    writes it), with ``args`` as Megatron's global arguments for the call."""
+    from megatron.training import global_vars
+
+    from megatron_ext.training.preflight import _schedule
+
+    global_vars.set_args(args)
+    try:
+        return _schedule(args).state_dict()
+    finally:
+        global_vars.set_args(None)
+
+
 @pytest.fixture
 def saved_schedule(tmp_path, mcore_single_rank):
     """A torch_dist checkpoint at iteration 3 whose common state holds the scheduler state of
     TINY_GPT with ``--lr-warmup-fraction 0.1 --train-iters 3`` (upstream's scheduler, saved by
     upstream's dist_checkpointing as its save_checkpoint does)."""
     from megatron.core import dist_checkpointing
-    from megatron.training import global_vars
-
-    from megatron_ext.training.preflight import _schedule
 
     args = schedule_args(["--train-iters", "3"])
-    global_vars.set_args(args)
-    try:
-        state = _schedule(args).state_dict()
-    finally:
-        global_vars.set_args(None)
+    state = scheduler_state(args)
     folder = tmp_path / "ck" / "iter_0000003"
     folder.mkdir(parents=True)
     dist_checkpointing.save({"opt_param_scheduler": state, "iteration": 3}, str(folder))
