@@ -88,7 +88,7 @@ def test_the_refusals_command_converts_the_checkpoint(runs, name):
     assert lines[-1].startswith(f"reshardable: wrote {load}_reshardable (iteration 4, optimizer "
                                 "state fully_reshardable)")
     folder, iteration, common = reshardable.saved_state(load + "_reshardable", None)
-    assert (iteration, reshardable.sharding_type(common)) == (4, "fully_reshardable")
+    assert (iteration, reshardable.optimizer_sharding(common)) == (4, "fully_reshardable")
     assert read_manifest(folder) is not None and verify(folder) is not None
     assert os.listdir(os.path.dirname(load)).count(os.path.basename(load) + "_reshardable") == 1
     assert not [f for f in os.listdir(os.path.dirname(load)) if "reshardable." in f]  # no leftovers

@@ -51,11 +51,11 @@ from megatron_ext.checkpoint_manifest import (MANIFEST, CheckpointError, read_tr
 from megatron_ext.compat import cpu
 from megatron_ext.models.registry import load_plugins
 from megatron_ext.training.arguments import add_extension_args
+from megatron_ext.training.preflight import RESHARDABLE_TOOL, optimizer_sharding
 from megatron_ext.training.presets import expand_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "launch", "pretrain.py")
-PROG = "python -m megatron_ext.tools.reshardable"  # preflight.reshardable_command's words
 
 # What the conversion run does not take from the saved args, by reason (dest names).
 SKIPPED_BY_REASON = {
@@ -147,12 +147,6 @@ def saved_state(load: str, step: Optional[int]) -> Tuple[str, int, dict]:
     return folder, iteration, common
 
 
-def sharding_type(common: dict) -> Optional[str]:
-
-    return (dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}).get(
-        "distrib_optim_sharding_type")
-
-
 def layout(saved) -> str:
     """The saved model-parallel layout, as flags."""
     etp = getattr(saved, "expert_tensor_parallel_size", None)
@@ -165,7 +159,9 @@ def layout(saved) -> str:
     return " ".join(f"{flag} {value}" for flag, value in parts)
 
 
-def check_convertible(load: str, folder: str, common: dict) -> None:
+def check_convertible(load: str, folder: str, common: dict) -> str:
+    """The sharding type of the optimizer state to convert (Megatron's bucket layout), or the
+    reason there is nothing to convert."""
     saved = common["args"]
     if not getattr(saved, "use_distributed_optimizer", False):
         raise ReshardError(f"--load={load}: {folder} was saved without "
@@ -174,11 +170,12 @@ def check_convertible(load: str, folder: str, common: dict) -> None:
     if getattr(saved, "no_save_optim", False):
         raise ReshardError(f"--load={load}: {folder} holds no optimizer state (--no-save-optim): "
                            "it resumes at any layout as it is")
-    kind = sharding_type(common)
+    kind = optimizer_sharding(common)
     if kind is None or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats:
         raise ReshardError(f"--load={load}: {folder} holds its optimizer state in the "
                            f"{kind or 'model-space'} format already, which resumes at any "
                            "layout: resume from it as it is")
+    return kind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +365,7 @@ def convert(load: str, save: str, step: Optional[int] = None, device: str = "aut
     """Write ``save`` from ``load``'s iteration (``step``, else its latest) in the fully
     reshardable format; returns the folder written."""
     folder, iteration, common = saved_state(load, step)
-    check_convertible(load, folder, common)
+    kind = check_convertible(load, folder, common)
     saved = common["args"]
     if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
         raise ReshardError(f"--save={save}: exists and is not empty; name a new directory "
@@ -377,7 +374,6 @@ def convert(load: str, save: str, step: Optional[int] = None, device: str = "aut
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise ReshardError(f"--save={save}: {parent} is not a writable directory")
     world = int(saved.world_size)
-    kind = sharding_type(common)
     _say(f"{folder}: iteration {iteration}, saved by {world} ranks at {layout(saved)} in "
          f"Megatron's bucket layout ({kind})")
     flags, differ = training_flags(saved, extra)
@@ -414,9 +410,10 @@ def convert(load: str, save: str, step: Optional[int] = None, device: str = "aut
             raise ReshardError(f"the conversion run ended without saving iteration {iteration} "
                                f"(log: {log_path})")
         new_folder, _, new_common = saved_state(written, iteration)
-        if sharding_type(new_common) != "fully_reshardable":
-            raise ReshardError(f"the conversion run saved the {sharding_type(new_common)} format, "
-                               f"not fully_reshardable (log: {log_path})")
+        written_kind = optimizer_sharding(new_common)
+        if written_kind != "fully_reshardable":
+            raise ReshardError(f"the conversion run saved the {written_kind} format, not "
+                               f"fully_reshardable (log: {log_path})")
         if not os.path.exists(os.path.join(new_folder, MANIFEST)):
             raise ReshardError(f"the conversion run wrote no checksum manifest (log: {log_path})")
         differ = check_saved_args(common, new_common)
@@ -452,7 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0],
+        prog=RESHARDABLE_TOOL, description=__doc__.split("\n\n")[0],
         usage="%(prog)s --load A --save B [--ckpt-step N] [--device auto|cpu|gpu] [-- FLAGS...]",
         epilog="FLAGS after -- are added to the flags rebuilt from the checkpoint's args, and "
                "win (e.g. --data-path NEW, where the data moved).")

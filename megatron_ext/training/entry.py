@@ -143,7 +143,7 @@ def set_device_connections(flags: List[str]) -> None:
     ordering of TP communication) and its own launch scripts export it. Not with Megatron-FSDP
     among ``flags`` (a preset's expanded), which refuses 1 (it overlaps its all-gathers and
     reduce-scatters with compute on several queues) and only warns with TP/CP."""
-    if "--use-megatron-fsdp" not in flags:
+    if not has_flag(flags, "--use-megatron-fsdp"):
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 

@@ -397,8 +397,7 @@ def check_bucket_layout_resume(args, common=_UNREAD) -> None:
                if then is not None and now is not None and then != now]
     if not changed or getattr(saved_args, "no_save_optim", False):
         return
-    sharding = (dist_checkpointing.load_content_metadata(preloaded_state_dict=state) or {}).get(
-        "distrib_optim_sharding_type")
+    sharding = optimizer_sharding(state)
     if sharding is None or sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
         return
     then = " ".join(f"{flag} {value}" for flag, value, _ in changed)
@@ -413,6 +412,17 @@ def check_bucket_layout_resume(args, common=_UNREAD) -> None:
         "--no-load-optim (the weights load, Adam's moments and step start afresh)")
 
 
+def optimizer_sharding(common: dict) -> Optional[str]:
+    """How a checkpoint's distributed-optimizer state is laid out (``dp_reshardable``, Megatron's
+    bucket layout, or one of ``DistributedOptimizer.checkpoint_fully_reshardable_formats``), from
+    its common state's content metadata; None where it records none."""
+    return (dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}).get(
+        "distrib_optim_sharding_type")
+
+
+RESHARDABLE_TOOL = "python -m megatron_ext.tools.reshardable"
+
+
 def reshardable_save(load: str) -> str:
     """Where the refusal above suggests writing ``load``'s fully reshardable copy."""
     return os.path.normpath(load) + "_reshardable"
@@ -422,7 +432,7 @@ def reshardable_command(load: str, save: str, step: Optional[int] = None) -> str
     """The command that re-saves ``load`` (iteration ``step``, else its latest) as ``save`` in
     the fully reshardable format (``megatron_ext/tools/reshardable.py``)."""
     words = ["--load", load, "--save", save] + (["--ckpt-step", str(step)] if step else [])
-    return "python -m megatron_ext.tools.reshardable " + " ".join(shlex.quote(w) for w in words)
+    return " ".join([RESHARDABLE_TOOL, *(shlex.quote(w) for w in words)])
 
 
 def _common_state(args, common):
